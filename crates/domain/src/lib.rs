@@ -1,0 +1,23 @@
+//! Pure types and rules of idemstage: identifiers, run states, claim outcomes,
+//! per-stage policies, errors, and the repository traits the stage layer depends on.
+//!
+//! Invariant: this crate does no I/O. It names no table and opens no connection.
+
+pub mod error;
+pub mod ids;
+pub mod outcome;
+pub mod policy;
+pub mod queue;
+pub mod repo;
+
+pub use error::{DomainError, RepoError, StageError};
+pub use ids::{input_hash_of, AnfrageId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
+pub use outcome::{
+    ClaimOutcome, CompleteOutcome, FailOutcome, RejectReason, RenewOutcome, RunStatus, SkipReason,
+};
+pub use policy::{InputChangePolicy, StagePolicy};
+pub use queue::{JobState, JobToSend, SendOptions, SendResult};
+pub use repo::{
+    AttemptRecord, ClaimRequest, ClaimToken, DateiRef, Extraktion, FencedTx, FencedWrite,
+    RunRecord, RunRepository,
+};

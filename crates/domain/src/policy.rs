@@ -1,0 +1,56 @@
+//! Per-stage policies.
+
+use std::time::Duration;
+
+/// What happens when a finished stage is sent again with a different input hash.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InputChangePolicy {
+    /// Refuse with `Rejected(InputChanged)`: a finished stage's input is immutable.
+    #[default]
+    Reject,
+    /// Run the stage again and mark the anfrage's downstream stages `stale`.
+    Rerun,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagePolicy {
+    /// Attempts before the run is `dead` (`Exhausted`); includes the first.
+    pub max_attempts: i32,
+    /// How long a claim holds without renewal. Measured on the database clock.
+    pub lease: Duration,
+    /// How often a running body renews its lease; must be well below `lease`.
+    pub heartbeat: Duration,
+    pub on_input_change: InputChangePolicy,
+    /// Stages after this one in the pipeline, invalidated by a `Rerun`.
+    pub downstream: Vec<crate::StageName>,
+}
+
+impl Default for StagePolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(10),
+            on_input_change: InputChangePolicy::Reject,
+            downstream: Vec::new(),
+        }
+    }
+}
+
+impl StagePolicy {
+    pub fn validate(&self) -> Result<(), crate::DomainError> {
+        use crate::DomainError::InvalidOption;
+        if self.max_attempts < 1 {
+            return Err(InvalidOption("max_attempts must be at least 1".into()));
+        }
+        if self.lease < Duration::from_millis(10) {
+            return Err(InvalidOption("lease must be at least 10ms".into()));
+        }
+        if self.heartbeat.is_zero() || self.heartbeat >= self.lease {
+            return Err(InvalidOption(
+                "heartbeat must be positive and shorter than the lease".into(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,130 @@
+//! Connections, the pool, and the embedded migrations.
+
+use std::time::Duration;
+
+use diesel::Connection;
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use idemstage_domain::RepoError;
+
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations");
+
+/// Changes whenever any migration file changes (computed by build.rs).
+pub const MIGRATIONS_FINGERPRINT: &str = env!("IDEMSTAGE_MIGRATIONS_HASH");
+
+pub type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
+pub type PgPool = bb8::Pool<Manager>;
+pub type PooledConn<'a> = bb8::PooledConnection<'a, Manager>;
+
+/// A connection from the pool; a timeout or a refused connection is `Unavailable`
+/// (retryable), with the driver's reason when there is one.
+pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
+    pool.get().await.map_err(|e| match e {
+        bb8::RunError::User(e) => RepoError::Unavailable(format!("cannot connect: {e}")),
+        bb8::RunError::TimedOut => RepoError::Unavailable(
+            "timed out waiting for a pooled connection (pool exhausted or server down)".into(),
+        ),
+    })
+}
+
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    pub max_size: u32,
+    /// How long `get()` waits for a free connection before giving up.
+    pub connection_timeout: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_size: 16,
+            connection_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The URL without its password, for error messages.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let creds = &url[scheme_end + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme_end + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// One connection, with a readable error when the server cannot be reached.
+pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
+    AsyncPgConnection::establish(url).await.map_err(|e| {
+        RepoError::Unavailable(format!(
+            "cannot connect to PostgreSQL at {}: {e}",
+            redact_url(url)
+        ))
+    })
+}
+
+/// A pool. Connects once first, so that an unreachable server is reported with the
+/// driver's own reason instead of a pool timeout.
+pub async fn connect_pool(url: &str, config: PoolConfig) -> Result<PgPool, RepoError> {
+    drop(connect(url).await?);
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(url);
+    Ok(bb8::Pool::builder()
+        .max_size(config.max_size)
+        .connection_timeout(config.connection_timeout)
+        .build_unchecked(manager))
+}
+
+/// Applies the pending embedded migrations; returns how many ran.
+pub async fn migrate(url: &str) -> Result<usize, RepoError> {
+    with_sync_connection(url, |conn| {
+        conn.run_pending_migrations(MIGRATIONS)
+            .map(|applied| applied.len())
+            .map_err(|e| RepoError::Database(format!("migration failed: {e}")))
+    })
+    .await
+}
+
+/// Reverts every applied migration (used by the round-trip test).
+pub async fn revert_all_migrations(url: &str) -> Result<usize, RepoError> {
+    with_sync_connection(url, |conn| {
+        conn.revert_all_migrations(MIGRATIONS)
+            .map(|reverted| reverted.len())
+            .map_err(|e| RepoError::Database(format!("migration revert failed: {e}")))
+    })
+    .await
+}
+
+/// diesel_migrations is synchronous: run it on a blocking thread through diesel-async's
+/// wrapper, which works on every tokio runtime flavour (unlike block_in_place).
+async fn with_sync_connection<T: Send + 'static>(
+    url: &str,
+    f: impl FnOnce(&mut AsyncConnectionWrapper<AsyncPgConnection>) -> Result<T, RepoError>
+        + Send
+        + 'static,
+) -> Result<T, RepoError> {
+    drop(connect(url).await?);
+    let url = url.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = <AsyncConnectionWrapper<AsyncPgConnection> as Connection>::establish(&url)
+            .map_err(|e| {
+            RepoError::Unavailable(format!(
+                "cannot connect to PostgreSQL at {}: {e}",
+                redact_url(&url)
+            ))
+        })?;
+        f(&mut conn)
+    })
+    .await
+    .map_err(|e| RepoError::Database(format!("migration task failed: {e}")))?
+}

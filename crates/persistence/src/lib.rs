@@ -1,0 +1,19 @@
+//! PostgreSQL implementation of idemstage: the schema, the embedded migrations, the
+//! bb8 pool, the claim repository and the job queue.
+//!
+//! Invariant: this is the only crate that names Diesel tables.
+
+pub mod db;
+pub mod error;
+pub mod fenced;
+pub mod queue;
+pub mod runs;
+pub mod schema;
+
+pub use db::{
+    connect, connect_pool, get, migrate, redact_url, revert_all_migrations, PgPool, PoolConfig,
+    PooledConn, MIGRATIONS, MIGRATIONS_FINGERPRINT,
+};
+pub use error::map_diesel_error;
+pub use fenced::PgFencedTx;
+pub use runs::PgRunRepository;

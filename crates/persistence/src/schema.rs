@@ -1,0 +1,154 @@
+// @generated automatically by Diesel CLI.
+
+diesel::table! {
+    anfrage_extraktionen (id) {
+        id -> Text,
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        position_index -> Int4,
+        description -> Text,
+        quantity -> Nullable<Float8>,
+        unit -> Nullable<Text>,
+        run_id -> Text,
+        attempt -> Int4,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    anfragen (id) {
+        tenant_id -> Text,
+        id -> Text,
+        input_text -> Text,
+        input_sha256 -> Text,
+        s3_key -> Text,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    audit_log (id) {
+        id -> Text,
+        tenant_id -> Text,
+        entity_id -> Text,
+        action -> Text,
+        run_id -> Nullable<Text>,
+        attempt -> Nullable<Int4>,
+        details -> Jsonb,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    calculation_results (tenant_id, anfrage_id) {
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        total_cents -> Int8,
+        currency -> Text,
+        lines -> Jsonb,
+        run_id -> Text,
+        attempt -> Int4,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    dateien (id) {
+        id -> Text,
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        sha256 -> Text,
+        s3_key -> Text,
+        size_bytes -> Int8,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    feasibility_results (tenant_id, anfrage_id) {
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        feasible -> Bool,
+        reasons -> Jsonb,
+        run_id -> Text,
+        attempt -> Int4,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    jobs (id) {
+        id -> Text,
+        queue -> Text,
+        state -> Text,
+        priority -> Int4,
+        payload -> Jsonb,
+        singleton_key -> Nullable<Text>,
+        singleton_on -> Nullable<Timestamptz>,
+        retry_limit -> Int4,
+        retry_count -> Int4,
+        retry_delay_ms -> Int8,
+        retry_backoff -> Bool,
+        retry_delay_max_ms -> Nullable<Int8>,
+        expire_in_ms -> Int8,
+        attempt -> Int4,
+        start_after -> Timestamptz,
+        started_at -> Nullable<Timestamptz>,
+        lease_expires_at -> Nullable<Timestamptz>,
+        completed_at -> Nullable<Timestamptz>,
+        created_at -> Timestamptz,
+        dead_letter -> Nullable<Text>,
+        output -> Nullable<Jsonb>,
+        last_error -> Nullable<Text>,
+    }
+}
+
+diesel::table! {
+    pipeline_run_attempts (run_id, attempt) {
+        run_id -> Text,
+        attempt -> Int4,
+        tenant_id -> Text,
+        worker_id -> Text,
+        input_hash -> Text,
+        started_at -> Timestamptz,
+        finished_at -> Nullable<Timestamptz>,
+        outcome -> Text,
+        error -> Nullable<Text>,
+    }
+}
+
+diesel::table! {
+    pipeline_runs (id) {
+        id -> Text,
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        stage -> Text,
+        status -> Text,
+        attempts -> Int4,
+        max_attempts -> Int4,
+        input_hash -> Text,
+        worker_id -> Text,
+        started_at -> Timestamptz,
+        lease_expires_at -> Timestamptz,
+        finished_at -> Nullable<Timestamptz>,
+        last_error -> Nullable<Text>,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::joinable!(anfrage_extraktionen -> pipeline_runs (run_id));
+diesel::joinable!(calculation_results -> pipeline_runs (run_id));
+diesel::joinable!(feasibility_results -> pipeline_runs (run_id));
+diesel::joinable!(pipeline_run_attempts -> pipeline_runs (run_id));
+
+diesel::allow_tables_to_appear_in_same_query!(
+    anfrage_extraktionen,
+    anfragen,
+    audit_log,
+    calculation_results,
+    dateien,
+    feasibility_results,
+    jobs,
+    pipeline_run_attempts,
+    pipeline_runs,
+);

@@ -1,0 +1,271 @@
+//! The workspace foundation: migrations, schema drift, the claim's unique index,
+//! test database isolation.
+
+use std::collections::BTreeMap;
+
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_testkit::TestDb;
+
+#[derive(diesel::QueryableByName, Debug)]
+struct Name {
+    #[diesel(sql_type = Text)]
+    name: String,
+}
+
+async fn public_tables(conn: &mut AsyncPgConnection) -> Vec<String> {
+    let rows: Vec<Name> = diesel::sql_query(
+        "SELECT table_name::text AS name FROM information_schema.tables \
+         WHERE table_schema = 'public' AND table_name <> '__diesel_schema_migrations' \
+         ORDER BY 1",
+    )
+    .load(conn)
+    .await
+    .unwrap();
+    rows.into_iter().map(|r| r.name).collect()
+}
+
+#[tokio::test]
+async fn migrations_round_trip_up_down_up() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let tables = public_tables(&mut conn).await;
+    assert!(tables.contains(&"pipeline_runs".to_owned()), "{tables:?}");
+    assert!(tables.len() >= 9, "{tables:?}");
+
+    let reverted = idemstage_persistence::revert_all_migrations(db.url())
+        .await
+        .unwrap();
+    assert!(reverted >= 1);
+    assert_eq!(public_tables(&mut conn).await, Vec::<String>::new());
+
+    let applied = idemstage_persistence::migrate(db.url()).await.unwrap();
+    assert_eq!(applied, reverted);
+    assert_eq!(public_tables(&mut conn).await, tables);
+    // Applying again is a no-op.
+    assert_eq!(idemstage_persistence::migrate(db.url()).await.unwrap(), 0);
+}
+
+/// Table -> (primary key columns, [(column, diesel type)]) as written in schema.rs.
+type SchemaMap = BTreeMap<String, (Vec<String>, Vec<(String, String)>)>;
+
+fn parse_schema_rs(src: &str) -> SchemaMap {
+    let mut out = SchemaMap::new();
+    let mut lines = src.lines().map(str::trim);
+    while let Some(line) = lines.next() {
+        if line != "diesel::table! {" {
+            continue;
+        }
+        let header = lines.next().unwrap();
+        let (name, rest) = header.split_once(" (").unwrap();
+        let pk = rest
+            .trim_end_matches(") {")
+            .split(", ")
+            .map(str::to_owned)
+            .collect();
+        let mut cols = Vec::new();
+        for col in lines.by_ref() {
+            if col == "}" {
+                break;
+            }
+            let (c, ty) = col.trim_end_matches(',').split_once(" -> ").unwrap();
+            cols.push((c.to_owned(), ty.to_owned()));
+        }
+        out.insert(name.to_owned(), (pk, cols));
+    }
+    out
+}
+
+fn diesel_type(udt: &str, nullable: bool) -> String {
+    let base = match udt {
+        "text" => "Text",
+        "int4" => "Int4",
+        "int8" => "Int8",
+        "bool" => "Bool",
+        "jsonb" => "Jsonb",
+        "timestamptz" => "Timestamptz",
+        "float8" => "Float8",
+        other => panic!("schema drift test does not know SQL type {other}"),
+    };
+    if nullable {
+        format!("Nullable<{base}>")
+    } else {
+        base.to_owned()
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct ColumnRow {
+    #[diesel(sql_type = Text)]
+    table_name: String,
+    #[diesel(sql_type = Text)]
+    column_name: String,
+    #[diesel(sql_type = Text)]
+    udt_name: String,
+    #[diesel(sql_type = Text)]
+    is_nullable: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pk: Option<String>,
+}
+
+/// The checked-in `schema.rs` must describe exactly what the migrations create:
+/// same tables, columns in order, types, nullability and primary keys. Regenerate it
+/// with `diesel print-schema` (diesel.toml) when this fails.
+#[tokio::test]
+async fn checked_in_schema_matches_migrations() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // Domains report their base type in udt_name only via the domain's own row;
+    // resolve it through pg_type so `ulid_text` reads as `text`.
+    let rows: Vec<ColumnRow> = diesel::sql_query(
+        "SELECT c.table_name::text, c.column_name::text,
+                COALESCE(bt.typname, c.udt_name)::text AS udt_name,
+                c.is_nullable::text,
+                (SELECT string_agg(a.attname, ', ' ORDER BY array_position(i.indkey, a.attnum))
+                   FROM pg_index i
+                   JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+                  WHERE i.indrelid = ('public.' || c.table_name)::regclass AND i.indisprimary
+                )::text AS pk
+           FROM information_schema.columns c
+           LEFT JOIN pg_type dt ON dt.typname = c.domain_name AND dt.typtype = 'd'
+           LEFT JOIN pg_type bt ON bt.oid = dt.typbasetype
+          WHERE c.table_schema = 'public' AND c.table_name <> '__diesel_schema_migrations'
+          ORDER BY c.table_name, c.ordinal_position",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let mut db_schema = SchemaMap::new();
+    for r in rows {
+        let entry = db_schema.entry(r.table_name).or_insert_with(|| {
+            let pk =
+                r.pk.as_deref()
+                    .unwrap_or("")
+                    .split(", ")
+                    .map(str::to_owned)
+                    .collect();
+            (pk, Vec::new())
+        });
+        entry.1.push((
+            r.column_name,
+            diesel_type(&r.udt_name, r.is_nullable == "YES"),
+        ));
+    }
+    let checked_in = parse_schema_rs(include_str!("../../src/schema.rs"));
+    assert!(!checked_in.is_empty());
+    for (table, (pk, cols)) in &db_schema {
+        let Some((pk_rs, cols_rs)) = checked_in.get(table) else {
+            panic!("table {table} is in the migrations but not in schema.rs");
+        };
+        assert_eq!(pk_rs, pk, "primary key of {table}");
+        assert_eq!(cols_rs, cols, "columns of {table}");
+    }
+    for table in checked_in.keys() {
+        assert!(
+            db_schema.contains_key(table),
+            "table {table} is in schema.rs but not in the migrations"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unique_index_rejects_a_second_run_of_the_same_stage() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    conn.batch_execute(
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+         VALUES ('t1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
+    )
+    .await
+    .unwrap();
+    let insert = |run_id: &'static str| {
+        format!(
+            "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+                 max_attempts, input_hash, worker_id, started_at, lease_expires_at)
+             VALUES ('{run_id}', 't1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'intake', 'running', 1, 3,
+                 'h', 'w', now(), now())"
+        )
+    };
+    conn.batch_execute(&insert("01JDQ3W5BBBBBBBBBBBBBBBBBB"))
+        .await
+        .unwrap();
+    let err = diesel::sql_query(insert("01JDQ3W5CCCCCCCCCCCCCCCCCC"))
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    match err {
+        DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
+            assert_eq!(
+                info.constraint_name(),
+                Some("pipeline_runs_tenant_anfrage_stage_uq")
+            );
+        }
+        other => panic!("expected a unique violation, got {other:?}"),
+    }
+    // The same stage of another anfrage, or another stage, is fine.
+    conn.batch_execute(
+        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+             max_attempts, input_hash, worker_id, started_at, lease_expires_at)
+         VALUES ('01JDQ3W5DDDDDDDDDDDDDDDDDD', 't1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'extract',
+             'running', 1, 3, 'h', 'w', now(), now())",
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn sql_constraints_refuse_bad_ids_and_statuses() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for bad in [
+        // tenant with a capital letter
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+         VALUES ('T1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
+        // not a ULID
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+         VALUES ('t1', 'not-a-ulid', 'x', repeat('a', 64), 'k')",
+        // unknown job state
+        "INSERT INTO jobs (id, queue, state, payload)
+         VALUES ('01JDQ3W5AAAAAAAAAAAAAAAAAA', 'q', 'exploded', '{}')",
+    ] {
+        let err = conn.batch_execute(bad).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DieselError::DatabaseError(DatabaseErrorKind::CheckViolation, _)
+            ),
+            "{bad}: {err:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn each_test_database_is_isolated() {
+    let a = TestDb::new().await;
+    let b = TestDb::new().await;
+    assert_ne!(a.name(), b.name());
+    let mut conn_a = a.conn().await;
+    conn_a
+        .batch_execute(
+            "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+             VALUES ('t1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
+        )
+        .await
+        .unwrap();
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let count = |q: &'static str| q;
+    let n_a: Count = diesel::sql_query(count("SELECT count(*) AS n FROM anfragen"))
+        .get_result(&mut conn_a)
+        .await
+        .unwrap();
+    let n_b: Count = diesel::sql_query("SELECT count(*) AS n FROM anfragen")
+        .get_result(&mut b.conn().await)
+        .await
+        .unwrap();
+    assert_eq!((n_a.n, n_b.n), (1, 0));
+}

@@ -1,0 +1,4 @@
+//! Integration tests of the persistence crate, one binary (link time on 2 cores).
+//! Every test gets its own database from `idemstage_testkit::TestDb`.
+
+mod foundation;

@@ -1,0 +1,1 @@
+//! The Stage trait and the executor.

@@ -1,0 +1,211 @@
+//! Test support, after sqlx's `#[sqlx::test]`: every test gets its own database,
+//! cloned from a template that is migrated once per migration fingerprint.
+//!
+//! `DATABASE_URL` names any database on the server to use (`cargo xtask test` sets
+//! it). A test's database is dropped when its `TestDb` drops, unless the test is
+//! panicking (or `IDEMSTAGE_KEEP_TEST_DB=1`): then it is kept and its URL printed
+//! for post-mortem.
+
+use std::time::Duration;
+
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_persistence::{connect, connect_pool, PgPool, PoolConfig, MIGRATIONS_FINGERPRINT};
+use tokio::sync::OnceCell;
+
+/// Server-wide advisory lock key for template creation ("idemstag" in ASCII).
+const TEMPLATE_LOCK_KEY: i64 = 0x6964_656d_7374_6167;
+
+static TEMPLATE: OnceCell<String> = OnceCell::const_new();
+
+pub struct TestDb {
+    name: String,
+    url: String,
+    admin_url: String,
+}
+
+/// The server URL tests run against. Panics with instructions when unset.
+pub fn server_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "DATABASE_URL is not set. Run the tests with `cargo xtask test` (it starts a \
+             disposable PostgreSQL), or set DATABASE_URL to a server where this user may \
+             CREATE DATABASE."
+        ),
+    }
+}
+
+/// Replaces the database name in a URL (`scheme://auth@host:port/db?params`).
+pub fn url_with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.find('?') {
+        Some(q) => (&url[..q], &url[q..]),
+        None => (url, ""),
+    };
+    let after_scheme = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_end = base[after_scheme..]
+        .find('/')
+        .map(|i| after_scheme + i)
+        .unwrap_or(base.len());
+    format!("{}/{db}{query}", &base[..host_end])
+}
+
+impl TestDb {
+    /// A fresh, migrated database for this test.
+    pub async fn new() -> TestDb {
+        let admin_url = server_url();
+        let template = TEMPLATE
+            .get_or_init(|| ensure_template(admin_url.clone()))
+            .await
+            .clone();
+        let name = test_database_name();
+        let mut admin = connect(&admin_url).await.expect("connect to DATABASE_URL");
+        admin
+            .batch_execute(&format!(
+                "CREATE DATABASE \"{name}\" TEMPLATE \"{template}\""
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("create test database {name}: {e}"));
+        let url = url_with_database(&admin_url, &name);
+        TestDb {
+            name,
+            url,
+            admin_url,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A new connection of its own (separate sessions for concurrency tests).
+    pub async fn conn(&self) -> AsyncPgConnection {
+        connect(&self.url).await.expect("connect to test database")
+    }
+
+    pub async fn pool(&self, max_size: u32) -> PgPool {
+        connect_pool(
+            &self.url,
+            PoolConfig {
+                max_size,
+                connection_timeout: Duration::from_secs(30),
+            },
+        )
+        .await
+        .expect("pool for test database")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let keep = std::env::var("IDEMSTAGE_KEEP_TEST_DB").is_ok_and(|v| v == "1");
+        if std::thread::panicking() || keep {
+            eprintln!(
+                "test database kept for post-mortem: {} (drop it with: DROP DATABASE \"{}\")",
+                self.url, self.name
+            );
+            return;
+        }
+        // Drop runs inside the test's runtime; a fresh thread with its own runtime
+        // can block on the DROP without stalling it.
+        let (admin_url, name) = (self.admin_url.clone(), self.name.clone());
+        let dropped = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(async move {
+                    let mut admin = connect(&admin_url).await?;
+                    admin
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                        .await
+                        .map_err(idemstage_persistence::map_diesel_error)
+                })
+        })
+        .join();
+        if let Ok(Err(e)) = dropped {
+            eprintln!("could not drop test database {}: {e}", self.name);
+        }
+    }
+}
+
+/// `t_<test name>_<ulid>`: the test's name (cargo test names its threads after the
+/// test) makes a kept database easy to find; the ULID keeps it unique.
+fn test_database_name() -> String {
+    let thread = std::thread::current();
+    let test: String = thread
+        .name()
+        .unwrap_or("test")
+        .rsplit("::")
+        .next()
+        .unwrap_or("test")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(30)
+        .collect();
+    format!("t_{test}_{}", ulid::Ulid::new().to_string().to_lowercase())
+}
+
+/// Creates `idemstage_tpl_<fingerprint>` once per server, under an advisory lock so
+/// that parallel test processes do not race. Migrated under a temporary name and
+/// renamed, so a crash never leaves a half-migrated template behind the real name.
+async fn ensure_template(admin_url: String) -> String {
+    let template = format!("idemstage_tpl_{MIGRATIONS_FINGERPRINT}");
+    let mut admin = connect(&admin_url).await.expect("connect to DATABASE_URL");
+    diesel::sql_query(format!("SELECT pg_advisory_lock({TEMPLATE_LOCK_KEY})"))
+        .execute(&mut admin)
+        .await
+        .expect("template lock");
+    let exists = database_exists(&mut admin, &template).await;
+    if !exists {
+        let building = format!("{template}_building");
+        admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS \"{building}\" WITH (FORCE)"
+            ))
+            .await
+            .expect("drop stale template build");
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{building}\""))
+            .await
+            .expect("create template database");
+        idemstage_persistence::migrate(&url_with_database(&admin_url, &building))
+            .await
+            .expect("migrate template database");
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{building}\" RENAME TO \"{template}\"; \
+                 ALTER DATABASE \"{template}\" WITH ALLOW_CONNECTIONS false IS_TEMPLATE true"
+            ))
+            .await
+            .expect("publish template database");
+    }
+    diesel::sql_query(format!("SELECT pg_advisory_unlock({TEMPLATE_LOCK_KEY})"))
+        .execute(&mut admin)
+        .await
+        .expect("template unlock");
+    template
+}
+
+async fn database_exists(conn: &mut AsyncPgConnection, name: &str) -> bool {
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let row: Count = diesel::sql_query("SELECT count(*) AS n FROM pg_database WHERE datname = $1")
+        .bind::<diesel::sql_types::Text, _>(name)
+        .get_result(conn)
+        .await
+        .expect("query pg_database");
+    row.n > 0
+}

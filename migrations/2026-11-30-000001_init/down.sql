@@ -1,0 +1,14 @@
+DROP TABLE audit_log;
+DROP TABLE calculation_results;
+DROP TABLE feasibility_results;
+DROP TABLE anfrage_extraktionen;
+DROP TABLE dateien;
+DROP TABLE jobs;
+DROP TRIGGER pipeline_runs_record_attempt ON pipeline_runs;
+DROP FUNCTION pipeline_runs_record_attempt();
+DROP TABLE pipeline_run_attempts;
+DROP TABLE pipeline_runs;
+DROP TABLE anfragen;
+DROP DOMAIN stage_name;
+DROP DOMAIN tenant_slug;
+DROP DOMAIN ulid_text;

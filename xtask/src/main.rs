@@ -1,0 +1,252 @@
+//! Project automation, run as `cargo xtask <command>` (matklad's xtask pattern:
+//! plain Rust instead of shell scripts, no dependencies beyond `anyhow`).
+
+mod pg;
+
+use std::{
+    env,
+    os::unix::process::ExitStatusExt,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode, ExitStatus},
+};
+
+use anyhow::{Context, Result};
+
+const USAGE: &str = "\
+Usage: cargo xtask <command> [args...]
+
+Commands:
+  db start       start the disposable PostgreSQL cluster (idempotent), print its URL
+  db stop        stop the disposable cluster (ok if it is not running)
+  db status      show running/stopped, URL and data directory
+  db url         print the URL only (exit 1 if not running)
+  migrate [args] run `idemstage migrate [args]` against the database
+  test [args]    run `cargo test --workspace [args]` against the database server
+  demo [args]    run `idemstage demo [args]` (release) on database idemstage_demo
+  bench [args]   run `idemstage bench [args]` (release) on database idemstage_bench
+  soak [args]    run `idemstage soak [args]` (release) on database idemstage_soak
+  help           show this text
+
+Database selection:
+  If DATABASE_URL is set, that server is used and nothing is started or stopped.
+  Otherwise a disposable cluster is started from local PostgreSQL server binaries
+  (PATH, else the newest /usr/lib/postgresql/*/bin). A cluster started by a command
+  is stopped when the command ends; one started with `db start` is left running.
+  IDEMSTAGE_PG_DURABLE=1 starts the cluster with fsync/synchronous_commit/
+  full_page_writes left on (for benchmarks).
+";
+
+fn main() -> ExitCode {
+    match run() {
+        // Child exit codes are 0..=255 on Unix; anything else is our own failure.
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<i32> {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((cmd, rest)) => (cmd.as_str(), rest),
+        None => ("help", &[][..]),
+    };
+    match cmd {
+        "db" => db(rest),
+        "migrate" => with_database("postgres", |url| {
+            run_status(
+                cargo()
+                    .args(["run", "-p", "idemstage-runner", "--bin", "idemstage", "--"])
+                    .arg("migrate")
+                    .args(rest)
+                    .env("DATABASE_URL", url),
+            )
+        }),
+        // Tests create their own databases, so they get the maintenance db.
+        "test" => with_database("postgres", |url| {
+            run_status(
+                cargo()
+                    .args(["test", "--workspace", "--no-fail-fast"])
+                    .args(rest)
+                    .env("DATABASE_URL", url),
+            )
+        }),
+        // Each long-running mode gets its own database so they cannot disturb
+        // each other or the test/migrate database.
+        "demo" | "bench" | "soak" => with_database(&format!("idemstage_{cmd}"), |url| {
+            run_status(
+                cargo()
+                    .args(["run", "--release", "-p", "idemstage-runner"])
+                    .args(["--bin", "idemstage", "--", cmd])
+                    .args(rest)
+                    .env("DATABASE_URL", url),
+            )
+        }),
+        "help" | "-h" | "--help" => {
+            print!("{USAGE}");
+            Ok(0)
+        }
+        other => {
+            eprintln!("xtask: unknown command `{other}`\n\n{USAGE}");
+            Ok(2)
+        }
+    }
+}
+
+fn db(args: &[String]) -> Result<i32> {
+    let sub = match args {
+        [sub] => sub.as_str(),
+        _ => "",
+    };
+    if !matches!(sub, "start" | "stop" | "status" | "url") {
+        eprintln!("xtask: usage: cargo xtask db start|stop|status|url");
+        return Ok(2);
+    }
+    let cluster = pg::Cluster::discover()?;
+    if env::var_os("DATABASE_URL").is_some_and(|u| !u.is_empty()) && sub != "url" {
+        eprintln!(
+            "xtask: note: DATABASE_URL is set, so other xtask commands use it, not this cluster"
+        );
+    }
+    match sub {
+        "start" => {
+            let started = cluster.start()?;
+            let verb = if started.by_us {
+                "started"
+            } else {
+                "already running"
+            };
+            eprintln!(
+                "xtask: disposable PostgreSQL {} {verb} (data: {})",
+                cluster.version(),
+                cluster.data_dir().display()
+            );
+            println!("{}", cluster.url(started.port, "postgres"));
+        }
+        "stop" => {
+            if cluster.stop()? {
+                eprintln!("xtask: stopped disposable PostgreSQL");
+            } else {
+                eprintln!("xtask: disposable PostgreSQL was not running");
+            }
+        }
+        "status" => {
+            let running = cluster.is_running()?;
+            let url = match cluster.port(running) {
+                Some(port) => cluster.url(port, "postgres"),
+                None => "(none yet)".to_owned(),
+            };
+            println!("status: {}", if running { "running" } else { "stopped" });
+            println!("url:    {url}");
+            println!("data:   {}", cluster.data_dir().display());
+        }
+        _ => {
+            let port = if cluster.is_running()? {
+                cluster.port(true)
+            } else {
+                None
+            };
+            let Some(port) = port else {
+                eprintln!("xtask: disposable PostgreSQL is not running (start it with `cargo xtask db start`)");
+                return Ok(1);
+            };
+            println!("{}", cluster.url(port, "postgres"));
+        }
+    }
+    Ok(0)
+}
+
+/// Runs `f` with the URL of database `db`: DATABASE_URL unchanged if set, else
+/// the disposable cluster, started if needed and then stopped again afterwards.
+fn with_database(db: &str, f: impl FnOnce(&str) -> Result<i32>) -> Result<i32> {
+    if let Some(url) = env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
+        eprintln!("xtask: using DATABASE_URL (nothing is started or stopped)");
+        return f(&url);
+    }
+    let cluster = pg::Cluster::discover()?;
+    let started = cluster.start()?;
+    // Armed before anything else can fail, so an early `?` still stops the cluster.
+    let guard = StopGuard(started.by_us.then_some(&cluster));
+    if started.by_us {
+        // Ctrl-C hits the whole process group: let the child exit first and
+        // then stop the cluster, instead of dying and leaving it running.
+        pg::defer_sigint();
+    }
+    if db != "postgres" {
+        cluster.create_database(started.port, db)?;
+    }
+    let url = cluster.url(started.port, db);
+    eprintln!(
+        "xtask: using disposable PostgreSQL {} at {url} (data: {}; {})",
+        cluster.version(),
+        cluster.data_dir().display(),
+        if started.by_us {
+            "stopped afterwards"
+        } else {
+            "already running, left running"
+        }
+    );
+    let result = f(&url);
+    let stopped = guard.stop();
+    let code = result?;
+    stopped?;
+    Ok(code)
+}
+
+/// Stops the cluster it holds on `stop()` or, failing that, on drop (error
+/// paths and panics), so a cluster this process started never outlives it.
+struct StopGuard<'a>(Option<&'a pg::Cluster>);
+
+impl StopGuard<'_> {
+    fn stop(mut self) -> Result<()> {
+        match self.0.take() {
+            Some(cluster) => {
+                cluster.stop()?;
+                eprintln!("xtask: stopped disposable PostgreSQL");
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for StopGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(cluster) = self.0.take() {
+            if let Err(err) = cluster.stop() {
+                eprintln!("xtask: error: stopping disposable PostgreSQL: {err:#}");
+            }
+        }
+    }
+}
+
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+fn cargo() -> Command {
+    // `cargo xtask` sets CARGO, so the same toolchain builds everything.
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(project_root());
+    cmd
+}
+
+fn run_status(cmd: &mut Command) -> Result<i32> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("failed to run {:?}", cmd.get_program()))?;
+    Ok(exit_code(status))
+}
+
+/// Exit code as a shell would report it (128 + signal when killed).
+fn exit_code(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|sig| 128 + sig))
+        .unwrap_or(1)
+}
