@@ -21,6 +21,8 @@ pub struct StagePolicy {
     /// How often a running body renews its lease; must be well below `lease`.
     pub heartbeat: Duration,
     pub on_input_change: InputChangePolicy,
+    /// A body still running after this long is cancelled and counts as failed.
+    pub timeout: Duration,
     /// Stages after this one in the pipeline, invalidated by a `Rerun`.
     pub downstream: Vec<crate::StageName>,
 }
@@ -32,6 +34,7 @@ impl Default for StagePolicy {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(10),
             on_input_change: InputChangePolicy::Reject,
+            timeout: Duration::from_secs(300),
             downstream: Vec::new(),
         }
     }
@@ -50,6 +53,9 @@ impl StagePolicy {
             return Err(InvalidOption(
                 "heartbeat must be positive and shorter than the lease".into(),
             ));
+        }
+        if self.timeout.is_zero() {
+            return Err(InvalidOption("timeout must be positive".into()));
         }
         Ok(())
     }

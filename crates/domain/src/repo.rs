@@ -162,8 +162,14 @@ pub trait RunRepository: Send + Sync {
         write: &FencedWrite<'_>,
     ) -> Result<CompleteOutcome, StageError>;
 
-    /// Records a failed attempt (fenced on the token).
-    async fn fail(&self, token: &ClaimToken, error: &str) -> Result<FailOutcome, RepoError>;
+    /// Records a failed attempt (fenced on the token). A permanent failure, or the
+    /// last attempt of the budget, makes the run `dead`.
+    async fn fail(
+        &self,
+        token: &ClaimToken,
+        error: &str,
+        retryable: bool,
+    ) -> Result<FailOutcome, RepoError>;
 
     /// Gives the lease back without counting a failure (graceful shutdown).
     async fn release(&self, token: &ClaimToken) -> Result<RenewOutcome, RepoError>;

@@ -1,7 +1,7 @@
 //! Maps Diesel's errors onto the domain's `RepoError`, deciding what is retryable.
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use idemstage_domain::RepoError;
+use idemstage_domain::{RepoError, StageError};
 
 pub fn map_diesel_error(e: DieselError) -> RepoError {
     match &e {
@@ -35,5 +35,52 @@ fn describe(e: &DieselError) -> String {
             _ => info.message().to_owned(),
         },
         other => other.to_string(),
+    }
+}
+
+/// The error type of a transaction that mixes Diesel calls, repository helpers and a
+/// stage body (diesel-async's `transaction` needs `From<diesel::result::Error>`).
+#[derive(Debug)]
+pub enum TxError {
+    Diesel(DieselError),
+    Repo(RepoError),
+    Stage(StageError),
+}
+
+impl From<DieselError> for TxError {
+    fn from(e: DieselError) -> Self {
+        TxError::Diesel(e)
+    }
+}
+
+impl From<RepoError> for TxError {
+    fn from(e: RepoError) -> Self {
+        TxError::Repo(e)
+    }
+}
+
+impl From<StageError> for TxError {
+    fn from(e: StageError) -> Self {
+        TxError::Stage(e)
+    }
+}
+
+impl From<TxError> for StageError {
+    fn from(e: TxError) -> Self {
+        match e {
+            TxError::Diesel(e) => StageError::Repo(map_diesel_error(e)),
+            TxError::Repo(e) => StageError::Repo(e),
+            TxError::Stage(e) => e,
+        }
+    }
+}
+
+impl TxError {
+    /// For transactions without a stage body.
+    pub fn into_repo(self) -> RepoError {
+        match StageError::from(self) {
+            StageError::Repo(e) => e,
+            other => RepoError::Database(other.to_string()),
+        }
     }
 }

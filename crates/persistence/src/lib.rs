@@ -3,6 +3,7 @@
 //!
 //! Invariant: this is the only crate that names Diesel tables.
 
+pub mod anfragen;
 pub mod db;
 pub mod error;
 pub mod fenced;
@@ -14,6 +15,6 @@ pub use db::{
     connect, connect_pool, get, migrate, redact_url, revert_all_migrations, PgPool, PoolConfig,
     PooledConn, MIGRATIONS, MIGRATIONS_FINGERPRINT,
 };
-pub use error::map_diesel_error;
+pub use error::{map_diesel_error, TxError};
 pub use fenced::PgFencedTx;
 pub use runs::PgRunRepository;

@@ -16,7 +16,7 @@ use idemstage_domain::{
     RunRepository, RunStatus, SkipReason, StageError, StageName, TenantId,
 };
 
-use crate::error::map_diesel_error;
+use crate::error::{map_diesel_error, TxError};
 use crate::fenced::PgFencedTx;
 use crate::schema::{pipeline_run_attempts, pipeline_runs};
 use crate::PgPool;
@@ -101,9 +101,9 @@ pub(crate) fn interval(d: Duration) -> PgInterval {
         .microseconds()
 }
 
-/// The claim statement. `DO UPDATE … WHERE` (the `.filter` after `.set`) is the guard;
-/// `filter_target` would emit `ON CONFLICT (…) WHERE`, which only picks the arbiter
-/// index and filters nothing.
+/// The claim statement. `DO UPDATE … WHERE` (the `.filter` after `.set`) is the guard.
+/// A predicate on the conflict target (`ON CONFLICT (…) WHERE`) would only pick the
+/// arbiter index and filter nothing: a finished stage would be claimed again.
 async fn claim_statement(
     conn: &mut AsyncPgConnection,
     req: &ClaimRequest,
@@ -327,12 +327,19 @@ impl RunRepository for PgRunRepository {
         }
     }
 
-    async fn fail(&self, token: &ClaimToken, error: &str) -> Result<FailOutcome, RepoError> {
+    async fn fail(
+        &self,
+        token: &ClaimToken,
+        error: &str,
+        retryable: bool,
+    ) -> Result<FailOutcome, RepoError> {
         use pipeline_runs::dsl as pr;
         let mut conn = self.conn().await?;
-        let status = diesel::dsl::sql::<diesel::sql_types::Text>(
-            "CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'failed' END",
-        );
+        let status = diesel::dsl::sql::<diesel::sql_types::Text>(if retryable {
+            "CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'failed' END"
+        } else {
+            "'dead'"
+        });
         let failed: Option<(String, i32)> = diesel::update(fenced(token))
             .set((
                 pr::status.eq(status),
@@ -485,8 +492,7 @@ impl PgRunRepository {
                 Ok(CompleteOutcome::Fenced)
             }
             Ok(o) => Ok(o),
-            Err(TxError::Stage(e)) => Err(e),
-            Err(TxError::Diesel(e)) => Err(StageError::Repo(map_diesel_error(e))),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -668,15 +674,4 @@ fn truncate(error: &str) -> String {
         end -= 1;
     }
     format!("{}… ({} bytes)", &error[..end], error.len())
-}
-
-pub(crate) enum TxError {
-    Diesel(diesel::result::Error),
-    Stage(StageError),
-}
-
-impl From<diesel::result::Error> for TxError {
-    fn from(e: diesel::result::Error) -> Self {
-        TxError::Diesel(e)
-    }
 }

@@ -1,4 +1,6 @@
 //! Integration tests of the persistence crate, one binary (link time on 2 cores).
 //! Every test gets its own database from `idemstage_testkit::TestDb`.
 
+mod claim;
 mod foundation;
+mod support;

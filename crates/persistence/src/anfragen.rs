@@ -1,0 +1,96 @@
+//! Registering an anfrage and its input.
+
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{input_hash_of, AnfrageId, RepoError, TenantId};
+use serde::Serialize;
+
+use crate::error::map_diesel_error;
+use crate::schema::anfragen;
+
+/// The most input text an anfrage may carry.
+pub const MAX_INPUT_BYTES: usize = 1024 * 1024;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum RegisterOutcome {
+    Created {
+        input_sha256: String,
+    },
+    /// Sending the same anfrage again is normal; `input_sha256` is the stored one.
+    AlreadyRegistered {
+        input_sha256: String,
+        same_input: bool,
+    },
+}
+
+impl RegisterOutcome {
+    pub fn input_sha256(&self) -> &str {
+        match self {
+            RegisterOutcome::Created { input_sha256 }
+            | RegisterOutcome::AlreadyRegistered { input_sha256, .. } => input_sha256,
+        }
+    }
+}
+
+/// Registers an anfrage if new (insert-or-get on its id). An id that belongs to
+/// another tenant is refused with `TenantMismatch`; nothing is written then.
+pub async fn register_anfrage(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    input_text: &str,
+) -> Result<RegisterOutcome, RepoError> {
+    use anfragen::dsl as a;
+    if input_text.trim().is_empty() {
+        return Err(idemstage_domain::DomainError::EmptyInput.into());
+    }
+    if input_text.len() > MAX_INPUT_BYTES {
+        return Err(idemstage_domain::DomainError::InputTooLarge {
+            size: input_text.len(),
+            max: MAX_INPUT_BYTES,
+        }
+        .into());
+    }
+    let sha = input_hash_of(input_text.as_bytes());
+    let s3_key = format!("anfragen/{tenant}/{anfrage}/input.txt");
+    let inserted = diesel::insert_into(a::anfragen)
+        .values((
+            a::tenant_id.eq(tenant.as_str()),
+            a::id.eq(anfrage.to_string()),
+            a::input_text.eq(input_text),
+            a::input_sha256.eq(&sha),
+            a::s3_key.eq(&s3_key),
+        ))
+        .on_conflict(a::id)
+        .do_nothing()
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    if inserted == 1 {
+        return Ok(RegisterOutcome::Created { input_sha256: sha });
+    }
+    let existing: Option<(String, String)> = a::anfragen
+        .filter(a::id.eq(anfrage.to_string()))
+        .select((a::tenant_id, a::input_sha256))
+        .first(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    match existing {
+        Some((owner, stored)) if owner == tenant.as_str() => {
+            Ok(RegisterOutcome::AlreadyRegistered {
+                same_input: stored == sha,
+                input_sha256: stored,
+            })
+        }
+        Some(_) => Err(RepoError::TenantMismatch {
+            tenant: tenant.to_string(),
+            anfrage: anfrage.to_string(),
+        }),
+        // Anfragen are never deleted; a vanished row is a bug worth reporting.
+        None => Err(RepoError::InsertOrGetExhausted {
+            what: format!("anfragen {anfrage}"),
+            tries: 1,
+        }),
+    }
+}

@@ -1,0 +1,782 @@
+//! Layer 1: the claim, leases, fencing, the write helpers, and the corrections of
+//! DESIGN.md section 1. Separate connections, real commits.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use idemstage_domain::{
+    ClaimOutcome, CompleteOutcome, Extraktion, FailOutcome, FencedTx, InputChangePolicy,
+    RejectReason, RenewOutcome, RunRepository, RunStatus, SkipReason, StageError,
+};
+use idemstage_persistence::fenced::{audit, insert_or_get_datei};
+use idemstage_testkit::TestDb;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Barrier;
+
+use crate::support::*;
+
+fn noop<'t>(_: &'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> {
+    async { Ok(()) }.boxed()
+}
+
+/// Pins a closure to the higher-ranked `FencedWrite` signature.
+fn write_fn<F>(f: F) -> F
+where
+    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+{
+    f
+}
+
+fn positions(n: i32, label: &str) -> Vec<Extraktion> {
+    (0..n)
+        .map(|i| Extraktion {
+            position_index: i,
+            description: format!("{label} {i}"),
+            quantity: Some(f64::from(i + 1)),
+            unit: Some("Stk".into()),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_claims_of_a_fresh_key_yield_exactly_one_claimed() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 64).await;
+    let t = tenant("t1");
+    let anfrage = new_anfrage(&mut db.conn().await, &t).await;
+    let barrier = Arc::new(Barrier::new(64));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (repo, barrier, req) = (
+            repo.clone(),
+            barrier.clone(),
+            request(&t, anfrage, "intake"),
+        );
+        tasks.push(tokio::spawn(async move {
+            // Hold a connection before the barrier so the claims really overlap.
+            drop(repo.pool().get().await.unwrap());
+            barrier.wait().await;
+            repo.claim(&req).await.unwrap()
+        }));
+    }
+    let mut claimed = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            ClaimOutcome::Claimed { attempt, .. } => {
+                assert_eq!(attempt, 1);
+                claimed += 1;
+            }
+            ClaimOutcome::Skipped(SkipReason::InFlight { .. }) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(claimed, 1);
+    let mut conn = db.conn().await;
+    assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 1);
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM pipeline_run_attempts").await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    let write = write_fn(noop);
+    assert_eq!(
+        repo.complete(&token, &write).await.unwrap(),
+        CompleteOutcome::Committed
+    );
+    let before = repo
+        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(before.status, RunStatus::Success);
+
+    let again = repo.claim(&req).await.unwrap();
+    assert_eq!(
+        again,
+        ClaimOutcome::Skipped(SkipReason::AlreadySucceeded {
+            run_id: token.run_id
+        })
+    );
+    let after = repo
+        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (after.status, after.attempts, after.started_at),
+        (before.status, before.attempts, before.started_at)
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM pipeline_run_attempts").await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_live_lease_is_in_flight_and_an_expired_one_is_claimed_again() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = short_lease(
+        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
+        300,
+    );
+    let first = token_of(&req, &repo.claim(&req).await.unwrap());
+
+    let mut other = req.clone();
+    other.worker = idemstage_domain::WorkerId::generate();
+    match repo.claim(&other).await.unwrap() {
+        ClaimOutcome::Skipped(SkipReason::InFlight { lease_expires_at }) => {
+            let run = repo
+                .read_run(&req.tenant, &req.anfrage, &req.stage)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(lease_expires_at, run.lease_expires_at);
+        }
+        o => panic!("expected InFlight, got {o:?}"),
+    }
+
+    wait_lease_expired(&mut conn, &first.run_id.to_string()).await;
+    let second = token_of(&other, &repo.claim(&other).await.unwrap());
+    assert_eq!(second.attempt, first.attempt + 1);
+    assert_eq!(second.run_id, first.run_id);
+    // The old holder can neither renew nor fail any more.
+    assert_eq!(
+        repo.renew_lease(&first, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        RenewOutcome::Fenced
+    );
+    assert_eq!(
+        repo.fail(&first, "late failure", true).await.unwrap(),
+        FailOutcome::Fenced
+    );
+    let history = repo.attempt_history(&first.run_id).await.unwrap();
+    let outcomes: Vec<_> = history.iter().map(|a| a.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["abandoned", "running"]);
+}
+
+#[tokio::test]
+async fn a_stale_holder_is_fenced_and_none_of_its_writes_survive() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = short_lease(
+        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
+        200,
+    );
+    let stale = token_of(&req, &repo.claim(&req).await.unwrap());
+    wait_lease_expired(&mut conn, &stale.run_id.to_string()).await;
+    let holder = token_of(&req, &repo.claim(&req).await.unwrap());
+
+    let writes = |label: &'static str, n: i32| {
+        write_fn(move |tx| {
+            async move {
+                tx.replace_extraktionen(&positions(n, label)).await?;
+                tx.insert_or_get_datei(&"c".repeat(64), &format!("files/{label}"), 10)
+                    .await?;
+                tx.audit("anfrage", &format!("{label}.done"), serde_json::json!({}))
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        })
+    };
+    assert_eq!(
+        repo.complete(&stale, &writes("stale", 5)).await.unwrap(),
+        CompleteOutcome::Fenced
+    );
+    assert_eq!(
+        repo.complete(&holder, &writes("holder", 3)).await.unwrap(),
+        CompleteOutcome::Committed
+    );
+
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM anfrage_extraktionen").await,
+        3
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM anfrage_extraktionen WHERE attempt <> 2 OR description NOT LIKE 'holder%'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM dateien WHERE s3_key = 'files/stale'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM audit_log WHERE attempt = 1").await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM audit_log WHERE action LIKE 'stale%'"
+        )
+        .await,
+        0
+    );
+    let history = repo.attempt_history(&stale.run_id).await.unwrap();
+    let outcomes: Vec<_> = history.iter().map(|a| a.outcome.as_str()).collect();
+    assert_eq!(outcomes, ["fenced", "success"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_concurrent_replacers_leave_exactly_one_child_set() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = short_lease(
+        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
+        200,
+    );
+    // An earlier success left 7 children; two attempts now race to replace them.
+    let first = token_of(&req, &repo.claim(&req).await.unwrap());
+    wait_lease_expired(&mut conn, &first.run_id.to_string()).await;
+    let second = token_of(&req, &repo.claim(&req).await.unwrap());
+
+    let barrier = Arc::new(Barrier::new(2));
+    let replace = |token: idemstage_domain::ClaimToken, n: i32| {
+        let (repo, barrier) = (repo.clone(), barrier.clone());
+        tokio::spawn(async move {
+            let write = write_fn(move |tx| {
+                async move {
+                    tx.replace_extraktionen(&positions(n, "set")).await?;
+                    Ok(())
+                }
+                .boxed()
+            });
+            barrier.wait().await;
+            repo.complete(&token, &write).await.unwrap()
+        })
+    };
+    let a = replace(first, 5);
+    let b = replace(second, 3);
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    assert_eq!(
+        (a, b),
+        (CompleteOutcome::Fenced, CompleteOutcome::Committed)
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM anfrage_extraktionen").await,
+        3
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT DISTINCT run_id, attempt FROM anfrage_extraktionen"
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn the_per_row_upsert_variant_ends_like_replace() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = request(&t, new_anfrage(&mut conn, &t).await, "extract");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    let write = write_fn(|tx| {
+        async move {
+            tx.upsert_extraktionen(&positions(6, "old")).await?;
+            // A smaller second set: positions 4 and 5 must go.
+            tx.upsert_extraktionen(&positions(4, "new")).await?;
+            Ok(())
+        }
+        .boxed()
+    });
+    assert_eq!(
+        repo.complete(&token, &write).await.unwrap(),
+        CompleteOutcome::Committed
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM anfrage_extraktionen").await,
+        4
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM anfrage_extraktionen WHERE description LIKE 'new%'"
+        )
+        .await,
+        4
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn insert_or_get_under_32_concurrent_callers_returns_one_id() {
+    let db = TestDb::new().await;
+    let t = tenant("t1");
+    let anfrage = new_anfrage(&mut db.conn().await, &t).await;
+    let barrier = Arc::new(Barrier::new(32));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (barrier, t, url) = (barrier.clone(), t.clone(), db.url().to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            barrier.wait().await;
+            conn.transaction::<_, idemstage_persistence::TxError, _>(async move |conn| {
+                let datei = insert_or_get_datei(
+                    conn,
+                    &t,
+                    &anfrage.to_string(),
+                    &"d".repeat(64),
+                    "files/input.pdf",
+                    42,
+                )
+                .await?;
+                audit(
+                    conn,
+                    &t,
+                    &datei.id.to_string(),
+                    "datei.seen",
+                    None,
+                    serde_json::json!({}),
+                )
+                .await?;
+                Ok(datei)
+            })
+            .await
+            .unwrap()
+        }));
+    }
+    let mut ids = Vec::new();
+    let mut inserted = 0;
+    for task in tasks {
+        let datei = task.await.unwrap();
+        inserted += usize::from(datei.inserted);
+        ids.push(datei.id);
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(inserted, 1);
+    let mut conn = db.conn().await;
+    assert_eq!(count(&mut conn, "SELECT * FROM dateien").await, 1);
+    let id = ids[0].to_string();
+    assert_eq!(
+        count(
+            &mut conn,
+            &format!("SELECT * FROM audit_log WHERE entity_id = '{id}'")
+        )
+        .await,
+        32
+    );
+    assert_eq!(count(&mut conn, "SELECT * FROM audit_log").await, 32);
+}
+
+#[tokio::test]
+async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let mut req = request(&t, new_anfrage(&mut conn, &t).await, "calculate");
+    req.policy.max_attempts = 2;
+    let first = token_of(&req, &repo.claim(&req).await.unwrap());
+    assert_eq!(
+        repo.fail(&first, "boom 1", true).await.unwrap(),
+        FailOutcome::WillRetry { attempt: 1 }
+    );
+    let second = token_of(&req, &repo.claim(&req).await.unwrap());
+    assert_eq!(second.attempt, 2);
+    assert_eq!(
+        repo.fail(&second, "boom 2", true).await.unwrap(),
+        FailOutcome::Exhausted { attempts: 2 }
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            repo.claim(&req).await.unwrap(),
+            ClaimOutcome::Exhausted { attempts: 2 }
+        );
+    }
+    let run = repo
+        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((run.status, run.attempts), (RunStatus::Dead, 2));
+    assert_eq!(run.last_error.as_deref(), Some("boom 2"));
+
+    // The lease path: a holder that vanished on its last attempt ends the run too.
+    let mut req = short_lease(
+        request(&t, new_anfrage(&mut conn, &t).await, "calculate"),
+        100,
+    );
+    req.policy.max_attempts = 1;
+    let only = token_of(&req, &repo.claim(&req).await.unwrap());
+    wait_lease_expired(&mut conn, &only.run_id.to_string()).await;
+    assert_eq!(
+        repo.claim(&req).await.unwrap(),
+        ClaimOutcome::Exhausted { attempts: 1 }
+    );
+    let run = repo
+        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(run.status, RunStatus::Dead);
+}
+
+#[tokio::test]
+async fn a_permanent_failure_is_dead_at_once() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let req = request(&t, new_anfrage(&mut conn, &t).await, "calculate");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    assert_eq!(
+        repo.fail(&token, "unparseable", false).await.unwrap(),
+        FailOutcome::Exhausted { attempts: 1 }
+    );
+    assert_eq!(
+        repo.claim(&req).await.unwrap(),
+        ClaimOutcome::Exhausted { attempts: 1 }
+    );
+}
+
+#[tokio::test]
+async fn input_binding_rejects_or_reruns_by_policy() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let anfrage = new_anfrage(&mut conn, &t).await;
+    let write = write_fn(noop);
+    for name in ["intake", "extract"] {
+        let req = request(&t, anfrage, name);
+        let token = token_of(&req, &repo.claim(&req).await.unwrap());
+        repo.complete(&token, &write).await.unwrap();
+    }
+
+    // Same input: skip. Other input, default policy: reject, nothing changes.
+    let mut changed = request(&t, anfrage, "intake");
+    assert!(matches!(
+        repo.claim(&changed).await.unwrap(),
+        ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
+    ));
+    changed.input_hash = HASH_B.to_owned();
+    assert_eq!(
+        repo.claim(&changed).await.unwrap(),
+        ClaimOutcome::Rejected(RejectReason::InputChanged {
+            stored_hash: HASH_A.to_owned(),
+            new_hash: HASH_B.to_owned(),
+        })
+    );
+
+    // Rerun policy: the stage is claimed again and its downstream marked stale.
+    changed.policy.on_input_change = InputChangePolicy::Rerun;
+    changed.policy.downstream = vec![stage("extract")];
+    let rerun = token_of(&changed, &repo.claim(&changed).await.unwrap());
+    assert_eq!(rerun.attempt, 2);
+    let extract = repo
+        .read_run(&t, &anfrage, &stage("extract"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(extract.status, RunStatus::Stale);
+    let mut extract_req = request(&t, anfrage, "extract");
+    extract_req.input_hash = HASH_B.to_owned();
+    assert!(matches!(
+        repo.claim(&extract_req).await.unwrap(),
+        ClaimOutcome::Claimed { attempt: 2, .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_claim_for_an_unknown_anfrage_is_a_typed_error() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 2).await;
+    let mut conn = db.conn().await;
+    let owner = tenant("owner");
+    let anfrage = new_anfrage(&mut conn, &owner).await;
+    // Another tenant naming that anfrage gets nothing and writes nothing.
+    let req = request(&tenant("intruder"), anfrage, "intake");
+    let err = repo.claim(&req).await.unwrap_err();
+    assert!(
+        matches!(err, idemstage_domain::RepoError::AnfrageNotFound { .. }),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 0);
+}
+
+/// Correction 6: a deadlock (40P01) between two completions is retried, never
+/// reported as a skip or a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_between_two_completions_is_retried() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 4).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let barrier = Arc::new(Barrier::new(2));
+    let mut tasks = Vec::new();
+    for (first, second) in [("k1", "k2"), ("k2", "k1")] {
+        let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+        let token = token_of(&req, &repo.claim(&req).await.unwrap());
+        let (repo, barrier) = (repo.clone(), barrier.clone());
+        let runs = Arc::new(AtomicU32::new(0));
+        tasks.push(tokio::spawn(async move {
+            let (b, r) = (barrier.clone(), runs.clone());
+            let write = write_fn(move |tx| {
+                let (barrier, runs) = (b.clone(), r.clone());
+                async move {
+                    let run = AtomicU32::fetch_add(&runs, 1, Ordering::SeqCst);
+                    tx.insert_or_get_datei(&"e".repeat(64), first, 1).await?;
+                    if run == 0 {
+                        // Both hold their first key before taking the other's.
+                        barrier.wait().await;
+                    }
+                    tx.insert_or_get_datei(&"e".repeat(64), second, 1).await?;
+                    Ok(())
+                }
+                .boxed()
+            });
+            let outcome = repo.complete(&token, &write).await.unwrap();
+            (outcome, AtomicU32::load(&runs, Ordering::SeqCst))
+        }));
+    }
+    let mut total_runs = 0;
+    for task in tasks {
+        let (outcome, runs) = task.await.unwrap();
+        assert_eq!(outcome, CompleteOutcome::Committed);
+        total_runs += runs;
+    }
+    assert_eq!(total_runs, 3, "one of the two transactions ran twice");
+    assert_eq!(count(&mut conn, "SELECT * FROM dateien").await, 2);
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM pipeline_runs WHERE status = 'success'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM pipeline_run_attempts WHERE outcome = 'success'"
+        )
+        .await,
+        2
+    );
+}
+
+/// Correction 6: the connection dies during COMMIT. The executor must re-read the
+/// run: here the commit did not happen, so the transaction is run again, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_during_commit_is_rechecked_and_retried() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // A deferred trigger makes COMMIT itself slow, so the connection can be killed
+    // exactly while COMMIT is in progress.
+    conn.batch_execute(
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$;
+         CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON audit_log
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+           WHEN (NEW.action = 'slow.commit') EXECUTE FUNCTION slow_commit();",
+    )
+    .await
+    .unwrap();
+    let repo = repo(&db, 4).await;
+    let t = tenant("t1");
+    let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    let first = Arc::new(AtomicBool::new(true));
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let (f, r) = (first.clone(), runs.clone());
+    let write = write_fn(move |tx| {
+        let action = if f.swap(false, Ordering::SeqCst) {
+            "slow.commit"
+        } else {
+            "quick.commit"
+        };
+        r.lock().unwrap().push(action);
+        async move {
+            tx.audit("anfrage", action, serde_json::json!({})).await?;
+            Ok(())
+        }
+        .boxed()
+    });
+    let killer = {
+        let url = db.url().to_owned();
+        tokio::spawn(async move {
+            let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let killed = count(
+                    &mut conn,
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = current_database() AND wait_event = 'PgSleep'
+                       AND query ILIKE '%commit%'",
+                )
+                .await;
+                if killed > 0 {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "COMMIT never started"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let outcome = repo.complete(&token, &write).await.unwrap();
+    killer.await.unwrap();
+    assert_eq!(outcome, CompleteOutcome::Committed);
+    assert_eq!(*runs.lock().unwrap(), ["slow.commit", "quick.commit"]);
+    let mut conn = db.conn().await;
+    assert_eq!(count(&mut conn, "SELECT * FROM audit_log").await, 1);
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM audit_log WHERE action = 'quick.commit'"
+        )
+        .await,
+        1
+    );
+    let run = repo
+        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((run.status, run.attempts), (RunStatus::Success, 1));
+}
+
+/// 16 tasks × 2,000 random claims over 200 keys with random success, failure and
+/// abandonment; afterwards every key has at most one success and the attempt
+/// history matches `attempts` exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stress_random_claims_keep_every_invariant() {
+    const TASKS: usize = 16;
+    const CLAIMS: usize = 2_000;
+    const KEYS: usize = 200;
+    let db = TestDb::new().await;
+    let repo = repo(&db, TASKS as u32).await;
+    let mut conn = db.conn().await;
+    let t = tenant("stress");
+    let mut anfragen = Vec::new();
+    for _ in 0..KEYS / 4 {
+        anfragen.push(new_anfrage(&mut conn, &t).await);
+    }
+    let seed: u64 = rand::random();
+    eprintln!("stress seed {seed}");
+    let committed: Arc<Mutex<HashMap<(usize, usize), u32>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (repo, t, anfragen, committed) =
+            (repo.clone(), t.clone(), anfragen.clone(), committed.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ task as u64);
+            let stages = ["intake", "extract", "feasibility", "calculate"];
+            for _ in 0..CLAIMS {
+                let (a, s) = (rng.random_range(0..anfragen.len()), rng.random_range(0..4));
+                let mut req = short_lease(request(&t, anfragen[a], stages[s]), 30);
+                req.policy.max_attempts = 100_000;
+                let outcome = repo.claim(&req).await.unwrap();
+                let ClaimOutcome::Claimed { .. } = outcome else {
+                    continue;
+                };
+                let token = token_of(&req, &outcome);
+                match rng.random_range(0..10) {
+                    0..=3 => {
+                        let write = write_fn(|tx| {
+                            async move {
+                                tx.audit("x", "done", serde_json::json!({})).await?;
+                                Ok(())
+                            }
+                            .boxed()
+                        });
+                        if repo.complete(&token, &write).await.unwrap()
+                            == CompleteOutcome::Committed
+                        {
+                            *committed.lock().unwrap().entry((a, s)).or_default() += 1;
+                        }
+                    }
+                    4..=7 => {
+                        repo.fail(&token, "random failure", true).await.unwrap();
+                    }
+                    _ => {} // abandon: the lease runs out
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let committed = committed.lock().unwrap().clone();
+    assert!(committed.values().all(|&n| n == 1), "{committed:?}");
+    assert!(!committed.is_empty());
+    // Plain SQL invariants.
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT run_id FROM pipeline_run_attempts WHERE outcome = 'success'
+             GROUP BY run_id HAVING count(*) > 1"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM pipeline_runs r
+             WHERE r.attempts <> (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id)
+                OR r.attempts <> (SELECT max(attempt) FROM pipeline_run_attempts a WHERE a.run_id = r.id)"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT * FROM pipeline_runs WHERE status = 'success'"
+        )
+        .await as usize,
+        committed.len()
+    );
+    // Exactly one audit row per committed success, written by the successful attempt.
+    assert_eq!(
+        count(&mut conn, "SELECT * FROM audit_log").await as usize,
+        committed.len()
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM audit_log l JOIN pipeline_runs r ON r.id = l.run_id
+             WHERE r.status <> 'success' OR r.attempts <> l.attempt"
+        )
+        .await,
+        0
+    );
+}

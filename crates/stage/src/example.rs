@@ -1,0 +1,1 @@
+//! The seed's example pipeline: intake, extract, feasibility, calculate.

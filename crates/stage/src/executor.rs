@@ -1,0 +1,268 @@
+//! One stage execution: claim → skip, or prepare and run → fenced commit or fail.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use idemstage_domain::{
+    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, FencedTx, RejectReason, RenewOutcome,
+    RepoError, RunId, RunRepository, SkipReason, StageError, WorkerId,
+};
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::{Pipeline, Stage, StageFlow, StageJob};
+
+/// What one execution ended in. Every variant is a normal result; only a repository
+/// failure that left the outcome unknown is an `Err`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum ExecutionOutcome {
+    /// The body ran and its writes committed with `status = 'success'`.
+    Succeeded {
+        run_id: RunId,
+        attempt: i32,
+        flow: Flow,
+    },
+    Skipped(SkipReason),
+    Rejected(RejectReason),
+    /// This worker lost its lease before it could commit; nothing of it was written.
+    Fenced {
+        attempt: i32,
+    },
+    /// The body failed; the run is `failed` (claimable again) or, if `dead`, final.
+    Failed {
+        attempt: i32,
+        error: String,
+        dead: bool,
+    },
+    /// `max_attempts` reached before this claim.
+    Exhausted {
+        attempts: i32,
+    },
+}
+
+/// `StageFlow`, serializable for reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+/// Runs stage executions for one worker identity.
+#[derive(Clone)]
+pub struct Executor {
+    repo: Arc<dyn RunRepository>,
+    worker: WorkerId,
+}
+
+impl Executor {
+    pub fn new(repo: Arc<dyn RunRepository>, worker: WorkerId) -> Self {
+        Self { repo, worker }
+    }
+
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker
+    }
+
+    /// Executes `stage` of `pipeline` for `job`. On success the next stage's job is
+    /// sent inside the same transaction that marks this stage `success`.
+    pub async fn execute(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+    ) -> Result<ExecutionOutcome, RepoError> {
+        let policy = pipeline.effective_policy(stage.as_ref());
+        let req = ClaimRequest {
+            tenant: job.tenant_id.clone(),
+            anfrage: job.anfrage_id,
+            stage: stage.name().clone(),
+            input_hash: job.input_hash.clone(),
+            worker: self.worker.clone(),
+            policy: policy.clone(),
+        };
+        let (run_id, attempt) = match self.repo.claim(&req).await? {
+            ClaimOutcome::Claimed {
+                run_id, attempt, ..
+            } => (run_id, attempt),
+            ClaimOutcome::Skipped(reason) => return Ok(ExecutionOutcome::Skipped(reason)),
+            ClaimOutcome::Rejected(reason) => return Ok(ExecutionOutcome::Rejected(reason)),
+            ClaimOutcome::Exhausted { attempts } => {
+                return Ok(ExecutionOutcome::Exhausted { attempts })
+            }
+        };
+        let token = ClaimToken {
+            run_id,
+            tenant: job.tenant_id.clone(),
+            anfrage: job.anfrage_id,
+            stage: stage.name().clone(),
+            attempt,
+        };
+        let span = tracing::info_span!(
+            "stage",
+            tenant = %token.tenant,
+            anfrage = %token.anfrage,
+            stage = %token.stage,
+            attempt
+        );
+        let _enter = span.enter();
+
+        // The heartbeat renews the lease while the body runs and reports a lost lease,
+        // which cancels the body: its results could never commit anyway.
+        let (lost_tx, mut lost_rx) = watch::channel(false);
+        let heartbeat = {
+            let repo = self.repo.clone();
+            let token = token.clone();
+            let (every, lease) = (policy.heartbeat, policy.lease);
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(every);
+                ticker.tick().await;
+                loop {
+                    ticker.tick().await;
+                    match repo.renew_lease(&token, lease).await {
+                        Ok(RenewOutcome::Renewed { .. }) => {}
+                        Ok(RenewOutcome::Fenced) => {
+                            let _ = lost_tx.send(true);
+                            return;
+                        }
+                        // A passing database problem: keep trying until the lease is
+                        // really gone; the fenced commit decides in the end.
+                        Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+                    }
+                }
+            })
+        };
+        let body = async {
+            let prepared = AssertUnwindSafe(stage.prepare(job))
+                .catch_unwind()
+                .await
+                .map_err(panic_message)??;
+            self.commit(pipeline, stage, job, &token, prepared).await
+        };
+        let result = tokio::select! {
+            r = tokio::time::timeout(policy.timeout, body) => {
+                r.unwrap_or(Err(StageError::TimedOut(policy.timeout)))
+            }
+            _ = async {
+                // A dropped sender (the heartbeat ended) is no evidence of a lost lease.
+                if lost_rx.wait_for(|lost| *lost).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            } => Ok(Completion::Fenced),
+        };
+        heartbeat.abort();
+
+        match result {
+            Ok(Completion::Committed(flow)) => Ok(ExecutionOutcome::Succeeded {
+                run_id,
+                attempt,
+                flow,
+            }),
+            Ok(Completion::Fenced) => {
+                self.repo.record_fenced(&token).await?;
+                Ok(ExecutionOutcome::Fenced { attempt })
+            }
+            Err(error) => {
+                let message = error.to_string();
+                tracing::warn!(error = %message, "stage attempt failed");
+                Ok(
+                    match self
+                        .repo
+                        .fail(&token, &message, error.is_retryable())
+                        .await?
+                    {
+                        FailOutcome::WillRetry { attempt } => ExecutionOutcome::Failed {
+                            attempt,
+                            error: message,
+                            dead: false,
+                        },
+                        FailOutcome::Exhausted { attempts } => ExecutionOutcome::Failed {
+                            attempt: attempts,
+                            error: message,
+                            dead: true,
+                        },
+                        FailOutcome::Fenced => ExecutionOutcome::Fenced { attempt },
+                    },
+                )
+            }
+        }
+    }
+
+    /// The fenced transaction: the body's writes, then the next stage's job.
+    async fn commit(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+        token: &ClaimToken,
+        prepared: serde_json::Value,
+    ) -> Result<Completion, StageError> {
+        let next_job = pipeline
+            .next(stage.name())
+            .map(|next| pipeline.job_for(next.name(), job));
+        // `Fn`, because a conflict re-runs the transaction; the flow of the attempt
+        // that committed is the one reported.
+        let flow = Arc::new(std::sync::Mutex::new(Flow::Continue));
+        let write = {
+            let (stage, job, prepared, flow) =
+                (stage.clone(), job.clone(), Arc::new(prepared), flow.clone());
+            fenced_write(move |tx| {
+                let (stage, job, prepared, next_job, flow) = (
+                    stage.clone(),
+                    job.clone(),
+                    prepared.clone(),
+                    next_job.clone(),
+                    flow.clone(),
+                );
+                async move {
+                    let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
+                        .catch_unwind()
+                        .await
+                        .map_err(panic_message)??;
+                    match outcome {
+                        StageFlow::Continue => {
+                            if let Some(next_job) = &next_job {
+                                tx.send_job(next_job).await?;
+                            }
+                            *flow.lock().unwrap() = Flow::Continue;
+                        }
+                        StageFlow::Stop => *flow.lock().unwrap() = Flow::Stop,
+                    }
+                    Ok(())
+                }
+                .boxed()
+            })
+        };
+        Ok(match self.repo.complete(token, &write).await? {
+            idemstage_domain::CompleteOutcome::Committed => {
+                Completion::Committed(*flow.lock().unwrap())
+            }
+            idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
+        })
+    }
+}
+
+/// The completion as the executor sees it (carrying the flow of the commit).
+enum Completion {
+    Committed(Flow),
+    Fenced,
+}
+
+/// Pins the closure to the higher-ranked signature `FencedWrite` needs (closure
+/// signatures are not inferred as higher-ranked from a later use).
+fn fenced_write<F>(f: F) -> F
+where
+    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+{
+    f
+}
+
+fn panic_message(panic: Box<dyn std::any::Any + Send>) -> StageError {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_owned());
+    StageError::Panicked(message)
+}

@@ -1,0 +1,151 @@
+//! A pipeline: stages in order, the jobs between them, and their payload.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use idemstage_domain::queue::stage_singleton_key;
+use idemstage_domain::{
+    AnfrageId, DomainError, JobToSend, SendOptions, StageName, StagePolicy, TenantId,
+};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::Stage;
+
+/// The payload of every stage job. The queue of a stage is named after the stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageJob {
+    pub tenant_id: TenantId,
+    pub anfrage_id: AnfrageId,
+    /// The hash the claim binds to: the SHA-256 of the anfrage's input.
+    pub input_hash: String,
+}
+
+impl StageJob {
+    /// Parses a job payload; a malformed one is a clear, permanent error.
+    pub fn from_payload(queue: &str, payload: &serde_json::Value) -> Result<Self, DomainError> {
+        let job: StageJob = serde_json::from_value(payload.clone())
+            .map_err(|e| DomainError::InvalidPayload(format!("queue {queue}: {e}")))?;
+        if job.input_hash.len() != 64 || !job.input_hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(DomainError::InvalidPayload(format!(
+                "queue {queue}: input_hash must be 64 hex characters"
+            )));
+        }
+        Ok(job)
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    #[error("pipeline has no stages")]
+    Empty,
+    #[error("stage {0} appears twice in the pipeline")]
+    DuplicateStage(StageName),
+    #[error(transparent)]
+    Invalid(#[from] DomainError),
+}
+
+/// Stages in order. Each stage's `policy().downstream` is what a rerun invalidates;
+/// `Pipeline::new` checks the stages and the policies.
+#[derive(Clone)]
+pub struct Pipeline {
+    stages: Vec<Arc<dyn Stage>>,
+    index: HashMap<StageName, usize>,
+    send_options: SendOptions,
+}
+
+impl Pipeline {
+    pub fn new(stages: Vec<Arc<dyn Stage>>) -> Result<Self, PipelineError> {
+        if stages.is_empty() {
+            return Err(PipelineError::Empty);
+        }
+        let mut index = HashMap::new();
+        for (i, stage) in stages.iter().enumerate() {
+            stage.policy().validate()?;
+            if index.insert(stage.name().clone(), i).is_some() {
+                return Err(PipelineError::DuplicateStage(stage.name().clone()));
+            }
+        }
+        Ok(Self {
+            stages,
+            index,
+            send_options: SendOptions::default(),
+        })
+    }
+
+    /// Options for the jobs this pipeline sends (retries, job lease); the singleton
+    /// key is always set per job.
+    pub fn with_send_options(mut self, options: SendOptions) -> Self {
+        self.send_options = options;
+        self
+    }
+
+    pub fn stages(&self) -> &[Arc<dyn Stage>] {
+        &self.stages
+    }
+
+    pub fn first(&self) -> &Arc<dyn Stage> {
+        &self.stages[0]
+    }
+
+    pub fn stage(&self, name: &str) -> Result<&Arc<dyn Stage>, DomainError> {
+        StageName::parse(name)
+            .ok()
+            .and_then(|n| self.index.get(&n))
+            .map(|&i| &self.stages[i])
+            .ok_or_else(|| DomainError::UnknownStage(name.to_owned()))
+    }
+
+    pub fn next(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {
+        self.index.get(stage).and_then(|&i| self.stages.get(i + 1))
+    }
+
+    /// The names of the stages after `stage`: what a rerun of `stage` invalidates.
+    pub fn downstream_of(&self, stage: &StageName) -> Vec<StageName> {
+        match self.index.get(stage) {
+            Some(&i) => self.stages[i + 1..]
+                .iter()
+                .map(|s| s.name().clone())
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The job that starts `stage` for an anfrage, with the seed's singleton key.
+    pub fn job_for(&self, stage: &StageName, job: &StageJob) -> JobToSend {
+        let mut options = self.send_options.clone();
+        options.singleton_key = Some(stage_singleton_key(stage, &job.tenant_id, &job.anfrage_id));
+        JobToSend {
+            queue: stage.as_str().to_owned(),
+            payload: serde_json::to_value(job).expect("StageJob serializes"),
+            options,
+        }
+    }
+
+    /// A policy with this pipeline's downstream stages filled in.
+    pub fn effective_policy(&self, stage: &dyn Stage) -> StagePolicy {
+        let mut policy = stage.policy().clone();
+        if policy.downstream.is_empty() {
+            policy.downstream = self.downstream_of(stage.name());
+        }
+        policy
+    }
+}
+
+/// Helper for tests and CLIs: a job for the first stage.
+pub fn first_job(
+    pipeline: &Pipeline,
+    tenant: TenantId,
+    anfrage: AnfrageId,
+    input_hash: String,
+) -> JobToSend {
+    pipeline.job_for(
+        pipeline.first().name(),
+        &StageJob {
+            tenant_id: tenant,
+            anfrage_id: anfrage,
+            input_hash,
+        },
+    )
+}

@@ -1,0 +1,1 @@
+//! Executor tests.
