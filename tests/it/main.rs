@@ -1,1 +1,6 @@
-//! Workspace-level integration tests.
+//! Workspace-level tests: the seed's pattern against our corrections, and a product
+//! team's own pipeline defined outside our crates.
+
+mod custom_pipeline;
+mod seed_corrections;
+mod support;

@@ -67,7 +67,7 @@ impl Executor {
 
     /// Executes `stage` of `pipeline` for `job`. On success the next stage's job is
     /// sent inside the same transaction that marks this stage `success`.
-    pub async fn execute(
+    pub async fn run(
         &self,
         pipeline: &Pipeline,
         stage: &Arc<dyn Stage>,

@@ -1,1 +1,356 @@
-//! Executor tests.
+//! Executor tests against a real PostgreSQL: the example pipeline by hand (no
+//! worker), panics, timeouts, lease renewal, transactional hand-off.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{
+    AnfrageId, ClaimOutcome, ClaimRequest, FencedTx, RunRepository, SkipReason, StageError,
+    StageName, StagePolicy, TenantId, WorkerId,
+};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::PgRunRepository;
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_testkit::TestDb;
+use tokio::sync::Notify;
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
+        .get_result::<Count>(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .n
+}
+
+struct Fixture {
+    _db: TestDb,
+    repo: Arc<PgRunRepository>,
+    conn: AsyncPgConnection,
+}
+
+async fn fixture() -> Fixture {
+    let db = TestDb::new().await;
+    let repo = Arc::new(PgRunRepository::new(db.pool(8).await));
+    let conn = db.conn().await;
+    Fixture {
+        _db: db,
+        repo,
+        conn,
+    }
+}
+
+impl Fixture {
+    async fn anfrage(&mut self, text: &str) -> StageJob {
+        let tenant = TenantId::parse("t1").unwrap();
+        let anfrage = AnfrageId::new();
+        let registered = register_anfrage(&mut self.conn, &tenant, &anfrage, text)
+            .await
+            .unwrap();
+        StageJob {
+            tenant_id: tenant,
+            anfrage_id: anfrage,
+            input_hash: registered.input_sha256().to_owned(),
+        }
+    }
+
+    fn executor(&self) -> Executor {
+        Executor::new(self.repo.clone(), WorkerId::generate())
+    }
+}
+
+#[tokio::test]
+async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_transaction() {
+    let mut f = fixture().await;
+    let pipeline = example::pipeline(Chaos::default());
+    let job = f
+        .anfrage("10 Stk Schrauben M8\n2,5 m Kabel NYM\n1 h Montage")
+        .await;
+    let exec = f.executor();
+    for stage in pipeline.stages() {
+        let outcome = exec.run(&pipeline, stage, &job).await.unwrap();
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { attempt: 1, .. }),
+            "{}: {outcome:?}",
+            stage.name()
+        );
+    }
+    let c = &mut f.conn;
+    assert_eq!(count(c, "SELECT * FROM dateien").await, 1);
+    assert_eq!(count(c, "SELECT * FROM anfrage_extraktionen").await, 3);
+    assert_eq!(
+        count(c, "SELECT * FROM feasibility_results WHERE feasible").await,
+        1
+    );
+    // 10 × 1.50 + 2.5 × 3.20 + 1 × 65.00 = 88.00 EUR
+    assert_eq!(
+        count(
+            c,
+            "SELECT * FROM calculation_results WHERE total_cents = 8800"
+        )
+        .await,
+        1
+    );
+    // Each successful stage but the last sent the next stage's job, once.
+    assert_eq!(
+        count(
+            c,
+            "SELECT queue FROM jobs GROUP BY queue HAVING count(*) = 1"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        count(
+            c,
+            &format!(
+                "SELECT * FROM jobs WHERE singleton_key = 'extract:t1:{}'",
+                job.anfrage_id
+            )
+        )
+        .await,
+        1
+    );
+
+    // Everything again: every stage skips, nothing new is written or sent.
+    for stage in pipeline.stages() {
+        let outcome = exec.run(&pipeline, stage, &job).await.unwrap();
+        assert!(
+            matches!(
+                outcome,
+                ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
+            ),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(count(c, "SELECT * FROM jobs").await, 3);
+    assert_eq!(count(c, "SELECT * FROM audit_log").await, 4);
+}
+
+#[tokio::test]
+async fn an_infeasible_anfrage_stops_before_calculate() {
+    let mut f = fixture().await;
+    let pipeline = example::pipeline(Chaos::default());
+    let job = f.anfrage("3 Fass Öl\nMontage").await;
+    let exec = f.executor();
+    for name in ["intake", "extract"] {
+        let stage = pipeline.stage(name).unwrap();
+        exec.run(&pipeline, stage, &job).await.unwrap();
+    }
+    let outcome = exec
+        .run(&pipeline, pipeline.stage("feasibility").unwrap(), &job)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            ExecutionOutcome::Succeeded {
+                flow: idemstage_stage::Flow::Stop,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        count(&mut f.conn, "SELECT * FROM jobs WHERE queue = 'calculate'").await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT * FROM feasibility_results WHERE NOT feasible AND jsonb_array_length(reasons) = 2"
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
+    let mut f = fixture().await;
+    let crashing = example::pipeline(Chaos { crash_rate: 1.0 });
+    let job = f.anfrage("10 Stk Schrauben").await;
+    let exec = f.executor();
+    let intake = crashing.stage("intake").unwrap();
+    // Crash rate 1: every attempt fails after part of its writes (panic or error).
+    for attempt in 1..=2 {
+        let outcome = exec.run(&crashing, intake, &job).await.unwrap();
+        match outcome {
+            ExecutionOutcome::Failed {
+                attempt: a,
+                ref error,
+                dead: false,
+            } => {
+                assert_eq!(a, attempt);
+                assert!(error.contains("injected crash in intake"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(count(&mut f.conn, "SELECT * FROM dateien").await, 0);
+        assert_eq!(count(&mut f.conn, "SELECT * FROM audit_log").await, 0);
+        assert_eq!(count(&mut f.conn, "SELECT * FROM jobs").await, 0);
+    }
+    // The same worker (same process) goes on: a healthy attempt succeeds.
+    let healthy = example::pipeline(Chaos::default());
+    let outcome = exec
+        .run(&healthy, healthy.stage("intake").unwrap(), &job)
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, ExecutionOutcome::Succeeded { attempt: 3, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT * FROM pipeline_run_attempts WHERE outcome = 'failed'"
+        )
+        .await,
+        2
+    );
+}
+
+/// A stage whose body waits for the test, to hold a claim open.
+struct Gate {
+    name: StageName,
+    policy: StagePolicy,
+    release: Arc<Notify>,
+    started: Arc<Notify>,
+}
+
+#[async_trait]
+impl Stage for Gate {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+        self.started.notify_one();
+        self.release.notified().await;
+        Ok(serde_json::Value::Null)
+    }
+    async fn run(
+        &self,
+        _: &StageJob,
+        _: &serde_json::Value,
+        tx: &mut dyn FencedTx,
+    ) -> Result<StageFlow, StageError> {
+        tx.audit("gate", "gate.done", serde_json::json!({})).await?;
+        Ok(StageFlow::Continue)
+    }
+}
+
+fn gate(lease_ms: u64, timeout_ms: u64) -> (Arc<Gate>, Pipeline) {
+    let stage = Arc::new(Gate {
+        name: StageName::parse("gate").unwrap(),
+        policy: StagePolicy {
+            lease: Duration::from_millis(lease_ms),
+            heartbeat: Duration::from_millis(lease_ms / 4),
+            timeout: Duration::from_millis(timeout_ms),
+            ..StagePolicy::default()
+        },
+        release: Arc::new(Notify::new()),
+        started: Arc::new(Notify::new()),
+    });
+    let pipeline = Pipeline::new(vec![stage.clone()]).unwrap();
+    (stage, pipeline)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_keeps_a_long_body_in_flight() {
+    let mut f = fixture().await;
+    let (stage, pipeline) = gate(400, 60_000);
+    let job = f.anfrage("1 h Warten").await;
+    let running = {
+        let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
+        tokio::spawn(async move {
+            let stage = pipeline.stages()[0].clone();
+            exec.run(&pipeline, &stage, &job).await.unwrap()
+        })
+    };
+    stage.started.notified().await;
+    // Let three lease lengths pass on the database clock while the body waits.
+    let c = &mut f.conn;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(
+        c,
+        "SELECT 1 FROM pipeline_runs WHERE now() > started_at + interval '1200 milliseconds'",
+    )
+    .await
+        == 0
+    {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let other = ClaimRequest {
+        tenant: job.tenant_id.clone(),
+        anfrage: job.anfrage_id,
+        stage: StageName::parse("gate").unwrap(),
+        input_hash: job.input_hash.clone(),
+        worker: WorkerId::generate(),
+        policy: stage.policy.clone(),
+    };
+    assert!(
+        matches!(
+            f.repo.claim(&other).await.unwrap(),
+            ClaimOutcome::Skipped(SkipReason::InFlight { .. })
+        ),
+        "the lease must have been renewed"
+    );
+    stage.release.notify_one();
+    assert!(matches!(
+        running.await.unwrap(),
+        ExecutionOutcome::Succeeded { attempt: 1, .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_body_that_never_returns_times_out_as_a_failed_attempt() {
+    let mut f = fixture().await;
+    let (_stage, pipeline) = gate(1_000, 200);
+    let job = f.anfrage("1 h Warten").await;
+    let outcome = f
+        .executor()
+        .run(&pipeline, &pipeline.stages()[0], &job)
+        .await
+        .unwrap();
+    match outcome {
+        ExecutionOutcome::Failed {
+            attempt: 1,
+            error,
+            dead: false,
+        } => {
+            assert!(error.contains("deadline"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(count(&mut f.conn, "SELECT * FROM audit_log").await, 0);
+}
+
+#[tokio::test]
+async fn a_malformed_payload_is_a_clear_error() {
+    let bad = serde_json::json!({ "tenant_id": "t1", "anfrage_id": "nope", "input_hash": "x" });
+    let err = StageJob::from_payload("extract", &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("queue extract"), "{err}");
+    assert!(err.contains("ULID"), "{err}");
+    let unknown = serde_json::json!({ "tenant_id": "t1" , "extra": 1});
+    assert!(StageJob::from_payload("extract", &unknown).is_err());
+    let pipeline = example::pipeline(Chaos::default());
+    assert_eq!(
+        pipeline.stage("ocr").err().unwrap().to_string(),
+        "unknown stage \"ocr\""
+    );
+}
