@@ -8,6 +8,7 @@ pub mod db;
 pub mod error;
 pub mod fenced;
 pub mod queue;
+pub mod report;
 pub mod runs;
 pub mod schema;
 

@@ -85,7 +85,7 @@ impl Pipeline {
         &self.stages
     }
 
-    pub fn first(&self) -> &Arc<dyn Stage> {
+    pub fn first_stage(&self) -> &Arc<dyn Stage> {
         &self.stages[0]
     }
 
@@ -141,7 +141,7 @@ pub fn first_job(
     input_hash: String,
 ) -> JobToSend {
     pipeline.job_for(
-        pipeline.first().name(),
+        pipeline.first_stage().name(),
         &StageJob {
             tenant_id: tenant,
             anfrage_id: anfrage,

@@ -134,6 +134,39 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
     }
     assert_eq!(count(c, "SELECT * FROM jobs").await, 3);
     assert_eq!(count(c, "SELECT * FROM audit_log").await, 4);
+
+    let check = idemstage_persistence::report::check_example_pipeline(c)
+        .await
+        .unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_eq!(
+        (check.anfragen, check.anfragen_final, check.stages_succeeded),
+        (1, 1, 4)
+    );
+}
+
+#[tokio::test]
+async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
+    let mut f = fixture().await;
+    let pipeline = example::pipeline(Chaos::default());
+    let job = f.anfrage("10 Stk Schrauben").await;
+    let exec = f.executor();
+    exec.run(&pipeline, pipeline.first_stage(), &job).await.unwrap();
+    let check = idemstage_persistence::report::check_example_pipeline(&mut f.conn)
+        .await
+        .unwrap();
+    // extract and feasibility never ran: two lost stages, the anfrage not final.
+    assert_eq!((check.lost_stages, check.anfragen_final), (2, 0));
+    // A row claiming to come from an attempt that did not succeed is caught.
+    diesel::sql_query("UPDATE audit_log SET attempt = attempt + 1 WHERE action = 'anfrage.intake'")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    let check = idemstage_persistence::report::check_example_pipeline(&mut f.conn)
+        .await
+        .unwrap();
+    assert_eq!(check.foreign_writes, 1);
+    assert_eq!(check.violations().len(), 3, "{:?}", check.violations());
 }
 
 #[tokio::test]

@@ -1,0 +1,192 @@
+//! Read-only reports: counts for `idemstage status`, and the invariant checks the
+//! demo (and the fault tests) run against the database after the fact.
+
+use std::collections::BTreeMap;
+
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{RepoError, TenantId};
+use serde::Serialize;
+
+use crate::error::map_diesel_error;
+use crate::schema::pipeline_runs;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StageStatusCount {
+    pub stage: String,
+    pub status: String,
+    pub count: i64,
+}
+
+/// `pipeline_runs` counted by stage and status, optionally for one tenant.
+pub async fn stage_status_counts(
+    conn: &mut AsyncPgConnection,
+    tenant: Option<&TenantId>,
+) -> Result<Vec<StageStatusCount>, RepoError> {
+    use pipeline_runs::dsl as pr;
+    let mut query = pr::pipeline_runs
+        .group_by((pr::stage, pr::status))
+        .select((pr::stage, pr::status, diesel::dsl::count_star()))
+        .order_by((pr::stage, pr::status))
+        .into_boxed();
+    if let Some(t) = tenant {
+        query = query.filter(pr::tenant_id.eq(t.as_str().to_owned()));
+    }
+    let rows: Vec<(String, String, i64)> = query.load(conn).await.map_err(map_diesel_error)?;
+    Ok(rows
+        .into_iter()
+        .map(|(stage, status, count)| StageStatusCount {
+            stage,
+            status,
+            count,
+        })
+        .collect())
+}
+
+/// What the database says about a run of the example pipeline, read after the fact.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PipelineCheck {
+    pub anfragen: i64,
+    /// Anfragen whose every expected stage is final (success or dead).
+    pub anfragen_final: i64,
+    pub feasible: i64,
+    pub infeasible: i64,
+    pub runs_by_status: BTreeMap<String, i64>,
+    pub stages_succeeded: i64,
+    /// Attempts that ended `failed` or `abandoned` and were followed by another.
+    pub retries: i64,
+    /// Attempts that lost their lease and were refused at commit.
+    pub fenced: i64,
+    /// Runs with more than one successful attempt (must be 0).
+    pub double_executions: i64,
+    /// Rows written by an attempt other than the run's successful one (must be 0).
+    pub foreign_writes: i64,
+    /// Expected stages that are neither `success` nor `dead` (must be 0 at the end).
+    pub lost_stages: i64,
+    /// Audit entries naming a file id that does not exist (must be 0).
+    pub dangling_audit: i64,
+}
+
+#[derive(QueryableByName)]
+struct Kv {
+    #[diesel(sql_type = Text)]
+    k: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    v: Option<i64>,
+}
+
+/// Lost stages of the example pipeline: intake, extract and feasibility are always
+/// expected; calculate only for a feasible anfrage.
+const CHECK_SQL: &str = "
+WITH expected AS (
+    SELECT a.tenant_id, a.id AS anfrage_id, s.stage
+      FROM anfragen a
+     CROSS JOIN (VALUES ('intake'), ('extract'), ('feasibility')) AS s(stage)
+    UNION ALL
+    SELECT f.tenant_id, f.anfrage_id, 'calculate'
+      FROM feasibility_results f
+      JOIN pipeline_runs r ON r.tenant_id = f.tenant_id AND r.anfrage_id = f.anfrage_id
+                          AND r.stage = 'feasibility' AND r.status = 'success'
+     WHERE f.feasible
+),
+open_stages AS (
+    SELECT e.* FROM expected e
+      LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
+     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead')
+),
+success_attempt AS (
+    SELECT id AS run_id, attempts AS attempt FROM pipeline_runs WHERE status = 'success'
+)
+SELECT 'anfragen' AS k, (SELECT count(*) FROM anfragen) AS v
+UNION ALL SELECT 'anfragen_final',
+    (SELECT count(*) FROM anfragen a WHERE NOT EXISTS (
+        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.anfrage_id = a.id))
+UNION ALL SELECT 'feasible', (SELECT count(*) FROM feasibility_results WHERE feasible)
+UNION ALL SELECT 'infeasible', (SELECT count(*) FROM feasibility_results WHERE NOT feasible)
+UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
+UNION ALL SELECT 'retries',
+    (SELECT count(*) FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+      WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
+UNION ALL SELECT 'fenced', (SELECT count(*) FROM pipeline_run_attempts WHERE outcome = 'fenced')
+UNION ALL SELECT 'double_executions',
+    (SELECT count(*) FROM (SELECT run_id FROM pipeline_run_attempts WHERE outcome = 'success'
+                            GROUP BY run_id HAVING count(*) > 1) d)
+UNION ALL SELECT 'foreign_writes',
+    (SELECT count(*) FROM anfrage_extraktionen x
+      WHERE NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
+  + (SELECT count(*) FROM feasibility_results x
+      WHERE NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
+  + (SELECT count(*) FROM calculation_results x
+      WHERE NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
+  + (SELECT count(*) FROM audit_log x WHERE x.run_id IS NOT NULL
+        AND NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
+UNION ALL SELECT 'dangling_audit',
+    (SELECT count(*) FROM audit_log l WHERE l.action LIKE 'datei.%'
+        AND NOT EXISTS (SELECT 1 FROM dateien d WHERE d.id = l.entity_id))
+UNION ALL SELECT 'status:' || status, count(*) FROM pipeline_runs GROUP BY status
+";
+
+pub async fn check_example_pipeline(
+    conn: &mut AsyncPgConnection,
+) -> Result<PipelineCheck, RepoError> {
+    let rows: Vec<Kv> = diesel::sql_query(CHECK_SQL)
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    let mut check = PipelineCheck::default();
+    for Kv { k, v } in rows {
+        let v = v.unwrap_or(0);
+        match k.as_str() {
+            "anfragen" => check.anfragen = v,
+            "anfragen_final" => check.anfragen_final = v,
+            "feasible" => check.feasible = v,
+            "infeasible" => check.infeasible = v,
+            "lost_stages" => check.lost_stages = v,
+            "retries" => check.retries = v,
+            "fenced" => check.fenced = v,
+            "double_executions" => check.double_executions = v,
+            "foreign_writes" => check.foreign_writes = v,
+            "dangling_audit" => check.dangling_audit = v,
+            status => {
+                let status = status.trim_start_matches("status:").to_owned();
+                check.runs_by_status.insert(status, v);
+            }
+        }
+    }
+    check.stages_succeeded = check.runs_by_status.get("success").copied().unwrap_or(0);
+    Ok(check)
+}
+
+impl PipelineCheck {
+    /// The invariants that must hold once every anfrage is final.
+    pub fn violations(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.double_executions != 0 {
+            v.push(format!("{} double executions", self.double_executions));
+        }
+        if self.foreign_writes != 0 {
+            v.push(format!(
+                "{} rows written by a non-successful attempt",
+                self.foreign_writes
+            ));
+        }
+        if self.lost_stages != 0 {
+            v.push(format!("{} lost stages", self.lost_stages));
+        }
+        if self.anfragen_final != self.anfragen {
+            v.push(format!(
+                "{} of {} anfragen did not reach a final state",
+                self.anfragen - self.anfragen_final,
+                self.anfragen
+            ));
+        }
+        if self.dangling_audit != 0 {
+            v.push(format!(
+                "{} audit entries name a missing file",
+                self.dangling_audit
+            ));
+        }
+        v
+    }
+}
