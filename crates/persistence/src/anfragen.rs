@@ -2,7 +2,7 @@
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{input_hash_of, AnfrageId, RepoError, TenantId};
+use idemstage_domain::{input_hash_of, AnfrageId, DomainError, RepoError, TenantId};
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
@@ -32,6 +32,21 @@ impl RegisterOutcome {
     }
 }
 
+/// Refuses an empty or oversized input (checked again by `register_anfrage`; callers
+/// use this to fail before they connect).
+pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
+    if input_text.trim().is_empty() {
+        return Err(DomainError::EmptyInput);
+    }
+    if input_text.len() > MAX_INPUT_BYTES {
+        return Err(DomainError::InputTooLarge {
+            size: input_text.len(),
+            max: MAX_INPUT_BYTES,
+        });
+    }
+    Ok(())
+}
+
 /// Registers an anfrage if new (insert-or-get on its id). An id that belongs to
 /// another tenant is refused with `TenantMismatch`; nothing is written then.
 pub async fn register_anfrage(
@@ -41,16 +56,7 @@ pub async fn register_anfrage(
     input_text: &str,
 ) -> Result<RegisterOutcome, RepoError> {
     use anfragen::dsl as a;
-    if input_text.trim().is_empty() {
-        return Err(idemstage_domain::DomainError::EmptyInput.into());
-    }
-    if input_text.len() > MAX_INPUT_BYTES {
-        return Err(idemstage_domain::DomainError::InputTooLarge {
-            size: input_text.len(),
-            max: MAX_INPUT_BYTES,
-        }
-        .into());
-    }
+    validate_input(input_text)?;
     let sha = input_hash_of(input_text.as_bytes());
     let s3_key = format!("anfragen/{tenant}/{anfrage}/input.txt");
     let inserted = diesel::insert_into(a::anfragen)

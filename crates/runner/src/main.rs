@@ -1,6 +1,10 @@
-//! The `idemstage` command line.
+//! The `idemstage` command line. Exit codes: 0 success, 1 failure (an invariant
+//! broken, an unexpected error), 2 bad input or usage, 3 database unavailable.
 
-use anyhow::Context;
+mod cli;
+
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -21,27 +25,36 @@ struct Cli {
 enum Command {
     /// Apply the embedded migrations.
     Migrate,
-}
-
-fn database_url(cli: &Cli) -> anyhow::Result<String> {
-    cli.database_url
-        .clone()
-        .context("no database: set DATABASE_URL or pass --database-url")
+    /// Register an anfrage (if new) and send its intake job.
+    Enqueue(cli::enqueue::Args),
+    /// Stage x status counts and queue state counts.
+    Status(cli::status::Args),
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {
-        Command::Migrate => {
-            let url = database_url(&cli)?;
-            let applied = idemstage_persistence::migrate(&url).await?;
-            println!("applied {applied} migration(s)");
+    let result = async {
+        let url = cli::database_url(cli.database_url.as_deref())?;
+        match cli.command {
+            Command::Migrate => cli::migrate(&url).await,
+            Command::Enqueue(args) => cli::enqueue::run(&url, args).await,
+            Command::Status(args) => cli::status::run(&url, args).await,
         }
     }
-    Ok(())
+    .await;
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("idemstage: {e:#}");
+            cli::exit_code_for(&e)
+        }
+    }
 }

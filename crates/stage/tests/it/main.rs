@@ -151,7 +151,9 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
     let pipeline = example::pipeline(Chaos::default());
     let job = f.anfrage("10 Stk Schrauben").await;
     let exec = f.executor();
-    exec.run(&pipeline, pipeline.first_stage(), &job).await.unwrap();
+    exec.run(&pipeline, pipeline.first_stage(), &job)
+        .await
+        .unwrap();
     let check = idemstage_persistence::report::check_example_pipeline(&mut f.conn)
         .await
         .unwrap();

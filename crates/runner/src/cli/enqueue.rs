@@ -1,0 +1,82 @@
+//! `idemstage enqueue`: register an anfrage and send its intake job, atomically.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use diesel_async::AsyncConnection;
+use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_persistence::anfragen::{register_anfrage, validate_input, MAX_INPUT_BYTES};
+use idemstage_persistence::TxError;
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::first_job;
+
+use super::BadInput;
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "file"])))]
+pub struct Args {
+    /// Tenant slug, e.g. acme-gmbh
+    #[arg(long)]
+    tenant: String,
+    /// Anfrage id: a ULID chosen by the caller
+    #[arg(long)]
+    anfrage: String,
+    /// The anfrage's text
+    #[arg(long)]
+    text: Option<String>,
+    /// Read the anfrage's text from this file (UTF-8)
+    #[arg(long)]
+    file: Option<PathBuf>,
+}
+
+fn read_input(args: &Args) -> anyhow::Result<String> {
+    if let Some(text) = &args.text {
+        return Ok(text.clone());
+    }
+    let path = args.file.as_ref().expect("clap requires --text or --file");
+    let file = std::fs::File::open(path)
+        .map_err(|e| BadInput(format!("cannot read {}: {e}", path.display())))?;
+    // Read at most one byte past the limit: a huge file is refused without loading it.
+    let mut bytes = Vec::new();
+    file.take(MAX_INPUT_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| BadInput(format!("cannot read {}: {e}", path.display())))?;
+    if bytes.len() > MAX_INPUT_BYTES {
+        return Err(BadInput(format!(
+            "{} is larger than the limit of {MAX_INPUT_BYTES} bytes",
+            path.display()
+        ))
+        .into());
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| BadInput(format!("{} is not UTF-8 text", path.display())).into())
+}
+
+pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+    // Everything is validated before the first connection: bad input writes nothing.
+    let tenant = TenantId::parse(&args.tenant)?;
+    let anfrage = AnfrageId::parse(&args.anfrage)?;
+    let text = read_input(&args)?;
+    validate_input(&text)?;
+    let pipeline = example::pipeline(Chaos::default());
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let sent = conn
+        .transaction::<_, TxError, _>(async |conn| {
+            register_anfrage(conn, &tenant, &anfrage, &text).await?;
+            // The job carries the hash of *this* input: a changed input reaches the
+            // claim, which decides by policy (default: reject).
+            let hash = idemstage_domain::input_hash_of(text.as_bytes());
+            let job = first_job(&pipeline, tenant.clone(), anfrage, hash);
+            Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+        })
+        .await
+        .map_err(|e| e.into_repo())
+        .context("enqueue failed; nothing was written")?;
+    match sent {
+        SendResult::Sent(id) => println!("{id}"),
+        SendResult::Duplicate => println!("duplicate"),
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,45 @@
+//! Subcommands, and the mapping of their errors to exit codes.
+
+pub mod enqueue;
+pub mod status;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use idemstage_domain::{DomainError, RepoError};
+
+/// An error the user can fix by changing the input (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadInput(pub String);
+
+pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
+    flag.filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .ok_or_else(|| BadInput("no database: set DATABASE_URL or pass --database-url".into()))
+        .context("idemstage needs a PostgreSQL server")
+}
+
+pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
+    for cause in e.chain() {
+        if cause.is::<BadInput>() || cause.is::<DomainError>() {
+            return ExitCode::from(2);
+        }
+        if let Some(repo) = cause.downcast_ref::<RepoError>() {
+            return match repo {
+                RepoError::Invalid(_)
+                | RepoError::AnfrageNotFound { .. }
+                | RepoError::TenantMismatch { .. } => ExitCode::from(2),
+                RepoError::Unavailable(_) => ExitCode::from(3),
+                _ => ExitCode::from(1),
+            };
+        }
+    }
+    ExitCode::from(1)
+}
+
+pub async fn migrate(url: &str) -> anyhow::Result<ExitCode> {
+    let applied = idemstage_persistence::migrate(url).await?;
+    println!("applied {applied} migration(s)");
+    Ok(ExitCode::SUCCESS)
+}

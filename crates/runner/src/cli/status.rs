@@ -1,0 +1,31 @@
+//! `idemstage status`: stage x status counts and queue state counts.
+
+use std::process::ExitCode;
+
+use idemstage_domain::TenantId;
+use idemstage_persistence::report::stage_status_counts;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Only this tenant's runs
+    #[arg(long)]
+    tenant: Option<String>,
+    /// One JSON object instead of tables
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+    let tenant = args.tenant.as_deref().map(TenantId::parse).transpose()?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let stages = stage_status_counts(&mut conn, tenant.as_ref()).await?;
+    if args.json {
+        println!("{}", serde_json::json!({ "stages": stages }));
+    } else {
+        println!("{:<16} {:<10} {:>10}", "stage", "status", "runs");
+        for s in &stages {
+            println!("{:<16} {:<10} {:>10}", s.stage, s.status, s.count);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
