@@ -2,3 +2,4 @@
 //! Every test gets its own database from `idemstage_testkit::TestDb`.
 
 mod foundation;
+mod queue;
