@@ -10,6 +10,7 @@
 
 mod fetch;
 mod finish;
+mod listen;
 mod maintenance;
 mod send;
 
@@ -17,6 +18,7 @@ pub use fetch::fetch;
 pub use finish::{
     cancel, complete, complete_many, fail, renew_lease, retry_now, RenewLeaseOutcome,
 };
+pub use listen::JobListener;
 pub use maintenance::{
     maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,
     MAINTENANCE_LOCK_KEY,
