@@ -328,6 +328,43 @@ async fn after_the_grace_period_unfinished_jobs_are_given_back_without_a_failure
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_running_past_the_job_lease_is_aborted_and_its_job_failed() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let (tx, mut started) = mpsc::unbounded_channel();
+    let w = start(
+        db.pool(4).await,
+        db.url(),
+        config("slow"),
+        gated_handler(tx, CancellationToken::new()),
+    );
+    let slow = send(
+        &mut conn,
+        job(
+            "slow",
+            json!({}),
+            SendOptions {
+                retry_limit: 0,
+                expire_in: Duration::from_millis(200),
+                ..SendOptions::default()
+            },
+        ),
+    )
+    .await;
+    assert_eq!(started.recv().await, Some(slow));
+    let r = wait_for_state(&mut conn, slow, "failed").await;
+    // Either the worker gave up first, or maintenance expired the lease first; both
+    // leave a readable reason.
+    let why = r.last_error.unwrap();
+    assert!(
+        why.contains("did not finish within the job lease") || why.contains("lease expired"),
+        "{why}"
+    );
+    let stats = w.shutdown().await;
+    assert_eq!(stats.failed + stats.fenced, 1, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetch_errors_while_the_database_refuses_connections_are_retried() {
     let db = TestDb::new().await;
     let mut admin = idemstage_persistence::connect(&idemstage_testkit::server_url())
