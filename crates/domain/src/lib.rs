@@ -16,7 +16,10 @@ pub use outcome::{
     ClaimOutcome, CompleteOutcome, FailOutcome, RejectReason, RenewOutcome, RunStatus, SkipReason,
 };
 pub use policy::{InputChangePolicy, StagePolicy};
-pub use queue::{JobState, JobToSend, SendOptions, SendResult};
+pub use queue::{
+    FailKind, FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
+    JobState, JobToSend, PayloadError, QueueStats, SendOptions, SendResult, StateCounts,
+};
 pub use repo::{
     AttemptRecord, ClaimRequest, ClaimToken, DateiRef, Extraktion, FencedTx, FencedWrite,
     RunRecord, RunRepository,

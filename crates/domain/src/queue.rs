@@ -1,8 +1,11 @@
 //! Queue types shared by the stage layer (which sends the next stage's job) and
 //! persistence (which stores jobs).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::{DomainError, JobId};
@@ -63,6 +66,11 @@ impl SendOptions {
         }
         if self.singleton_seconds == Some(0) {
             return Err(InvalidOption("singleton_seconds must be positive".into()));
+        }
+        // A bad name would only surface when the job fails for good, as a refused
+        // dead-letter insert; refuse it at send time instead.
+        if let Some(dl) = &self.dead_letter {
+            validate_queue_name(dl)?;
         }
         if let Some(key) = &self.singleton_key {
             if key.is_empty() || key.len() > 512 {
@@ -137,6 +145,138 @@ impl JobState {
             JobState::Failed => "failed",
         }
     }
+}
+
+impl JobState {
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+/// A job handed to a worker by a fetch. `attempt` is the fencing token of its lease:
+/// complete/fail/cancel/retry must present it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FetchedJob {
+    pub id: JobId,
+    pub queue: String,
+    pub payload: serde_json::Value,
+    pub priority: i32,
+    pub singleton_key: Option<String>,
+    /// Fencing token: incremented on every fetch.
+    pub attempt: i32,
+    /// Retries used so far (0 on the first delivery).
+    pub retry_count: i32,
+    pub retry_limit: i32,
+    /// The job lease: maintenance retries the job once this is past (database clock).
+    pub expire_in: Duration,
+    pub lease_expires_at: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+    /// Error of the previous delivery, if it failed.
+    pub last_error: Option<String>,
+}
+
+impl FetchedJob {
+    /// The payload as the handler's type; the error names the queue and serde's reason.
+    pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, PayloadError> {
+        T::deserialize(&self.payload).map_err(|e| PayloadError {
+            queue: self.queue.clone(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A payload that does not deserialize into the handler's type. Permanent: the same
+/// bytes will not parse on a retry.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid payload for queue {queue}: {reason}")]
+pub struct PayloadError {
+    pub queue: String,
+    pub reason: String,
+}
+
+/// Result of complete (and of each entry of complete_many).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum JobCompleteOutcome {
+    Completed,
+    /// The job is no longer active under this attempt: its lease was taken over.
+    Fenced,
+}
+
+/// How a failure counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum FailKind {
+    /// Retry while retries are left.
+    Retryable,
+    /// Retrying cannot help (e.g. a payload that does not deserialize): fail now.
+    Permanent,
+}
+
+/// Result of fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum JobFailOutcome {
+    /// Back in the queue; fetchable from `start_after` (database clock).
+    Retrying {
+        start_after: DateTime<Utc>,
+    },
+    /// Final. `dead_lettered` is the id of the copy sent to the dead-letter queue.
+    Failed {
+        dead_lettered: Option<JobId>,
+    },
+    Fenced,
+}
+
+/// Result of cancel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum JobCancelOutcome {
+    Cancelled,
+    Fenced,
+}
+
+/// Result of retry-now (giving an active job back without counting a failure).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum JobRetryOutcome {
+    Requeued,
+    Fenced,
+}
+
+/// Job counts of one queue by state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StateCounts {
+    pub created: i64,
+    pub retry: i64,
+    pub active: i64,
+    pub completed: i64,
+    pub cancelled: i64,
+    pub failed: i64,
+}
+
+impl StateCounts {
+    pub fn get(&self, state: JobState) -> i64 {
+        match state {
+            JobState::Created => self.created,
+            JobState::Retry => self.retry,
+            JobState::Active => self.active,
+            JobState::Completed => self.completed,
+            JobState::Cancelled => self.cancelled,
+            JobState::Failed => self.failed,
+        }
+    }
+    pub fn get_mut(&mut self, state: JobState) -> &mut i64 {
+        match state {
+            JobState::Created => &mut self.created,
+            JobState::Retry => &mut self.retry,
+            JobState::Active => &mut self.active,
+            JobState::Completed => &mut self.completed,
+            JobState::Cancelled => &mut self.cancelled,
+            JobState::Failed => &mut self.failed,
+        }
+    }
+}
+
+/// Job counts per queue and state (for `idemstage status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    pub queues: BTreeMap<String, StateCounts>,
 }
 
 /// The singleton key convention of the seed: `"{stage}:{tenant_id}:{anfrage_id}"`.

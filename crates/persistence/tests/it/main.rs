@@ -3,4 +3,5 @@
 
 mod claim;
 mod foundation;
+mod queue;
 mod support;

@@ -1,0 +1,141 @@
+//! Fetching: lease up to N jobs in one statement.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{FetchedJob, JobId, RepoError};
+
+use crate::error::map_diesel_error;
+
+/// `FOR UPDATE SKIP LOCKED` lets concurrent fetchers pass each other's rows instead
+/// of queueing behind them; the outer UPDATE then leases exactly the rows this
+/// statement locked. Order: priority DESC, then id (a ULID, so oldest first), which
+/// is the order of `jobs_fetch_idx`: an ordered index scan that stops after N rows.
+const FETCH_ONE_QUEUE_SQL: &str = "\
+WITH next AS (
+    SELECT id FROM jobs
+     WHERE queue = $1
+       AND state IN ('created', 'retry')
+       AND start_after <= now()
+     ORDER BY priority DESC, id
+     LIMIT $2
+     FOR UPDATE SKIP LOCKED
+)
+{lease}";
+
+/// With several queues, `queue = ANY($1)` cannot use the index order (the planner
+/// sorts the whole backlog), so each queue gets its own ordered index scan of at most
+/// N rows and the best N of those are leased. Candidates locked but not chosen stay
+/// locked only until this statement's transaction ends.
+const FETCH_MANY_QUEUES_SQL: &str = "\
+WITH next AS (
+    SELECT c.id FROM unnest($1::text[]) AS q(name)
+    CROSS JOIN LATERAL (
+        SELECT id, priority FROM jobs
+         WHERE queue = q.name
+           AND state IN ('created', 'retry')
+           AND start_after <= now()
+         ORDER BY priority DESC, id
+         LIMIT $2
+         FOR UPDATE SKIP LOCKED
+    ) c
+    ORDER BY c.priority DESC, c.id
+    LIMIT $2
+)
+{lease}";
+
+const LEASE_SQL: &str = "\
+UPDATE jobs j
+   SET state = 'active',
+       attempt = j.attempt + 1,
+       started_at = now(),
+       lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
+  FROM next
+ WHERE j.id = next.id
+RETURNING j.id, j.queue, j.payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
+          j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
+
+#[derive(diesel::QueryableByName)]
+pub(crate) struct FetchedRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    queue: String,
+    #[diesel(sql_type = Jsonb)]
+    payload: serde_json::Value,
+    #[diesel(sql_type = Integer)]
+    priority: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    singleton_key: Option<String>,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+    #[diesel(sql_type = Integer)]
+    retry_count: i32,
+    #[diesel(sql_type = Integer)]
+    retry_limit: i32,
+    #[diesel(sql_type = BigInt)]
+    expire_in_ms: i64,
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+}
+
+impl FetchedRow {
+    fn into_job(self) -> Result<FetchedJob, RepoError> {
+        Ok(FetchedJob {
+            id: JobId::parse(&self.id)?,
+            queue: self.queue,
+            payload: self.payload,
+            priority: self.priority,
+            singleton_key: self.singleton_key,
+            attempt: self.attempt,
+            retry_count: self.retry_count,
+            retry_limit: self.retry_limit,
+            expire_in: Duration::from_millis(u64::try_from(self.expire_in_ms).unwrap_or(0)),
+            lease_expires_at: self.lease_expires_at,
+            created_at: self.created_at,
+            last_error: self.last_error,
+        })
+    }
+}
+
+/// Leases up to `limit` fetchable jobs of `queues` (state created/retry,
+/// `start_after <= now()`), highest priority first, then oldest. Each is marked
+/// active with `attempt + 1` (its fencing token) and `lease_expires_at = now() +
+/// expire_in`. Returned in fetch order.
+pub async fn fetch(
+    conn: &mut AsyncPgConnection,
+    queues: &[String],
+    limit: u32,
+) -> Result<Vec<FetchedJob>, RepoError> {
+    if queues.is_empty() || limit == 0 {
+        return Ok(Vec::new());
+    }
+    let limit = i64::from(limit);
+    let rows: Vec<FetchedRow> = if let [queue] = queues {
+        diesel::sql_query(FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL))
+            .bind::<Text, _>(queue)
+            .bind::<BigInt, _>(limit)
+            .load(conn)
+            .await
+    } else {
+        diesel::sql_query(FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL))
+            .bind::<Array<Text>, _>(queues)
+            .bind::<BigInt, _>(limit)
+            .load(conn)
+            .await
+    }
+    .map_err(map_diesel_error)?;
+    let mut jobs = rows
+        .into_iter()
+        .map(FetchedRow::into_job)
+        .collect::<Result<Vec<_>, _>>()?;
+    // RETURNING does not keep the order of the CTE.
+    jobs.sort_by(|a, b| b.priority.cmp(&a.priority).then(a.id.cmp(&b.id)));
+    Ok(jobs)
+}

@@ -1,0 +1,278 @@
+//! Ending (or extending) a fetched job's lease. Every statement here is fenced on
+//! `(id, attempt, state = 'active')`: zero rows means the lease was taken over
+//! (expired and retried by maintenance, or fetched again), and the caller gets
+//! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
+//! nobody else holds the job.
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::OptionalExtension;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{
+    FailKind, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobId, JobRetryOutcome,
+    RepoError,
+};
+
+use super::{RETRY_DELAY_MS_SQL, VALID_QUEUE_SQL};
+use crate::error::map_diesel_error;
+
+#[derive(diesel::QueryableByName)]
+struct IdRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+}
+
+/// Marks the job completed (with an optional output).
+pub async fn complete(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+    output: Option<&serde_json::Value>,
+) -> Result<JobCompleteOutcome, RepoError> {
+    let n = diesel::sql_query(
+        "UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
+                         output = $3
+          WHERE id = $1 AND attempt = $2 AND state = 'active'",
+    )
+    .bind::<Text, _>(id.to_string())
+    .bind::<Integer, _>(attempt)
+    .bind::<Nullable<Jsonb>, _>(output)
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(if n == 1 {
+        JobCompleteOutcome::Completed
+    } else {
+        JobCompleteOutcome::Fenced
+    })
+}
+
+/// Completes many jobs in one statement; outcomes are in input order.
+pub async fn complete_many(
+    conn: &mut AsyncPgConnection,
+    jobs: &[(JobId, i32)],
+) -> Result<Vec<JobCompleteOutcome>, RepoError> {
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    #[derive(diesel::QueryableByName)]
+    struct Done {
+        #[diesel(sql_type = Text)]
+        id: String,
+        #[diesel(sql_type = Integer)]
+        attempt: i32,
+    }
+    let rows: Vec<Done> = diesel::sql_query(
+        "UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL
+           FROM unnest($1::text[], $2::int[]) AS t(id, attempt)
+          WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'active'
+         RETURNING j.id, j.attempt",
+    )
+    .bind::<Array<Text>, _>(
+        jobs.iter()
+            .map(|(id, _)| id.to_string())
+            .collect::<Vec<_>>(),
+    )
+    .bind::<Array<Integer>, _>(jobs.iter().map(|(_, a)| *a).collect::<Vec<_>>())
+    .load(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    // Keyed by (id, attempt): an entry with a stale token is Fenced even when
+    // another entry of the same job completed it.
+    let done: HashSet<(String, i32)> = rows.into_iter().map(|r| (r.id, r.attempt)).collect();
+    Ok(jobs
+        .iter()
+        .map(|(id, attempt)| {
+            if done.contains(&(id.to_string(), *attempt)) {
+                JobCompleteOutcome::Completed
+            } else {
+                JobCompleteOutcome::Fenced
+            }
+        })
+        .collect())
+}
+
+/// The failure transition shared by `fail` and lease expiry: `{retry}` decides
+/// between retry (with the job's delay) and final failure. Uses `j` for the row.
+pub(crate) fn failure_set_sql(retry: &str) -> String {
+    format!(
+        "state = CASE WHEN {retry} THEN 'retry' ELSE 'failed' END,
+         retry_count = j.retry_count + CASE WHEN {retry} THEN 1 ELSE 0 END,
+         start_after = CASE WHEN {retry}
+                            THEN now() + ({RETRY_DELAY_MS_SQL}) * interval '1 millisecond'
+                            ELSE j.start_after END,
+         completed_at = CASE WHEN {retry} THEN NULL ELSE now() END,
+         lease_expires_at = NULL"
+    )
+}
+
+/// The dead-letter copy of failed rows `src` (a CTE with the columns of `jobs`):
+/// payload and priority, and a last_error naming the original job and its error.
+pub(crate) fn dead_letter_insert_sql(new_id: &str, src: &str, extra_where: &str) -> String {
+    format!(
+        "INSERT INTO jobs (id, queue, priority, payload, last_error)
+         SELECT {new_id}, {src}.dead_letter, {src}.priority, {src}.payload,
+                format('dead-lettered from job %s of queue %s: %s',
+                       {src}.id, {src}.queue, {src}.last_error)
+           FROM {src}
+          WHERE {src}.state = 'failed' AND {src}.dead_letter ~ {VALID_QUEUE_SQL} {extra_where}
+         RETURNING id, queue"
+    )
+}
+
+#[derive(diesel::QueryableByName)]
+struct FailRow {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Timestamptz)]
+    start_after: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    dead_letter_id: Option<String>,
+}
+
+/// Records a failure of the job's current attempt. With retries left (and a
+/// retryable failure) the job goes to `retry`, fetchable after its retry delay;
+/// otherwise it is `failed` and, with a dead-letter queue, a copy is sent there in
+/// the same statement. A retry due now wakes the listeners.
+pub async fn fail(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+    error: &str,
+    kind: FailKind,
+) -> Result<JobFailOutcome, RepoError> {
+    let retry = "($4 AND j.retry_count < j.retry_limit)";
+    let sql = format!(
+        "WITH failed AS (
+             UPDATE jobs j SET {set}, last_error = $3
+              WHERE j.id = $1 AND j.attempt = $2 AND j.state = 'active'
+             RETURNING j.*
+         ), dl AS (
+             {dl}
+         ), notified AS (
+             SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
+                 SELECT queue FROM dl
+                 UNION SELECT queue FROM failed WHERE state = 'retry' AND start_after <= now()
+             ) q
+         )
+         SELECT failed.state, failed.start_after, dl.id AS dead_letter_id
+           FROM failed LEFT JOIN dl ON true CROSS JOIN notified",
+        set = failure_set_sql(retry),
+        dl = dead_letter_insert_sql("$5", "failed", ""),
+    );
+    let row: Option<FailRow> = diesel::sql_query(sql)
+        .bind::<Text, _>(id.to_string())
+        .bind::<Integer, _>(attempt)
+        .bind::<Text, _>(error)
+        .bind::<Bool, _>(kind == FailKind::Retryable)
+        .bind::<Text, _>(JobId::new().to_string())
+        .get_result(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    let Some(row) = row else {
+        return Ok(JobFailOutcome::Fenced);
+    };
+    Ok(if row.state == "retry" {
+        JobFailOutcome::Retrying {
+            start_after: row.start_after,
+        }
+    } else {
+        JobFailOutcome::Failed {
+            dead_lettered: row
+                .dead_letter_id
+                .as_deref()
+                .map(JobId::parse)
+                .transpose()?,
+        }
+    })
+}
+
+/// Cancels the job's current attempt for good (no retry, no dead letter).
+pub async fn cancel(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+) -> Result<JobCancelOutcome, RepoError> {
+    let n = diesel::sql_query(
+        "UPDATE jobs SET state = 'cancelled', completed_at = now(), lease_expires_at = NULL
+          WHERE id = $1 AND attempt = $2 AND state = 'active'",
+    )
+    .bind::<Text, _>(id.to_string())
+    .bind::<Integer, _>(attempt)
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(if n == 1 {
+        JobCancelOutcome::Cancelled
+    } else {
+        JobCancelOutcome::Fenced
+    })
+}
+
+/// Gives the job back for another worker now, without counting a failure (used by
+/// a worker shutting down with the job unfinished). Wakes the listeners.
+pub async fn retry_now(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+) -> Result<JobRetryOutcome, RepoError> {
+    let row: Option<IdRow> = diesel::sql_query(
+        "WITH released AS (
+             UPDATE jobs SET state = 'retry', start_after = now(), lease_expires_at = NULL
+              WHERE id = $1 AND attempt = $2 AND state = 'active'
+             RETURNING id, queue
+         )
+         SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released",
+    )
+    .bind::<Text, _>(id.to_string())
+    .bind::<Integer, _>(attempt)
+    .get_result(conn)
+    .await
+    .optional()
+    .map_err(map_diesel_error)?;
+    Ok(if row.is_some_and(|r| r.id == id.to_string()) {
+        JobRetryOutcome::Requeued
+    } else {
+        JobRetryOutcome::Fenced
+    })
+}
+
+/// Result of a lease renewal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RenewLeaseOutcome {
+    Renewed { lease_expires_at: DateTime<Utc> },
+    Fenced,
+}
+
+/// Extends the lease of a long-running job to `now() + expire_in` (database clock).
+pub async fn renew_lease(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+) -> Result<RenewLeaseOutcome, RepoError> {
+    #[derive(diesel::QueryableByName)]
+    struct Lease {
+        #[diesel(sql_type = Timestamptz)]
+        lease_expires_at: DateTime<Utc>,
+    }
+    let row: Option<Lease> = diesel::sql_query(
+        "UPDATE jobs SET lease_expires_at = now() + expire_in_ms * interval '1 millisecond'
+          WHERE id = $1 AND attempt = $2 AND state = 'active'
+         RETURNING lease_expires_at",
+    )
+    .bind::<Text, _>(id.to_string())
+    .bind::<Integer, _>(attempt)
+    .get_result(conn)
+    .await
+    .optional()
+    .map_err(map_diesel_error)?;
+    Ok(match row {
+        Some(l) => RenewLeaseOutcome::Renewed {
+            lease_expires_at: l.lease_expires_at,
+        },
+        None => RenewLeaseOutcome::Fenced,
+    })
+}

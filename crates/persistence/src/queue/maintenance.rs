@@ -1,0 +1,207 @@
+//! Maintenance (lease expiry, retention) and queue statistics.
+
+use std::time::Duration;
+
+use diesel::sql_types::{Array, BigInt, Bool, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{JobId, JobState, QueueStats, RepoError};
+
+use super::finish::{dead_letter_insert_sql, failure_set_sql};
+use super::millis;
+use crate::error::map_diesel_error;
+
+/// Advisory lock key of queue maintenance ("idemjobs" in ASCII): one maintainer at
+/// a time per database, whichever worker gets there first.
+pub const MAINTENANCE_LOCK_KEY: i64 = 0x6964_656d_6a6f_6273;
+
+#[derive(Clone, Debug)]
+pub struct MaintenanceConfig {
+    /// Completed, cancelled and failed jobs older than this are deleted.
+    pub retention: Duration,
+    /// Upper bound of rows expired and of rows deleted per run (keeps runs short).
+    pub batch_limit: u32,
+}
+
+impl Default for MaintenanceConfig {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(7 * 24 * 3600),
+            batch_limit: 10_000,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaintenanceReport {
+    /// Active jobs whose lease ran out, put back for a retry.
+    pub expired_retried: u64,
+    /// Active jobs whose lease ran out with no retries left: now failed.
+    pub expired_failed: u64,
+    /// Copies sent to dead-letter queues by this run.
+    pub dead_lettered: u64,
+    /// Finished jobs deleted after their retention.
+    pub deleted: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MaintenanceOutcome {
+    Ran(MaintenanceReport),
+    /// Another session holds the maintenance lock right now.
+    Skipped,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Bool)]
+    locked: bool,
+}
+
+#[derive(diesel::QueryableByName)]
+struct ExpiredRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Bool)]
+    dead_letter: bool,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// One maintenance run in one transaction, under `pg_try_advisory_xact_lock` (a
+/// concurrent run is `Skipped`, not waited for): expired leases are failed with the
+/// rules of `fail` (retry with the job's delay, or failed and dead-lettered), then
+/// finished jobs past the retention are deleted.
+pub async fn maintain(
+    conn: &mut AsyncPgConnection,
+    config: &MaintenanceConfig,
+) -> Result<MaintenanceOutcome, RepoError> {
+    let limit = i64::from(config.batch_limit.max(1));
+    let retention_ms = millis(config.retention);
+    conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
+        let lock: Locked = diesel::sql_query("SELECT pg_try_advisory_xact_lock($1) AS locked")
+            .bind::<BigInt, _>(MAINTENANCE_LOCK_KEY)
+            .get_result(conn)
+            .await?;
+        if !lock.locked {
+            return Ok(MaintenanceOutcome::Skipped);
+        }
+        let mut report = MaintenanceReport::default();
+
+        // SKIP LOCKED: a row locked right now is being completed or failed by its
+        // worker; the next run sees it again if it is still active.
+        let expire_sql = format!(
+            "WITH expired AS (
+                 UPDATE jobs j SET {set},
+                        last_error = format('job lease expired: attempt %s not finished within \
+                                             expire_in of %s ms', j.attempt, j.expire_in_ms)
+                  WHERE j.state = 'active'
+                    AND j.id IN (SELECT id FROM jobs
+                                  WHERE state = 'active' AND lease_expires_at < now()
+                                  ORDER BY lease_expires_at
+                                  LIMIT $1
+                                  FOR UPDATE SKIP LOCKED)
+                 RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
+             ), notified AS (
+                 SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
+                     SELECT DISTINCT queue FROM expired
+                      WHERE state = 'retry' AND start_after <= now()
+                 ) q
+             )
+             SELECT expired.id, expired.state, expired.dead_letter IS NOT NULL AS dead_letter
+               FROM expired CROSS JOIN notified",
+            set = failure_set_sql("j.retry_count < j.retry_limit"),
+        );
+        let expired: Vec<ExpiredRow> = diesel::sql_query(expire_sql)
+            .bind::<BigInt, _>(limit)
+            .load(conn)
+            .await?;
+        let mut to_dead_letter = Vec::new();
+        for row in &expired {
+            if row.state == JobState::Retry.as_str() {
+                report.expired_retried += 1;
+            } else {
+                report.expired_failed += 1;
+                if row.dead_letter {
+                    to_dead_letter.push(row.id.clone());
+                }
+            }
+        }
+
+        if !to_dead_letter.is_empty() {
+            // Ids are ULIDs generated here; the copy is made in the same transaction
+            // as the failure, so neither exists without the other.
+            let new_ids: Vec<String> = to_dead_letter
+                .iter()
+                .map(|_| JobId::new().to_string())
+                .collect();
+            let dl_sql = format!(
+                "WITH src AS (
+                     SELECT j.*, t.new_id FROM jobs j
+                       JOIN unnest($1::text[], $2::text[]) AS t(src_id, new_id) ON j.id = t.src_id
+                 ), dl AS (
+                     {dl}
+                 ), notified AS (
+                     SELECT count(pg_notify('idemstage_jobs', queue)) AS n
+                       FROM (SELECT DISTINCT queue FROM dl) q
+                 )
+                 SELECT (SELECT count(*) FROM dl) AS n FROM notified",
+                dl = dead_letter_insert_sql("src.new_id", "src", ""),
+            );
+            let copied: Count = diesel::sql_query(dl_sql)
+                .bind::<Array<Text>, _>(&to_dead_letter)
+                .bind::<Array<Text>, _>(&new_ids)
+                .get_result(conn)
+                .await?;
+            report.dead_lettered = u64::try_from(copied.n).unwrap_or(0);
+        }
+
+        let deleted = diesel::sql_query(
+            "DELETE FROM jobs WHERE id IN (
+                 SELECT id FROM jobs
+                  WHERE state IN ('completed', 'cancelled', 'failed')
+                    AND completed_at < now() - $1 * interval '1 millisecond'
+                  LIMIT $2)",
+        )
+        .bind::<BigInt, _>(retention_ms)
+        .bind::<BigInt, _>(limit)
+        .execute(conn)
+        .await?;
+        report.deleted = deleted as u64;
+        Ok(MaintenanceOutcome::Ran(report))
+    })
+    .await
+    .map_err(map_diesel_error)
+}
+
+#[derive(diesel::QueryableByName)]
+struct StatRow {
+    #[diesel(sql_type = Text)]
+    queue: String,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Job counts per queue and state.
+pub async fn queue_stats(conn: &mut AsyncPgConnection) -> Result<QueueStats, RepoError> {
+    let rows: Vec<StatRow> = diesel::sql_query(
+        "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue, state",
+    )
+    .load(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    let mut stats = QueueStats::default();
+    for row in rows {
+        let state = JobState::parse(&row.state).ok_or_else(|| {
+            RepoError::Database(format!("unknown job state {:?} in jobs", row.state))
+        })?;
+        *stats.queues.entry(row.queue).or_default().get_mut(state) += row.n;
+    }
+    Ok(stats)
+}

@@ -1,0 +1,51 @@
+//! Layer 2: the job queue on `jobs`.
+//!
+//! Every function takes the caller's connection, so that it can run inside the
+//! caller's transaction (a send is then visible, and its NOTIFY fires, only on
+//! commit). Every state change of a fetched job is fenced on `(id, attempt,
+//! state = 'active')`: `attempt` is incremented by each fetch, so a worker whose
+//! lease was taken over cannot complete, fail or release the job.
+//!
+//! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
+
+mod fetch;
+mod finish;
+mod listen;
+mod maintenance;
+mod send;
+
+pub use fetch::fetch;
+pub use finish::{
+    cancel, complete, complete_many, fail, renew_lease, retry_now, RenewLeaseOutcome,
+};
+pub use listen::JobListener;
+pub use maintenance::{
+    maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,
+    MAINTENANCE_LOCK_KEY,
+};
+pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
+
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Retry delay in milliseconds of the job row `j`, from its values *before* the
+/// failure is recorded (`j.retry_count` = retries used so far). Without backoff it
+/// is `retry_delay_ms`. With backoff it is drawn uniformly from `[d/2, d]`, where
+/// `d = min(retry_delay_max_ms, retry_delay_ms * 2^retry_count)` ("equal jitter":
+/// workers that failed together do not retry together, and the cap holds). The
+/// exponent and the result are clamped so that no value overflows a timestamp.
+const RETRY_DELAY_MS_SQL: &str = "\
+least(
+    CASE WHEN j.retry_backoff
+         THEN least(coalesce(j.retry_delay_max_ms::float8, 'Infinity'::float8),
+                    j.retry_delay_ms * power(2::float8, least(j.retry_count, 40)))
+              * (0.5 + random() / 2)
+         ELSE least(coalesce(j.retry_delay_max_ms, j.retry_delay_ms), j.retry_delay_ms)::float8
+    END,
+    315360000000::float8)";
+
+/// Dead-letter queue names must match the `jobs.queue` CHECK; a row written by hand
+/// with a bad name is failed without a copy rather than making every retry of the
+/// failure (and maintenance) error out.
+const VALID_QUEUE_SQL: &str = "'^[A-Za-z0-9_.:-]{1,100}$'";
