@@ -279,6 +279,16 @@ pub struct QueueStats {
     pub queues: BTreeMap<String, StateCounts>,
 }
 
+impl QueueStats {
+    /// Jobs still to be worked: created, retrying or active, over all queues.
+    pub fn live(&self) -> i64 {
+        self.queues
+            .values()
+            .map(|c| c.created + c.retry + c.active)
+            .sum()
+    }
+}
+
 /// The singleton key convention of the seed: `"{stage}:{tenant_id}:{anfrage_id}"`.
 pub fn stage_singleton_key(
     stage: &crate::StageName,

@@ -1,8 +1,10 @@
-//! The runner library: the generic queue worker loop (and, later, the stage worker
-//! pool built on it). The `idemstage` binary in `main.rs` wires it to the CLI.
+//! The runner library: the generic queue worker loop, and the stage worker built on
+//! it. The `idemstage` binary in `main.rs` wires them to the CLI.
 
+pub mod pipeline_worker;
 pub mod queue_worker;
 
+pub use pipeline_worker::{Counters, CountersSnapshot, PipelineWorker, PipelineWorkerConfig};
 pub use queue_worker::{
     handler_fn, FnHandler, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerError,
     WorkerStats, WorkerStatsSnapshot,

@@ -27,26 +27,43 @@ enum Command {
     Migrate,
     /// Register an anfrage (if new) and send its intake job.
     Enqueue(cli::enqueue::Args),
+    /// Work the stage queues until SIGINT/SIGTERM.
+    Worker(cli::worker::Args),
     /// Stage x status counts and queue state counts.
     Status(cli::status::Args),
+    /// The main job: duplicate sends, many workers, injected crashes; then a report
+    /// checked against the database.
+    Demo(cli::demo::Args),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo injects crashes on purpose: its warnings would drown the report.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // A panicking stage body is a failed attempt, handled and recorded; log it as one
+    // line instead of the default hook's dump.
+    std::panic::set_hook(Box::new(|info| {
+        tracing::warn!(panic = %info, "stage body panicked");
+    }));
     let result = async {
         let url = cli::database_url(cli.database_url.as_deref())?;
         match cli.command {
             Command::Migrate => cli::migrate(&url).await,
             Command::Enqueue(args) => cli::enqueue::run(&url, args).await,
+            Command::Worker(args) => cli::worker::run(&url, args).await,
             Command::Status(args) => cli::status::run(&url, args).await,
+            Command::Demo(args) => cli::demo::run(&url, args).await,
         }
     }
     .await;

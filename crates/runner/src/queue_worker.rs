@@ -30,6 +30,13 @@ pub enum HandlerError {
     /// Retrying cannot help: the job fails now (and goes to its dead-letter queue).
     #[error("{0}")]
     Permanent(String),
+    /// Not now: fetch the job again after `until` (database clock; `None` = at
+    /// once), without counting a failure.
+    #[error("deferred: {reason}")]
+    Defer {
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        reason: String,
+    },
 }
 
 impl HandlerError {
@@ -117,6 +124,9 @@ pub struct QueueWorkerConfig {
     /// Backoff after a database error: doubles from `min` up to `max`.
     pub error_backoff_min: Duration,
     pub error_backoff_max: Duration,
+    /// A handler still running after this long is aborted and its job failed
+    /// (retryable). `None`: no limit here (stages have their own timeout).
+    pub handler_timeout: Option<Duration>,
 }
 
 impl Default for QueueWorkerConfig {
@@ -132,6 +142,7 @@ impl Default for QueueWorkerConfig {
             shutdown_grace: Duration::from_secs(30),
             error_backoff_min: Duration::from_millis(100),
             error_backoff_max: Duration::from_secs(10),
+            handler_timeout: None,
         }
     }
 }
@@ -150,6 +161,7 @@ pub struct WorkerStats {
     failed: AtomicU64,
     fenced: AtomicU64,
     released: AtomicU64,
+    deferred: AtomicU64,
     fetch_errors: AtomicU64,
 }
 
@@ -163,6 +175,8 @@ pub struct WorkerStatsSnapshot {
     pub fenced: u64,
     /// Jobs given back unfinished at shutdown.
     pub released: u64,
+    /// Jobs given back to wait (HandlerError::Defer).
+    pub deferred: u64,
     pub fetch_errors: u64,
 }
 
@@ -175,6 +189,7 @@ impl WorkerStats {
             failed: get(&self.failed),
             fenced: get(&self.fenced),
             released: get(&self.released),
+            deferred: get(&self.deferred),
             fetch_errors: get(&self.fetch_errors),
         }
     }
@@ -295,6 +310,7 @@ impl<H: JobHandler> QueueWorker<H> {
                             hard_stop.clone(),
                             self.stats.clone(),
                             cfg.error_backoff_min,
+                            cfg.handler_timeout,
                         ));
                     }
                     if full {
@@ -355,8 +371,11 @@ enum Finish {
     Fail(String, FailKind),
     /// Shutdown: give the job back unfinished.
     Release,
+    /// Give the job back to be fetched after this time.
+    Defer(Option<chrono::DateTime<chrono::Utc>>),
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_job<H: JobHandler>(
     pool: PgPool,
     handler: Arc<H>,
@@ -365,6 +384,7 @@ async fn run_job<H: JobHandler>(
     hard_stop: CancellationToken,
     stats: Arc<WorkerStats>,
     backoff_min: Duration,
+    handler_timeout: Option<Duration>,
 ) {
     let finish = match job.payload_as::<H::Payload>() {
         Err(e) => Finish::Fail(e.to_string(), FailKind::Permanent),
@@ -377,21 +397,35 @@ async fn run_job<H: JobHandler>(
                     Ok(Ok(())) => Finish::Complete,
                     Ok(Err(HandlerError::Retryable(m))) => Finish::Fail(m, FailKind::Retryable),
                     Ok(Err(HandlerError::Permanent(m))) => Finish::Fail(m, FailKind::Permanent),
+                    Ok(Err(HandlerError::Defer { until, .. })) => Finish::Defer(until),
                     Err(e) if e.is_panic() => Finish::Fail(
                         format!("handler panicked: {}", panic_message(e.into_panic())),
                         FailKind::Retryable,
                     ),
                     Err(e) => Finish::Fail(format!("handler task ended: {e}"), FailKind::Retryable),
                 },
-                // Past its lease the job is retried elsewhere anyway; stop spending on
-                // it. This is our clock, but only for giving up: the database's clock
-                // decides the lease.
-                _ = tokio::time::sleep(job.expire_in) => {
+                // Our clock, but only for giving up on a handler: the database's
+                // clock decides the lease.
+                _ = async {
+                    match handler_timeout {
+                        Some(t) => tokio::time::sleep(t).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
                     task.abort();
                     Finish::Fail(
-                        format!("handler did not finish within the job lease (expire_in {:?})", job.expire_in),
+                        format!("handler did not finish within {:?}", handler_timeout.unwrap_or_default()),
                         FailKind::Retryable,
                     )
+                }
+                // The lease is renewed while the handler runs, so a job outlives a
+                // slow handler but not a dead worker. If the lease was taken over,
+                // the job is someone else's now: stop, and record nothing.
+                lost = renew_job_lease(&pool, &job) => {
+                    task.abort();
+                    tracing::warn!(job = %job.id, reason = %lost, "job lease lost; handler aborted");
+                    WorkerStats::add(&stats.fenced, 1);
+                    return;
                 }
                 _ = hard_stop.cancelled() => {
                     task.abort();
@@ -401,6 +435,27 @@ async fn run_job<H: JobHandler>(
         }
     };
     record(&pool, &job, finish, &stats, backoff_min).await;
+}
+
+/// Renews the job's lease at a third of `expire_in` until it is refused (returns
+/// why). Database errors are retried at the next tick: the lease has slack.
+async fn renew_job_lease(pool: &PgPool, job: &FetchedJob) -> String {
+    let every = (job.expire_in / 3).max(Duration::from_millis(10));
+    loop {
+        tokio::time::sleep(every).await;
+        let renewed = async {
+            let mut conn = idemstage_persistence::get(pool).await?;
+            queue::renew_lease(&mut conn, job.id, job.attempt).await
+        }
+        .await;
+        match renewed {
+            Ok(queue::RenewLeaseOutcome::Renewed { .. }) => {}
+            Ok(queue::RenewLeaseOutcome::Fenced) => {
+                return "the job was taken over (its lease had expired)".into()
+            }
+            Err(e) => tracing::warn!(job = %job.id, error = %e, "job lease renewal failed"),
+        }
+    }
 }
 
 /// Records the outcome, retrying transient database errors a few times. If that
@@ -438,6 +493,12 @@ async fn record(
                 Finish::Release => {
                     match queue::retry_now(&mut conn, job.id, job.attempt).await? {
                         JobRetryOutcome::Requeued => (&stats.released, "released"),
+                        JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                    }
+                }
+                Finish::Defer(until) => {
+                    match queue::retry_at(&mut conn, job.id, job.attempt, *until).await? {
+                        JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
                     }
                 }

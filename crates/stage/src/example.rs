@@ -269,13 +269,18 @@ impl Stage for Calculate {
 
 /// The seed's four stages as one pipeline.
 pub fn pipeline(chaos: Chaos) -> Pipeline {
+    pipeline_with(chaos, StagePolicy::default())
+        .expect("the example pipeline with default policies is valid")
+}
+
+/// The example pipeline with one policy for every stage (leases, attempts).
+pub fn pipeline_with(chaos: Chaos, policy: StagePolicy) -> Result<Pipeline, crate::PipelineError> {
     Pipeline::new(vec![
-        Arc::new(Intake::new(chaos)),
-        Arc::new(Extract::new(chaos)),
-        Arc::new(Feasibility::new(chaos)),
-        Arc::new(Calculate::new(chaos)),
+        Arc::new(Intake::new(chaos).with_policy(policy.clone())),
+        Arc::new(Extract::new(chaos).with_policy(policy.clone())),
+        Arc::new(Feasibility::new(chaos).with_policy(policy.clone())),
+        Arc::new(Calculate::new(chaos).with_policy(policy)),
     ])
-    .expect("the example pipeline is valid")
 }
 
 #[cfg(test)]

@@ -70,8 +70,24 @@ impl Pipeline {
         Ok(Self {
             stages,
             index,
-            send_options: SendOptions::default(),
+            send_options: Self::default_send_options(),
         })
+    }
+
+    /// Stage jobs retry generously with capped backoff: the stage's `max_attempts`
+    /// is what limits executions, and a job must outlive its stage's retries (a
+    /// job that gives up first would leave the stage lost).
+    pub fn default_send_options() -> SendOptions {
+        SendOptions {
+            retry_limit: 25,
+            retry_delay: std::time::Duration::from_millis(100),
+            retry_backoff: true,
+            retry_delay_max: Some(std::time::Duration::from_secs(30)),
+            // Renewed by the worker while it runs: short, so a dead worker's job
+            // comes back soon.
+            expire_in: std::time::Duration::from_secs(60),
+            ..SendOptions::default()
+        }
     }
 
     /// Options for the jobs this pipeline sends (retries, job lease); the singleton

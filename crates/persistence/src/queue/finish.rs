@@ -219,9 +219,22 @@ pub async fn retry_now(
     id: JobId,
     attempt: i32,
 ) -> Result<JobRetryOutcome, RepoError> {
+    retry_at(conn, id, attempt, None).await
+}
+
+/// Gives the job back to be fetched again no earlier than `not_before` (or now),
+/// without counting a failure: for a job that must wait for something else, e.g.
+/// another worker's live claim on the same stage.
+pub async fn retry_at(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+    not_before: Option<DateTime<Utc>>,
+) -> Result<JobRetryOutcome, RepoError> {
     let row: Option<IdRow> = diesel::sql_query(
         "WITH released AS (
-             UPDATE jobs SET state = 'retry', start_after = now(), lease_expires_at = NULL
+             UPDATE jobs SET state = 'retry', start_after = greatest(now(), $3),
+                             lease_expires_at = NULL
               WHERE id = $1 AND attempt = $2 AND state = 'active'
              RETURNING id, queue
          )
@@ -229,6 +242,7 @@ pub async fn retry_now(
     )
     .bind::<Text, _>(id.to_string())
     .bind::<Integer, _>(attempt)
+    .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
     .get_result(conn)
     .await
     .optional()

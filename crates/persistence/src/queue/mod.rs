@@ -16,7 +16,7 @@ mod send;
 
 pub use fetch::fetch;
 pub use finish::{
-    cancel, complete, complete_many, fail, renew_lease, retry_now, RenewLeaseOutcome,
+    cancel, complete, complete_many, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome,
 };
 pub use listen::JobListener;
 pub use maintenance::{

@@ -1,7 +1,9 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
+pub mod demo;
 pub mod enqueue;
 pub mod status;
+pub mod worker;
 
 use std::process::ExitCode;
 

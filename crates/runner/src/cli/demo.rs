@@ -1,0 +1,335 @@
+//! `idemstage demo`: the main job. Many duplicate sends from concurrent tasks, many
+//! worker pools, injected crashes; then the database is checked after the fact and
+//! a report printed.
+
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use diesel_async::AsyncConnection;
+use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::report::check_example_pipeline;
+use idemstage_persistence::{PoolConfig, TxError};
+use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::first_job;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tokio::task::JoinSet;
+
+use super::BadInput;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Number of anfragen
+    #[arg(long, default_value_t = 500)]
+    anfragen: usize,
+    /// Number of tenants the anfragen are spread over
+    #[arg(long, default_value_t = 4)]
+    tenants: usize,
+    /// How often each anfrage is sent, from concurrent tasks
+    #[arg(long, default_value_t = 3)]
+    duplicates: usize,
+    /// Worker pools (each with its own connection pool and worker id)
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Concurrent stage executions per worker pool
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Probability that a stage body aborts mid-way after part of its writes
+    #[arg(long, default_value_t = 0.05)]
+    crash_rate: f64,
+    /// Give up (and fail) after this many seconds
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+    /// Seed of the generated texts and send order
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print the report as one JSON object on the last line
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    anfragen: i64,
+    tenants: usize,
+    sends: usize,
+    stages_succeeded: i64,
+    duplicates_refused: u64,
+    claim_skips: u64,
+    retries: i64,
+    fenced: i64,
+    double_executions: i64,
+    lost_stages: i64,
+    anfragen_final: i64,
+    feasible: i64,
+    infeasible: i64,
+    foreign_writes: i64,
+    runs_by_status: std::collections::BTreeMap<String, i64>,
+    wall_s: f64,
+    stages_per_s: f64,
+    violations: Vec<String>,
+}
+
+/// A text per anfrage: mostly priceable positions; every 10th has a problem that
+/// makes it infeasible (a unit without a price, a line without a quantity).
+fn generate_text(rng: &mut impl Rng, i: usize) -> String {
+    const ITEMS: &[(&str, &str)] = &[
+        ("Stk", "Schrauben M8"),
+        ("m", "Kabel NYM 3x1,5"),
+        ("m2", "Fliesen 30x60"),
+        ("kg", "Fugenmörtel"),
+        ("h", "Montage"),
+        ("l", "Tiefengrund"),
+        ("psch", "Baustelleneinrichtung"),
+    ];
+    let mut lines: Vec<String> = (0..rng.random_range(1..=6))
+        .map(|_| {
+            let (unit, what) = ITEMS[rng.random_range(0..ITEMS.len())];
+            format!("{} {unit} {what}", rng.random_range(1..=40))
+        })
+        .collect();
+    if i % 10 == 9 {
+        lines.push(if rng.random() {
+            "3 Fass Altöl".to_owned()
+        } else {
+            "Entsorgung nach Aufwand".to_owned()
+        });
+    }
+    lines.join("\n")
+}
+
+pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+    if args.anfragen == 0 || args.tenants == 0 || args.duplicates == 0 || args.workers == 0 {
+        return Err(BadInput(
+            "--anfragen, --tenants, --duplicates and --workers must be positive".into(),
+        )
+        .into());
+    }
+    if !(0.0..1.0).contains(&args.crash_rate) {
+        return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
+    }
+    idemstage_persistence::migrate(url).await?;
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let tenants: Vec<TenantId> = (0..args.tenants)
+        .map(|i| TenantId::parse(&format!("tenant-{i}")))
+        .collect::<Result<_, _>>()?;
+    let anfragen: Vec<(TenantId, AnfrageId, String)> = (0..args.anfragen)
+        .map(|i| {
+            (
+                tenants[i % tenants.len()].clone(),
+                AnfrageId::new(),
+                generate_text(&mut rng, i),
+            )
+        })
+        .collect();
+    let mut sends: Vec<usize> = (0..args.anfragen)
+        .flat_map(|i| std::iter::repeat_n(i, args.duplicates))
+        .collect();
+    sends.shuffle(&mut rng);
+    if !args.json {
+        eprintln!(
+            "demo: {} anfragen over {} tenants, each sent {}x; {} worker pools x {}; crash rate {}; seed {seed}",
+            args.anfragen, args.tenants, args.duplicates, args.workers, args.concurrency, args.crash_rate
+        );
+    }
+
+    let started = Instant::now();
+    let counters = Arc::new(Counters::default());
+    let pipeline = example::pipeline(Chaos {
+        crash_rate: args.crash_rate,
+    });
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let mut workers = JoinSet::new();
+    for _ in 0..args.workers {
+        let pool = idemstage_persistence::connect_pool(
+            url,
+            PoolConfig {
+                max_size: args.concurrency as u32 * 2 + 2,
+                ..PoolConfig::default()
+            },
+        )
+        .await?;
+        let config = PipelineWorkerConfig {
+            concurrency: args.concurrency,
+            ..PipelineWorkerConfig::default()
+        };
+        let worker = PipelineWorker::new(pool, url, pipeline.clone(), config, counters.clone())?;
+        let token = shutdown.clone();
+        workers.spawn(async move { worker.run(token).await });
+    }
+
+    // Duplicate sends from 16 concurrent tasks, each anfrage `duplicates` times.
+    let anfragen = Arc::new(anfragen);
+    let sends = Arc::new(sends);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut senders = JoinSet::new();
+    for _ in 0..16 {
+        let (anfragen, sends, next, refused, pipeline, url) = (
+            anfragen.clone(),
+            sends.clone(),
+            next.clone(),
+            refused.clone(),
+            pipeline.clone(),
+            url.to_owned(),
+        );
+        senders.spawn(async move {
+            let mut conn = idemstage_persistence::connect(&url).await?;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&a) = sends.get(i) else {
+                    return anyhow::Ok(());
+                };
+                let (tenant, anfrage, text) = &anfragen[a];
+                let job = first_job(
+                    &pipeline,
+                    tenant.clone(),
+                    *anfrage,
+                    idemstage_domain::input_hash_of(text.as_bytes()),
+                );
+                let sent = conn
+                    .transaction::<_, TxError, _>(async |conn| {
+                        register_anfrage(conn, tenant, anfrage, text).await?;
+                        Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+                    })
+                    .await
+                    .map_err(TxError::into_repo)?;
+                if sent == SendResult::Duplicate {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while let Some(r) = senders.join_next().await {
+        r.context("sender task")??;
+    }
+
+    // Wait until the database says every anfrage is final and the queue is idle.
+    let progress = if args.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(args.anfragen as u64)
+    };
+    progress.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} anfragen final {msg}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let deadline = started + Duration::from_secs(args.timeout_s);
+    let finished = loop {
+        let check = check_example_pipeline(&mut conn).await?;
+        let live = idemstage_persistence::queue::queue_stats(&mut conn)
+            .await?
+            .live();
+        progress.set_position(check.anfragen_final as u64);
+        progress.set_message(format!(
+            "({} stage runs succeeded, {live} jobs live)",
+            check.stages_succeeded
+        ));
+        if check.anfragen_final as usize == args.anfragen && live == 0 {
+            break true;
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let wall = started.elapsed().as_secs_f64();
+    progress.finish();
+    shutdown.cancel();
+    while let Some(r) = workers.join_next().await {
+        r.context("worker task")?;
+    }
+    // Read again after the workers stopped: nothing may have changed the verdict.
+    let check = check_example_pipeline(&mut conn).await?;
+    let mut violations = check.violations();
+    if !finished {
+        violations.push(format!("timed out after {} s", args.timeout_s));
+    }
+    let in_memory_doubles = counters.double_successes();
+    if in_memory_doubles > 0 {
+        violations.push(format!(
+            "{in_memory_doubles} keys reported Succeeded twice by workers"
+        ));
+    }
+    let report = Report {
+        anfragen: check.anfragen,
+        tenants: args.tenants,
+        sends: sends.len(),
+        stages_succeeded: check.stages_succeeded,
+        duplicates_refused: refused.load(Ordering::Relaxed),
+        claim_skips: counters.skipped.load(Ordering::Relaxed),
+        retries: check.retries,
+        fenced: check.fenced,
+        double_executions: check.double_executions + in_memory_doubles as i64,
+        lost_stages: check.lost_stages,
+        anfragen_final: check.anfragen_final,
+        feasible: check.feasible,
+        infeasible: check.infeasible,
+        foreign_writes: check.foreign_writes,
+        runs_by_status: check.runs_by_status.clone(),
+        wall_s: (wall * 1000.0).round() / 1000.0,
+        stages_per_s: ((check.stages_succeeded as f64 / wall) * 10.0).round() / 10.0,
+        violations,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(if report.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn print_report(r: &Report) {
+    println!("idemstage demo report");
+    println!(
+        "  anfragen                  {:>8}  ({} final, {} feasible, {} infeasible)",
+        r.anfragen, r.anfragen_final, r.feasible, r.infeasible
+    );
+    println!(
+        "  sends                     {:>8}  over {} tenants",
+        r.sends, r.tenants
+    );
+    println!("  duplicates refused (queue){:>8}", r.duplicates_refused);
+    println!("  skips at the claim        {:>8}", r.claim_skips);
+    println!(
+        "  stage runs by status      {}",
+        r.runs_by_status
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!("  stages succeeded          {:>8}", r.stages_succeeded);
+    println!("  retries                   {:>8}", r.retries);
+    println!("  fenced writes             {:>8}", r.fenced);
+    println!(
+        "  double executions         {:>8}  (must be 0)",
+        r.double_executions
+    );
+    println!(
+        "  lost stages               {:>8}  (must be 0)",
+        r.lost_stages
+    );
+    println!("  wall time                 {:>8.2} s", r.wall_s);
+    println!("  stages/s                  {:>8.1}", r.stages_per_s);
+    if r.violations.is_empty() {
+        println!("  verdict: every invariant holds");
+    } else {
+        println!("  verdict: BROKEN: {}", r.violations.join("; "));
+    }
+}

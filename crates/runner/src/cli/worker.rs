@@ -1,0 +1,138 @@
+//! `idemstage worker`: works the example pipeline's stage queues until SIGINT or
+//! SIGTERM, then stops fetching, lets in-flight stages finish within the grace
+//! period, gives the rest back, and exits 0.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstage_domain::StagePolicy;
+use idemstage_persistence::PoolConfig;
+use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::Pipeline;
+use tokio_util::sync::CancellationToken;
+
+use super::BadInput;
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// Stage executions at once
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Queues (stage names) to work; default: every stage of the pipeline
+    #[arg(long, value_delimiter = ',')]
+    pub queues: Vec<String>,
+    /// Seconds in-flight stages may take to finish after SIGINT/SIGTERM
+    #[arg(long, default_value_t = 20)]
+    pub grace_s: u64,
+    /// Stage lease (claim) in milliseconds; renewed at a third of it
+    #[arg(long, default_value_t = 30_000)]
+    pub stage_lease_ms: u64,
+    /// Lease of the jobs this worker sends, in milliseconds; renewed while a job
+    /// runs, so it bounds how long a dead worker's job waits to be retried
+    #[arg(long, default_value_t = 60_000)]
+    pub job_lease_ms: u64,
+    /// Fault injection: probability that a stage body aborts mid-way
+    #[arg(long, default_value_t = 0.0, hide = true)]
+    pub crash_rate: f64,
+}
+
+impl Args {
+    /// The example pipeline with these leases.
+    pub fn pipeline(&self) -> anyhow::Result<Pipeline> {
+        if !(0.0..1.0).contains(&self.crash_rate) {
+            return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
+        }
+        if self.stage_lease_ms < 30 || self.job_lease_ms < 100 {
+            return Err(BadInput(
+                "--stage-lease-ms must be >= 30 and --job-lease-ms >= 100".into(),
+            )
+            .into());
+        }
+        let stage_lease = Duration::from_millis(self.stage_lease_ms);
+        let job_lease = Duration::from_millis(self.job_lease_ms);
+        let policy = StagePolicy {
+            lease: stage_lease,
+            heartbeat: stage_lease / 3,
+            ..StagePolicy::default()
+        };
+        let mut send = Pipeline::default_send_options();
+        send.expire_in = job_lease;
+        Ok(example::pipeline_with(
+            Chaos {
+                crash_rate: self.crash_rate,
+            },
+            policy,
+        )
+        .map_err(|e| BadInput(e.to_string()))?
+        .with_send_options(send))
+    }
+
+    pub fn worker_config(&self) -> PipelineWorkerConfig {
+        let mut config = PipelineWorkerConfig {
+            concurrency: self.concurrency,
+            ..PipelineWorkerConfig::default()
+        };
+        config.queue.queues = self.queues.clone();
+        config.queue.shutdown_grace = Duration::from_secs(self.grace_s);
+        // Expired job leases are only recovered by maintenance: run it at least as
+        // often as a lease lasts.
+        config.queue.maintenance_interval = config
+            .queue
+            .maintenance_interval
+            .min(Duration::from_millis(self.job_lease_ms));
+        config
+    }
+
+    pub fn pool_config(&self) -> PoolConfig {
+        // Per stage: the execution's connection plus the heartbeat's, plus the loop's.
+        PoolConfig {
+            max_size: (self.concurrency * 2 + 2) as u32,
+            ..PoolConfig::default()
+        }
+    }
+}
+
+pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+    if args.concurrency == 0 {
+        return Err(BadInput("--concurrency must be positive".into()).into());
+    }
+    let pipeline = args.pipeline()?;
+    let pool = idemstage_persistence::connect_pool(url, args.pool_config()).await?;
+    let worker = PipelineWorker::new(
+        pool,
+        url,
+        pipeline,
+        args.worker_config(),
+        Arc::new(Counters::default()),
+    )
+    .map_err(|e| BadInput(e.to_string()))?;
+    tracing::info!(worker = %worker.worker_id().as_str(), "worker started");
+    eprintln!(
+        "idemstage worker {} started; SIGINT/SIGTERM stops it",
+        worker.worker_id().as_str()
+    );
+    let shutdown = CancellationToken::new();
+    let signals = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("install SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("idemstage worker: stopping (grace {}s)", args.grace_s);
+            shutdown.cancel();
+        })
+    };
+    let stats = worker.run(shutdown).await;
+    signals.abort();
+    eprintln!(
+        "idemstage worker stopped: {} jobs completed, {} failed, {} released, {} deferred",
+        stats.completed, stats.failed, stats.released, stats.deferred
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,244 @@
+//! The stage worker: a `QueueWorker` over a pipeline's stage queues whose handler
+//! runs the executor and turns each `ExecutionOutcome` into what happens to the job.
+//!
+//! The rule that keeps stages from being lost: while a stage is not final, at least
+//! one live job for it exists. A job is completed only when its stage is final
+//! (succeeded, dead, or found succeeded); a stage that someone else holds defers
+//! the job until that holder's lease runs out.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemstage_domain::{FetchedJob, SkipReason, WorkerId};
+use idemstage_persistence::{PgPool, PgRunRepository};
+use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, StageJob};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
+};
+
+/// Outcome counts across one or more stage workers (the demo shares one).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub succeeded: AtomicU64,
+    pub skipped: AtomicU64,
+    pub deferred: AtomicU64,
+    pub rejected: AtomicU64,
+    pub fenced: AtomicU64,
+    pub failed: AtomicU64,
+    pub dead: AtomicU64,
+    pub exhausted: AtomicU64,
+    /// Successes per (tenant, anfrage, stage) as reported to workers: more than one
+    /// for a key would be a double execution seen from the outside.
+    successes: Mutex<HashMap<String, u32>>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct CountersSnapshot {
+    pub succeeded: u64,
+    pub skipped: u64,
+    pub deferred: u64,
+    pub rejected: u64,
+    pub fenced: u64,
+    pub failed: u64,
+    pub dead: u64,
+    pub exhausted: u64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> CountersSnapshot {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CountersSnapshot {
+            succeeded: g(&self.succeeded),
+            skipped: g(&self.skipped),
+            deferred: g(&self.deferred),
+            rejected: g(&self.rejected),
+            fenced: g(&self.fenced),
+            failed: g(&self.failed),
+            dead: g(&self.dead),
+            exhausted: g(&self.exhausted),
+        }
+    }
+
+    /// Keys for which more than one execution reported success.
+    pub fn double_successes(&self) -> u64 {
+        self.successes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|&&n| n > 1)
+            .count() as u64
+    }
+
+    fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct PipelineWorkerConfig {
+    /// Stage executions at once.
+    pub concurrency: usize,
+    /// The queue loop's settings; `queues` empty means every stage of the pipeline.
+    pub queue: QueueWorkerConfig,
+}
+
+impl Default for PipelineWorkerConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: 4,
+            queue: QueueWorkerConfig::default(),
+        }
+    }
+}
+
+struct PipelineHandler {
+    pipeline: Pipeline,
+    executor: Executor,
+    counters: Arc<Counters>,
+}
+
+/// A little after the holder's lease, so the deferred job finds it expired.
+const DEFER_SLACK: Duration = Duration::from_millis(50);
+
+impl JobHandler for PipelineHandler {
+    type Payload = serde_json::Value;
+
+    async fn handle(
+        &self,
+        job: FetchedJob,
+        payload: serde_json::Value,
+    ) -> Result<(), HandlerError> {
+        let stage = self
+            .pipeline
+            .stage(&job.queue)
+            .map_err(HandlerError::permanent)?;
+        let stage_job =
+            StageJob::from_payload(&job.queue, &payload).map_err(HandlerError::permanent)?;
+        let outcome = self
+            .executor
+            .run(&self.pipeline, stage, &stage_job)
+            .await
+            .map_err(|e| {
+                if e.is_retryable() {
+                    HandlerError::retryable(e)
+                } else {
+                    HandlerError::permanent(e)
+                }
+            })?;
+        let c = &self.counters;
+        match outcome {
+            ExecutionOutcome::Succeeded { .. } => {
+                Counters::bump(&c.succeeded);
+                let key = format!(
+                    "{}:{}:{}",
+                    stage.name(),
+                    stage_job.tenant_id,
+                    stage_job.anfrage_id
+                );
+                *c.successes.lock().unwrap().entry(key).or_default() += 1;
+                Ok(())
+            }
+            ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. }) => {
+                Counters::bump(&c.skipped);
+                Ok(())
+            }
+            ExecutionOutcome::Skipped(SkipReason::InFlight { lease_expires_at }) => {
+                Counters::bump(&c.deferred);
+                Err(HandlerError::Defer {
+                    until: Some(lease_expires_at + DEFER_SLACK),
+                    reason: "another worker holds this stage".into(),
+                })
+            }
+            ExecutionOutcome::Fenced { .. } => {
+                // Someone took the stage over; look again shortly rather than trust
+                // that their job outlives them.
+                Counters::bump(&c.fenced);
+                Err(HandlerError::Defer {
+                    until: None,
+                    reason: "lease lost to another worker".into(),
+                })
+            }
+            ExecutionOutcome::Rejected(reason) => {
+                Counters::bump(&c.rejected);
+                Err(HandlerError::permanent(format!(
+                    "stage {} refused the job: {reason:?}",
+                    stage.name()
+                )))
+            }
+            ExecutionOutcome::Failed {
+                error, dead: false, ..
+            } => {
+                Counters::bump(&c.failed);
+                Err(HandlerError::Retryable(error))
+            }
+            ExecutionOutcome::Failed {
+                error, dead: true, ..
+            } => {
+                Counters::bump(&c.dead);
+                Err(HandlerError::Permanent(error))
+            }
+            ExecutionOutcome::Exhausted { .. } => {
+                Counters::bump(&c.exhausted);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A worker for the stage queues of one pipeline.
+pub struct PipelineWorker {
+    inner: QueueWorker<PipelineHandler>,
+    worker_id: WorkerId,
+}
+
+impl PipelineWorker {
+    pub fn new(
+        pool: PgPool,
+        database_url: &str,
+        pipeline: Pipeline,
+        config: PipelineWorkerConfig,
+        counters: Arc<Counters>,
+    ) -> Result<Self, WorkerError> {
+        let worker_id = WorkerId::generate();
+        let mut queue = config.queue;
+        queue.concurrency = config.concurrency;
+        if queue.queues.is_empty() {
+            queue.queues = pipeline
+                .stages()
+                .iter()
+                .map(|s| s.name().as_str().to_owned())
+                .collect();
+        }
+        for q in &queue.queues {
+            pipeline
+                .stage(q)
+                .map_err(|e| WorkerError::Config(e.to_string()))?;
+        }
+        let executor = Executor::new(
+            Arc::new(PgRunRepository::new(pool.clone())),
+            worker_id.clone(),
+        );
+        let handler = PipelineHandler {
+            pipeline,
+            executor,
+            counters,
+        };
+        Ok(Self {
+            inner: QueueWorker::new(pool, database_url, queue, handler)?,
+            worker_id,
+        })
+    }
+
+    pub fn worker_id(&self) -> &WorkerId {
+        &self.worker_id
+    }
+
+    pub async fn run(self, shutdown: CancellationToken) -> WorkerStatsSnapshot {
+        self.inner.run(shutdown).await
+    }
+}
