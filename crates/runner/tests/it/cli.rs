@@ -1,0 +1,201 @@
+//! The `idemstage` CLI with bad input: a clear message, a non-zero exit code, and
+//! nothing written.
+
+use std::process::{Command, Output};
+
+use diesel::sql_types::BigInt;
+use diesel_async::RunQueryDsl;
+use idemstage_testkit::TestDb;
+
+fn idemstage(db: &TestDb, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run idemstage")
+}
+
+async fn rows(db: &TestDb) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    diesel::sql_query("SELECT (SELECT count(*) FROM anfragen) + (SELECT count(*) FROM jobs) AS n")
+        .get_result::<N>(&mut db.conn().await)
+        .await
+        .unwrap()
+        .n
+}
+
+const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir().join(format!("idemstage-cli-{}", ulid_like()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let big = dir.join("big.txt");
+    std::fs::write(&big, "a".repeat(10 * 1024 * 1024)).unwrap();
+    let binary = dir.join("binary.bin");
+    std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x01]).unwrap();
+    let missing = dir.join("missing.txt");
+    let (big, binary, missing) = (
+        big.to_str().unwrap().to_owned(),
+        binary.to_str().unwrap().to_owned(),
+        missing.to_str().unwrap().to_owned(),
+    );
+    let lowercase = ANFRAGE.to_lowercase();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "--tenant",
+                "Acme GmbH",
+                "--anfrage",
+                ANFRAGE,
+                "--text",
+                "1 Stk",
+            ],
+            "invalid tenant id",
+        ),
+        (
+            vec![
+                "--tenant",
+                "t1'; DROP TABLE anfragen;--",
+                "--anfrage",
+                ANFRAGE,
+                "--text",
+                "1 Stk",
+            ],
+            "invalid tenant id",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", "12345", "--text", "1 Stk"],
+            "invalid anfrage id",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", &lowercase, "--text", "1 Stk"],
+            "invalid anfrage id",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &missing],
+            "cannot read",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--text", "  \n "],
+            "input is empty",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &big],
+            "larger than the limit",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &binary],
+            "not UTF-8",
+        ),
+    ];
+    for (args, message) in cases {
+        let mut full = vec!["enqueue"];
+        full.extend(args.iter().copied());
+        let out = idemstage(&db, &full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.lines().count() <= 2,
+            "one clear line, not a dump: {stderr}"
+        );
+    }
+    assert_eq!(rows(&db).await, 0, "bad input wrote something");
+
+    // An anfrage id of another tenant: refused, and the first tenant's data stays.
+    let ok = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert!(ok.status.success());
+    assert_eq!(rows(&db).await, 2);
+    let other = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t2",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert_eq!(other.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("belongs to another tenant"));
+    assert_eq!(rows(&db).await, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn enqueue_prints_the_job_id_then_duplicate() {
+    let db = TestDb::new().await;
+    let first = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    let id = String::from_utf8(first.stdout).unwrap();
+    assert_eq!(id.trim().len(), 26, "{id}");
+    let second = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert_eq!(
+        String::from_utf8(second.stdout).unwrap().trim(),
+        "duplicate"
+    );
+}
+
+#[test]
+fn an_unreachable_database_is_exit_code_3() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["status"])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("database unavailable"));
+}
+
+fn ulid_like() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
