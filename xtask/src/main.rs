@@ -65,14 +65,22 @@ fn run() -> Result<i32> {
             )
         }),
         // Tests create their own databases, so they get the maintenance db.
-        "test" => with_database("postgres", |url| {
-            run_status(
-                cargo()
-                    .args(["test", "--workspace", "--no-fail-fast"])
-                    .args(rest)
-                    .env("DATABASE_URL", url),
-            )
-        }),
+        "test" => {
+            let mut totals = TestTotals::default();
+            let code = with_database("postgres", |url| {
+                run_tests(
+                    cargo()
+                        .args(["test", "--workspace", "--no-fail-fast"])
+                        .args(rest)
+                        .env("DATABASE_URL", url),
+                    &mut totals,
+                )
+            })?;
+            // Last, after the server is stopped: one closing line for the whole run
+            // (cargo's own last line is a doc-test summary that may count 0).
+            println!("tests: {} passed, {} failed", totals.passed, totals.failed);
+            Ok(code)
+        }
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
         "demo" | "bench" | "soak" => with_database(&format!("idemstage_{cmd}"), |url| {
@@ -236,6 +244,52 @@ fn cargo() -> Command {
     cmd
 }
 
+/// Sums of cargo's `test result:` lines.
+#[derive(Default)]
+struct TestTotals {
+    passed: u64,
+    failed: u64,
+}
+
+impl TestTotals {
+    /// Reads `test result: ok. 33 passed; 0 failed; ...`.
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Runs cargo test, passing its stdout through while counting results.
+fn run_tests(cmd: &mut Command, totals: &mut TestTotals) -> Result<i32> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("failed to run {:?}", cmd.get_program()))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut out = std::io::stdout().lock();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo test output")?;
+        totals.add_line(&line);
+        writeln!(out, "{line}")?;
+    }
+    let status = child.wait().context("waiting for cargo test")?;
+    Ok(exit_code(status))
+}
+
 fn run_status(cmd: &mut Command) -> Result<i32> {
     let status = cmd
         .status()
@@ -249,4 +303,18 @@ fn exit_code(status: ExitStatus) -> i32 {
         .code()
         .or_else(|| status.signal().map(|sig| 128 + sig))
         .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TestTotals;
+
+    #[test]
+    fn test_result_lines_are_summed() {
+        let mut t = TestTotals::default();
+        t.add_line("test result: ok. 33 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 32.42s");
+        t.add_line("test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s");
+        t.add_line("running 3 tests");
+        assert_eq!((t.passed, t.failed), (35, 1));
+    }
 }

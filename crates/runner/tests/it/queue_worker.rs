@@ -383,18 +383,25 @@ async fn fetch_errors_while_the_database_refuses_connections_are_retried() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let w = start(pool, db.url(), config("down"), work_handler(seen.clone()));
 
-    // The outage: no new connections, and the existing ones are terminated.
+    // The outage: no new connections, and the existing ones are terminated. Keep
+    // terminating while waiting: a connection that was being established when
+    // connections were refused can still come up (seen under CPU load).
     let name = db.name().to_owned();
     admin
         .batch_execute(&format!(
-            "ALTER DATABASE \"{name}\" WITH ALLOW_CONNECTIONS false;
-             SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-              WHERE datname = '{name}' AND pid <> pg_backend_pid();"
+            "ALTER DATABASE \"{name}\" WITH ALLOW_CONNECTIONS false"
         ))
         .await
         .unwrap();
     let deadline = Instant::now() + DEADLINE;
     while w.stats.snapshot().fetch_errors < 3 {
+        admin
+            .batch_execute(&format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+            ))
+            .await
+            .unwrap();
         assert!(
             Instant::now() < deadline,
             "no fetch errors during the outage"
