@@ -1,6 +1,7 @@
 //! Project automation, run as `cargo xtask <command>` (matklad's xtask pattern:
 //! plain Rust instead of shell scripts, no dependencies beyond `anyhow`).
 
+mod bench;
 mod pg;
 
 use std::{
@@ -23,7 +24,9 @@ Commands:
   migrate [args] run `idemstage migrate [args]` against the database
   test [args]    run `cargo test --workspace [args]` against the database server
   demo [args]    run `idemstage demo [args]` (release) on database idemstage_demo
-  bench [args]   run `idemstage bench [args]` (release) on database idemstage_bench
+  bench [args]   benchmarks and their references (pgbench, pg-boss) in one run on
+                 database idemstage_bench; writes target/bench/report.json.
+                 args (passed on): --duration-s S --concurrency N --jobs N --anfragen N
   soak [args]    run `idemstage soak [args]` (release) on database idemstage_soak
   help           show this text
 
@@ -81,9 +84,11 @@ fn run() -> Result<i32> {
             println!("tests: {} passed, {} failed", totals.passed, totals.failed);
             Ok(code)
         }
+        // Ours and the references (pgbench, pg-boss) on one server, in one run.
+        "bench" => with_database("idemstage_bench", |url| bench::run(url, rest)),
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
-        "demo" | "bench" | "soak" => with_database(&format!("idemstage_{cmd}"), |url| {
+        "demo" | "soak" => with_database(&format!("idemstage_{cmd}"), |url| {
             run_status(
                 cargo()
                     .args(["run", "--release", "-p", "idemstage-runner"])

@@ -4,6 +4,7 @@
 //! Invariant: this is the only crate that names Diesel tables.
 
 pub mod anfragen;
+pub mod bench_support;
 pub mod db;
 pub mod error;
 pub mod fenced;

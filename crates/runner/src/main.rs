@@ -34,6 +34,9 @@ enum Command {
     /// The main job: duplicate sends, many workers, injected crashes; then a report
     /// checked against the database.
     Demo(cli::demo::Args),
+    /// Benchmarks: claim, queue or pipeline throughput (see BENCHMARKS.md). Empties
+    /// every table: runs only on a database whose name contains "bench".
+    Bench(cli::bench::Args),
 }
 
 #[tokio::main]
@@ -41,7 +44,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo injects crashes on purpose: its warnings would drown the report.
     let default_filter = match cli.command {
-        Command::Demo(_) => "error",
+        Command::Demo(_) | Command::Bench(_) => "error",
         _ => "warn",
     };
     tracing_subscriber::fmt()
@@ -64,6 +67,7 @@ async fn main() -> ExitCode {
             Command::Worker(args) => cli::worker::run(&url, args).await,
             Command::Status(args) => cli::status::run(&url, args).await,
             Command::Demo(args) => cli::demo::run(&url, args).await,
+            Command::Bench(args) => cli::bench::run(&url, args).await,
         }
     }
     .await;

@@ -1,5 +1,6 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
+pub mod bench;
 pub mod demo;
 pub mod enqueue;
 pub mod status;

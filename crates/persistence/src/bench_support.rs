@@ -1,0 +1,152 @@
+//! Bulk fixtures for `idemstage bench`. Workers never call these: they write rows
+//! directly (outside the claim and the queue) so that benchmarks can set up large
+//! states quickly, outside their timed windows.
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{AnfrageId, RepoError};
+
+use crate::error::map_diesel_error;
+
+/// Numbered anfragen have ids `lpad(ANFRAGE_BASE + i, 26, '0')`: all digits and a
+/// leading `0`, so valid ULID text, and producible by pgbench scripts, which have
+/// no string functions (`'000000000000000000:a'` with `a` 8 digits long).
+pub const ANFRAGE_BASE: u64 = 10_000_000;
+
+/// The id of numbered anfrage `i` (`i < 90_000_000`).
+pub fn numbered_anfrage_id(i: u64) -> AnfrageId {
+    AnfrageId::parse(&format!("{:026}", ANFRAGE_BASE + i)).expect("digits are valid ULID text")
+}
+
+#[derive(diesel::QueryableByName)]
+struct Name {
+    #[diesel(sql_type = Text)]
+    name: String,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+pub async fn current_database(conn: &mut AsyncPgConnection) -> Result<String, RepoError> {
+    let row: Name = diesel::sql_query("SELECT current_database()::text AS name")
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    Ok(row.name)
+}
+
+/// Empties every table of the schema (a benchmark database only).
+pub async fn reset(conn: &mut AsyncPgConnection) -> Result<(), RepoError> {
+    diesel::sql_query(
+        "TRUNCATE jobs, audit_log, calculation_results, feasibility_results,
+                  anfrage_extraktionen, dateien, pipeline_run_attempts, pipeline_runs, anfragen",
+    )
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(())
+}
+
+/// Inserts numbered anfragen `0..n` of `tenant` with the same input text.
+pub async fn insert_numbered_anfragen(
+    conn: &mut AsyncPgConnection,
+    tenant: &str,
+    n: u64,
+    input_text: &str,
+) -> Result<(), RepoError> {
+    diesel::sql_query(
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+         SELECT $1, lpad(($2 + g)::text, 26, '0'), $3, $4, 'bench/' || g
+           FROM generate_series(0, $5 - 1) AS g",
+    )
+    .bind::<Text, _>(tenant)
+    .bind::<BigInt, _>(ANFRAGE_BASE as i64)
+    .bind::<Text, _>(input_text)
+    .bind::<Text, _>(idemstage_domain::input_hash_of(input_text.as_bytes()))
+    .bind::<BigInt, _>(n as i64)
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(())
+}
+
+/// A succeeded run of `stage` for each numbered anfrage `0..n`. Inserted running and
+/// then marked success, so the attempt history (a trigger) looks like a real run's.
+pub async fn insert_succeeded_runs(
+    conn: &mut AsyncPgConnection,
+    tenant: &str,
+    n: u64,
+    stage: &str,
+    input_hash: &str,
+) -> Result<(), RepoError> {
+    diesel::sql_query(
+        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+                                    max_attempts, input_hash, worker_id, started_at,
+                                    lease_expires_at)
+         SELECT '7' || lpad(g::text, 25, '0'), $1, lpad(($2 + g)::text, 26, '0'), $3,
+                'running', 1, 5, $4, 'bench-fixture', now(), now()
+           FROM generate_series(0, $5 - 1) AS g",
+    )
+    .bind::<Text, _>(tenant)
+    .bind::<BigInt, _>(ANFRAGE_BASE as i64)
+    .bind::<Text, _>(stage)
+    .bind::<Text, _>(input_hash)
+    .bind::<BigInt, _>(n as i64)
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    diesel::sql_query(
+        "UPDATE pipeline_runs SET status = 'success', finished_at = now()
+          WHERE worker_id = 'bench-fixture' AND status = 'running'",
+    )
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(())
+}
+
+/// `VACUUM ANALYZE` of the given tables (fresh statistics and visibility map after a
+/// bulk load, as a long-running system would have them).
+pub async fn vacuum_analyze(
+    conn: &mut AsyncPgConnection,
+    tables: &[&str],
+) -> Result<(), RepoError> {
+    for t in tables {
+        // Table names come from our own code, never from input.
+        diesel::sql_query(format!("VACUUM ANALYZE {t}"))
+            .execute(conn)
+            .await
+            .map_err(map_diesel_error)?;
+    }
+    Ok(())
+}
+
+/// Jobs of `queue`, optionally only those in `state`.
+pub async fn count_jobs(
+    conn: &mut AsyncPgConnection,
+    queue: &str,
+    state: Option<&str>,
+) -> Result<i64, RepoError> {
+    let row: Count = diesel::sql_query(
+        "SELECT count(*) AS n FROM jobs WHERE queue = $1 AND ($2::text IS NULL OR state = $2)",
+    )
+    .bind::<Text, _>(queue)
+    .bind::<diesel::sql_types::Nullable<Text>, _>(state)
+    .get_result(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(row.n)
+}
+
+/// Runs with status `success`.
+pub async fn count_succeeded_runs(conn: &mut AsyncPgConnection) -> Result<i64, RepoError> {
+    let row: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM pipeline_runs WHERE status = 'success'")
+            .get_result(conn)
+            .await
+            .map_err(map_diesel_error)?;
+    Ok(row.n)
+}

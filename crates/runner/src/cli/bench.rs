@@ -1,0 +1,609 @@
+//! `idemstage bench <scenario>`: throughput and latency of the claim, the queue and
+//! the stage worker, printed as a table or one JSON object per scenario. The
+//! references (pgbench on the same SQL, pg-boss) are run by `cargo xtask bench`
+//! against the same server; see BENCHMARKS.md.
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use idemstage_domain::{
+    ClaimOutcome, ClaimRequest, JobId, JobToSend, RunRepository, SendOptions, SendResult,
+    SkipReason, StageName, StagePolicy, TenantId, WorkerId,
+};
+use idemstage_persistence::bench_support as fixtures;
+use idemstage_persistence::report::check_example_pipeline;
+use idemstage_persistence::{queue, PgRunRepository, PoolConfig};
+use idemstage_runner::{
+    handler_fn, Counters, HandlerError, PipelineWorker, PipelineWorkerConfig, QueueWorker,
+    QueueWorkerConfig,
+};
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::first_job;
+use serde_json::json;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::BadInput;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// Claims of fresh keys (insert path) and of succeeded keys (skip path)
+    Claim,
+    /// Enqueue with singleton keys, batch drain, pickup latency
+    Queue,
+    /// Anfragen through the four example stages
+    Pipeline,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    scenario: Scenario,
+    /// Concurrent tasks (claim, enqueue, drain) or stage executions (pipeline)
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Seconds per timed claim phase
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// Anfragen through the pipeline
+    #[arg(long, default_value_t = 2000)]
+    anfragen: u64,
+    /// Sends in the enqueue test (half of them reuse a queued singleton key) and jobs
+    /// in the drain test
+    #[arg(long, default_value_t = 20_000)]
+    jobs: u64,
+    /// Jobs leased per fetch in the drain test
+    #[arg(long, default_value_t = 256)]
+    drain_batch: u32,
+    /// Sends in the latency test
+    #[arg(long, default_value_t = 300)]
+    latency_sends: usize,
+    /// Pause between two sends of the latency test
+    #[arg(long, default_value_t = 20)]
+    latency_gap_ms: u64,
+    /// Print one JSON object instead of the table
+    #[arg(long)]
+    json: bool,
+    /// claim only: write the fixtures (anfragen, succeeded runs) and stop, so that
+    /// pgbench starts from the same state as the timed run
+    #[arg(long)]
+    setup_only: bool,
+}
+
+/// The claim scenario's anfragen; the pgbench scripts in bench/pgbench/ draw from
+/// the same range, so they must change together.
+pub const CLAIM_ANFRAGEN: u64 = 10_000;
+const TENANT: &str = "bench";
+const INPUT: &str = "10 Stk Schrauben M8\n2,5 m Kabel NYM 3x1,5\n4 h Montage";
+const SKIP_STAGE: &str = "done";
+
+pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+    if args.concurrency == 0 || args.jobs == 0 || args.anfragen == 0 || args.latency_sends == 0 {
+        return Err(BadInput("counts must be positive".into()).into());
+    }
+    if !args.duration_s.is_finite() || args.duration_s <= 0.0 {
+        return Err(BadInput("--duration-s must be positive".into()).into());
+    }
+    idemstage_persistence::migrate(url).await?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    // Every scenario starts by emptying the tables: never on a database that is not
+    // obviously a benchmark database.
+    let db = fixtures::current_database(&mut conn).await?;
+    if !db.contains("bench") {
+        return Err(BadInput(format!(
+            "database {db:?}: idemstage bench empties every table, so it only runs on a \
+             database whose name contains \"bench\" (cargo xtask bench uses idemstage_bench)"
+        ))
+        .into());
+    }
+    drop(conn);
+    let report = match args.scenario {
+        Scenario::Claim => claim(url, &args).await?,
+        Scenario::Queue => queue_bench(url, &args).await?,
+        Scenario::Pipeline => pipeline(url, &args).await?,
+    };
+    let failed = report
+        .get("violations")
+        .and_then(|v| v.as_array())
+        .is_some_and(|v| !v.is_empty());
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn print_table(report: &serde_json::Value) {
+    let Some(obj) = report.as_object() else {
+        return;
+    };
+    println!(
+        "idemstage bench {}",
+        obj.get("scenario").and_then(|s| s.as_str()).unwrap_or("?")
+    );
+    for (k, v) in obj {
+        if k != "scenario" {
+            println!("  {k:<28} {v}");
+        }
+    }
+}
+
+fn per_s(n: u64, elapsed: Duration) -> f64 {
+    round1(n as f64 / elapsed.as_secs_f64())
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Runs `op` from `concurrency` tasks until `duration` has passed; returns the
+/// number of operations and the time until the last task stopped.
+async fn timed_loop<F, Fut>(
+    concurrency: usize,
+    duration: Duration,
+    op: F,
+) -> anyhow::Result<(u64, Duration)>
+where
+    F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let started = Instant::now();
+    let deadline = started + duration;
+    let mut tasks = JoinSet::new();
+    for t in 0..concurrency {
+        let op = op.clone();
+        tasks.spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                op(t).await?;
+                n += 1;
+            }
+            anyhow::Ok(n)
+        });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r.context("benchmark task")??;
+    }
+    Ok((total, started.elapsed()))
+}
+
+async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let mut conn = idemstage_persistence::connect(url).await?;
+    fixtures::reset(&mut conn).await?;
+    fixtures::insert_numbered_anfragen(&mut conn, TENANT, CLAIM_ANFRAGEN, INPUT).await?;
+    let input_hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
+    fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ANFRAGEN, SKIP_STAGE, &input_hash)
+        .await?;
+    fixtures::vacuum_analyze(
+        &mut conn,
+        &["anfragen", "pipeline_runs", "pipeline_run_attempts"],
+    )
+    .await?;
+    drop(conn);
+    if args.setup_only {
+        return Ok(json!({ "scenario": "claim", "setup_only": true, "anfragen": CLAIM_ANFRAGEN }));
+    }
+
+    let pool = idemstage_persistence::connect_pool(
+        url,
+        PoolConfig {
+            max_size: args.concurrency as u32,
+            ..PoolConfig::default()
+        },
+    )
+    .await?;
+    let repo = Arc::new(PgRunRepository::new(pool));
+    let duration = Duration::from_secs_f64(args.duration_s);
+    let unexpected = Arc::new(AtomicU64::new(0));
+    let tenant = TenantId::parse(TENANT)?;
+    let worker = WorkerId::generate();
+    let request = move |stage: String, anfrage: u64| -> anyhow::Result<ClaimRequest> {
+        Ok(ClaimRequest {
+            tenant: tenant.clone(),
+            anfrage: fixtures::numbered_anfrage_id(anfrage),
+            stage: StageName::parse(&stage)?,
+            input_hash: input_hash.clone(),
+            worker: worker.clone(),
+            policy: StagePolicy::default(),
+        })
+    };
+
+    // Insert path: a fresh stage name per claim (18 random digits, as the pgbench
+    // script), on a random one of the anfragen.
+    let (inserts, insert_elapsed) = {
+        let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
+        timed_loop(args.concurrency, duration, move |_| {
+            let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
+            async move {
+                let stage = format!(
+                    "s{}",
+                    rand::random_range(100_000_000_000_000_000u64..1_000_000_000_000_000_000)
+                );
+                let req = request(stage, rand::random_range(0..CLAIM_ANFRAGEN))?;
+                if !matches!(repo.claim(&req).await?, ClaimOutcome::Claimed { .. }) {
+                    unexpected.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        })
+        .await?
+    };
+    // Skip path: claims of keys that succeeded.
+    let (skips, skip_elapsed) = {
+        let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
+        timed_loop(args.concurrency, duration, move |_| {
+            let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
+            async move {
+                let req = request(SKIP_STAGE.to_owned(), rand::random_range(0..CLAIM_ANFRAGEN))?;
+                if !matches!(
+                    repo.claim(&req).await?,
+                    ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
+                ) {
+                    unexpected.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        })
+        .await?
+    };
+    let unexpected = unexpected.load(Ordering::Relaxed);
+    let mut violations = Vec::new();
+    if unexpected > 0 {
+        violations.push(format!("{unexpected} claims ended otherwise than expected"));
+    }
+    Ok(json!({
+        "scenario": "claim",
+        "clients": args.concurrency,
+        "duration_s": args.duration_s,
+        "anfragen": CLAIM_ANFRAGEN,
+        "insert_claims": inserts,
+        "insert_per_s": per_s(inserts, insert_elapsed),
+        "skip_claims": skips,
+        "skip_per_s": per_s(skips, skip_elapsed),
+        "violations": violations,
+    }))
+}
+
+const ENQUEUE_QUEUE: &str = "bench_enqueue";
+const DRAIN_QUEUE: &str = "bench_drain";
+const LATENCY_QUEUE: &str = "bench_latency";
+
+async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let mut conn = idemstage_persistence::connect(url).await?;
+    fixtures::reset(&mut conn).await?;
+    fixtures::vacuum_analyze(&mut conn, &["jobs"]).await?;
+    let mut violations = Vec::new();
+
+    // (a) Enqueue: send i uses key i mod (jobs/2), so the second half of the sends
+    // finds its key queued and must be refused.
+    let keys = args.jobs.div_ceil(2);
+    let next = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut senders = JoinSet::new();
+    // Connected before the clock starts, as pg-boss's pool is.
+    let mut conns = Vec::new();
+    for _ in 0..args.concurrency {
+        conns.push(idemstage_persistence::connect(url).await?);
+    }
+    let started = Instant::now();
+    for mut c in conns {
+        let (next, refused, total) = (next.clone(), refused.clone(), args.jobs);
+        senders.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    return anyhow::Ok(());
+                }
+                let job = JobToSend {
+                    queue: ENQUEUE_QUEUE.into(),
+                    payload: json!({ "i": i }),
+                    options: SendOptions {
+                        singleton_key: Some(format!("k{}", i % keys)),
+                        ..SendOptions::default()
+                    },
+                };
+                if queue::send_in(&mut c, &job).await? == SendResult::Duplicate {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while let Some(r) = senders.join_next().await {
+        r.context("sender task")??;
+    }
+    let enqueue_elapsed = started.elapsed();
+    let distinct = fixtures::count_jobs(&mut conn, ENQUEUE_QUEUE, None).await?;
+    if distinct as u64 != keys {
+        violations.push(format!("enqueue created {distinct} jobs, expected {keys}"));
+    }
+
+    // (b) Drain: jobs inserted in batches, VACUUM ANALYZE, then fetch-and-complete
+    // loops with batch fetch and batch completion.
+    fixtures::reset(&mut conn).await?;
+    let mut left = args.jobs;
+    let mut i = 0u64;
+    while left > 0 {
+        let n = left.min(1000);
+        let batch: Vec<JobToSend> = (0..n)
+            .map(|k| JobToSend {
+                queue: DRAIN_QUEUE.into(),
+                payload: json!({ "i": i + k }),
+                options: SendOptions::default(),
+            })
+            .collect();
+        queue::send_batch(&mut conn, &batch).await?;
+        left -= n;
+        i += n;
+    }
+    fixtures::vacuum_analyze(&mut conn, &["jobs"]).await?;
+    let mut conns = Vec::new();
+    for _ in 0..args.concurrency {
+        conns.push(idemstage_persistence::connect(url).await?);
+    }
+    let drained = Arc::new(AtomicU64::new(0));
+    let fenced = Arc::new(AtomicU64::new(0));
+    let queues = vec![DRAIN_QUEUE.to_owned()];
+    let batch_size = args.drain_batch;
+    let started = Instant::now();
+    let mut drainers = JoinSet::new();
+    for mut c in conns {
+        let (drained, fenced, queues) = (drained.clone(), fenced.clone(), queues.clone());
+        drainers.spawn(async move {
+            loop {
+                let jobs = queue::fetch(&mut c, &queues, batch_size).await?;
+                if jobs.is_empty() {
+                    return anyhow::Ok(());
+                }
+                let tokens: Vec<(JobId, i32)> = jobs.iter().map(|j| (j.id, j.attempt)).collect();
+                for outcome in queue::complete_many(&mut c, &tokens).await? {
+                    match outcome {
+                        idemstage_domain::JobCompleteOutcome::Completed => &drained,
+                        idemstage_domain::JobCompleteOutcome::Fenced => &fenced,
+                    }
+                    .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while let Some(r) = drainers.join_next().await {
+        r.context("drain task")??;
+    }
+    let drain_elapsed = started.elapsed();
+    let drained = drained.load(Ordering::Relaxed);
+    let completed = fixtures::count_jobs(&mut conn, DRAIN_QUEUE, Some("completed")).await?;
+    if drained != args.jobs || completed as u64 != args.jobs {
+        violations.push(format!(
+            "drain completed {drained} jobs ({completed} in the database), expected {}",
+            args.jobs
+        ));
+    }
+
+    // (c) Pickup latency: sends to an idle worker, from the send's return to the
+    // handler's start.
+    fixtures::reset(&mut conn).await?;
+    let (p50, p99, samples) = pickup_latency(url, args, &mut conn).await?;
+    if samples != args.latency_sends {
+        violations.push(format!(
+            "latency: {samples} of {} jobs reached a handler",
+            args.latency_sends
+        ));
+    }
+    Ok(json!({
+        "scenario": "queue",
+        "concurrency": args.concurrency,
+        "sends": args.jobs,
+        "enqueue_per_s": per_s(args.jobs, enqueue_elapsed),
+        "duplicates_refused": refused.load(Ordering::Relaxed),
+        "distinct_jobs_created": distinct,
+        "drain_jobs": drained,
+        "drain_batch": batch_size,
+        "drain_per_s": per_s(drained, drain_elapsed),
+        "latency_samples": samples,
+        "latency_ms_p50": p50,
+        "latency_ms_p99": p99,
+        "violations": violations,
+    }))
+}
+
+/// The `q`-quantile of sorted samples (nearest rank).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+async fn pickup_latency(
+    url: &str,
+    args: &Args,
+    conn: &mut diesel_async::AsyncPgConnection,
+) -> anyhow::Result<(f64, f64, usize)> {
+    let started: Arc<Mutex<HashMap<JobId, Instant>>> = Arc::default();
+    let pool = idemstage_persistence::connect_pool(
+        url,
+        PoolConfig {
+            max_size: args.concurrency as u32 + 2,
+            ..PoolConfig::default()
+        },
+    )
+    .await?;
+    let handler = {
+        let started = started.clone();
+        handler_fn(move |job, _: serde_json::Value| {
+            started.lock().unwrap().insert(job.id, Instant::now());
+            async { Ok::<(), HandlerError>(()) }
+        })
+    };
+    let worker = QueueWorker::new(
+        pool,
+        url,
+        QueueWorkerConfig {
+            queues: vec![LATENCY_QUEUE.into()],
+            concurrency: args.concurrency,
+            batch_size: args.concurrency as u32,
+            ..QueueWorkerConfig::default()
+        },
+        handler,
+    )?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(worker.run(shutdown.clone()));
+    // Let the listener connect and the first (empty) fetch pass.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut sent = Vec::with_capacity(args.latency_sends);
+    for i in 0..args.latency_sends {
+        let job = JobToSend {
+            queue: LATENCY_QUEUE.into(),
+            payload: json!({ "i": i }),
+            options: SendOptions::default(),
+        };
+        let SendResult::Sent(id) = queue::send_in(conn, &job).await? else {
+            bail!("a job without a singleton key was refused");
+        };
+        sent.push((id, Instant::now()));
+        tokio::time::sleep(Duration::from_millis(args.latency_gap_ms)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while started.lock().unwrap().len() < sent.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shutdown.cancel();
+    running.await.context("latency worker")?;
+    let started = started.lock().unwrap();
+    let mut ms: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, at)| {
+            started
+                .get(id)
+                // A handler can start before the send's reply is read: that is 0.
+                .map(|s| s.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    Ok((
+        round3(quantile(&ms, 0.50)),
+        round3(quantile(&ms, 0.99)),
+        ms.len(),
+    ))
+}
+
+/// Peak resident set size of this process (VmHWM), in MiB.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(round1(kb / 1024.0))
+}
+
+async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let mut conn = idemstage_persistence::connect(url).await?;
+    fixtures::reset(&mut conn).await?;
+    // Every anfrage is feasible, so each runs all four stages.
+    fixtures::insert_numbered_anfragen(&mut conn, TENANT, args.anfragen, INPUT).await?;
+    let pipeline = example::pipeline(Chaos { crash_rate: 0.0 });
+    let tenant = TenantId::parse(TENANT)?;
+    let input_hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
+    let jobs: Vec<JobToSend> = (0..args.anfragen)
+        .map(|i| {
+            first_job(
+                &pipeline,
+                tenant.clone(),
+                fixtures::numbered_anfrage_id(i),
+                input_hash.clone(),
+            )
+        })
+        .collect();
+    for chunk in jobs.chunks(1000) {
+        queue::send_batch(&mut conn, chunk).await?;
+    }
+    drop(jobs);
+    fixtures::vacuum_analyze(&mut conn, &["anfragen", "jobs", "pipeline_runs"]).await?;
+
+    let expected = args.anfragen * pipeline.stages().len() as u64;
+    let counters = Arc::new(Counters::default());
+    let pool = idemstage_persistence::connect_pool(
+        url,
+        PoolConfig {
+            max_size: args.concurrency as u32 * 2 + 2,
+            ..PoolConfig::default()
+        },
+    )
+    .await?;
+    let worker = PipelineWorker::new(
+        pool,
+        url,
+        pipeline,
+        PipelineWorkerConfig {
+            concurrency: args.concurrency,
+            queue: QueueWorkerConfig {
+                batch_size: args.concurrency as u32,
+                ..QueueWorkerConfig::default()
+            },
+        },
+        counters.clone(),
+    )?;
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let running = tokio::spawn(worker.run(shutdown.clone()));
+    let deadline = started + Duration::from_secs(600);
+    while counters.succeeded.load(Ordering::Relaxed) < expected && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    shutdown.cancel();
+    running.await.context("pipeline worker")?;
+    let rss = peak_rss_mb();
+
+    let check = check_example_pipeline(&mut conn).await?;
+    let mut violations = check.violations();
+    let succeeded = counters.succeeded.load(Ordering::Relaxed);
+    if succeeded != expected || check.stages_succeeded as u64 != expected {
+        violations.push(format!(
+            "{succeeded} stage executions reported, {} in the database, expected {expected}",
+            check.stages_succeeded
+        ));
+    }
+    Ok(json!({
+        "scenario": "pipeline",
+        "anfragen": args.anfragen,
+        "concurrency": args.concurrency,
+        "stage_executions": succeeded,
+        "wall_s": round3(elapsed.as_secs_f64()),
+        "stages_per_s": per_s(succeeded, elapsed),
+        "worker_peak_rss_mb": rss,
+        "violations": violations,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantile;
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 50.0);
+        assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&v[..1], 0.99), 1.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+}
