@@ -36,6 +36,10 @@ pub struct Args {
     /// Fault injection: probability that a stage body aborts mid-way
     #[arg(long, default_value_t = 0.0, hide = true)]
     pub crash_rate: f64,
+    /// Fault injection: up to this many ms of extra work per stage, after the claim
+    /// and inside the fenced transaction (widens the windows fault tests hit)
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub stage_delay_ms: u64,
 }
 
 impl Args {
@@ -62,6 +66,7 @@ impl Args {
         Ok(example::pipeline_with(
             Chaos {
                 crash_rate: self.crash_rate,
+                delay_ms: self.stage_delay_ms,
             },
             policy,
         )

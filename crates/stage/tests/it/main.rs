@@ -212,7 +212,7 @@ async fn an_infeasible_anfrage_stops_before_calculate() {
 #[tokio::test]
 async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
     let mut f = fixture().await;
-    let crashing = example::pipeline(Chaos { crash_rate: 1.0 });
+    let crashing = example::pipeline(Chaos::crashing(1.0));
     let job = f.anfrage("10 Stk Schrauben").await;
     let exec = f.executor();
     let intake = crashing.stage("intake").unwrap();
