@@ -104,6 +104,10 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         return Err(BadInput("--concurrency must be positive".into()).into());
     }
     let pipeline = args.pipeline()?;
+    // Bad input is refused before the first connection (exit 2, not 3).
+    for q in &args.queues {
+        pipeline.stage(q).map_err(|e| BadInput(e.to_string()))?;
+    }
     let pool = idemstage_persistence::connect_pool(url, args.pool_config()).await?;
     let worker = PipelineWorker::new(
         pool,

@@ -13,7 +13,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{AnfrageId, SendResult, StagePolicy, TenantId};
 use idemstage_persistence::{PgPool, PoolConfig};
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, WorkerStatsSnapshot};
+use idemstage_runner::{Counters, WorkerStatsSnapshot};
 use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::{Pipeline, StageJob};
 use idemstage_testkit::{PrivateCluster, TestDb};
@@ -310,18 +310,7 @@ fn start_worker(
     let pipeline = example::pipeline_with(chaos, policy)
         .unwrap()
         .with_send_options(send);
-    let mut config = PipelineWorkerConfig {
-        concurrency,
-        ..PipelineWorkerConfig::default()
-    };
-    config.queue.poll_interval = Duration::from_millis(200);
-    config.queue.maintenance_interval = Duration::from_millis(1000);
-    config.queue.error_backoff_min = Duration::from_millis(20);
-    config.queue.error_backoff_max = Duration::from_millis(500);
-    let worker = PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
-    let stop = CancellationToken::new();
-    let handle = tokio::spawn(worker.run(stop.clone()));
-    (stop, handle)
+    support::start_pipeline_worker(pool, url, pipeline, concurrency, counters)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -226,3 +226,43 @@ pub fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// An in-process stage worker over `pipeline`, polling and maintaining often.
+pub fn start_pipeline_worker(
+    pool: idemstage_persistence::PgPool,
+    url: &str,
+    pipeline: idemstage_stage::Pipeline,
+    concurrency: usize,
+    counters: std::sync::Arc<idemstage_runner::Counters>,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+) {
+    let mut config = idemstage_runner::PipelineWorkerConfig {
+        concurrency,
+        ..Default::default()
+    };
+    config.queue.poll_interval = Duration::from_millis(200);
+    config.queue.maintenance_interval = Duration::from_millis(1000);
+    config.queue.error_backoff_min = Duration::from_millis(20);
+    config.queue.error_backoff_max = Duration::from_millis(500);
+    let worker =
+        idemstage_runner::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone()));
+    (stop, handle)
+}
+
+/// Stops an in-process worker started by `start_pipeline_worker`.
+pub async fn stop_pipeline_worker(
+    (stop, handle): (
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+    ),
+) -> idemstage_runner::WorkerStatsSnapshot {
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("worker did not stop")
+        .expect("worker task panicked")
+}
