@@ -7,4 +7,5 @@ mod cli;
 mod faults;
 mod processes;
 mod queue_worker;
+mod soak;
 mod support;
