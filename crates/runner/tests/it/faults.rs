@@ -91,30 +91,35 @@ async fn a_worker_stopped_past_its_lease_is_fenced_after_sigcont() {
     let db = TestDb::new().await;
     enqueue(db.url(), 12).await;
     let mut conn = db.conn().await;
-    // Worker A alone, with a long body, so that it holds claims when stopped.
+    // Worker A alone, with a long body, so that it holds claims when stopped; and
+    // stopped while inside a transaction (so it also holds a stage's row lock,
+    // which must not block the stage forever).
     let mut a = Workers::start(db.url(), 1, &["--stage-delay-ms", "3000"]);
     let mut frozen = Vec::new();
-    for _ in 0..20 {
+    let in_tx = "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+                 AND state = 'idle in transaction'";
+    for _ in 0..50 {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while count(
-            &mut conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE outcome = 'running'",
-        )
-        .await
-            == 0
-        {
-            assert!(tokio::time::Instant::now() < deadline, "A never claimed");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        while count(&mut conn, in_tx).await == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "A never held a transaction"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         signal(&a.children[0], "-STOP");
         // A is the only worker and is stopped: the running attempts are its, frozen.
         frozen = attempts(&mut conn, "outcome = 'running'").await;
-        if !frozen.is_empty() {
+        if !frozen.is_empty() && count(&mut conn, in_tx).await > 0 {
             break;
         }
+        frozen.clear();
         signal(&a.children[0], "-CONT");
     }
-    assert!(!frozen.is_empty(), "could not stop A while it held a claim");
+    assert!(
+        !frozen.is_empty(),
+        "could not stop A inside a transaction while it held a claim"
+    );
 
     // B takes over once A's stage leases and job leases have run out.
     let mut b = Workers::start(db.url(), 1, &[]);
