@@ -27,7 +27,10 @@ Commands:
   bench [args]   benchmarks and their references (pgbench, pg-boss) in one run on
                  database idemstage_bench; writes target/bench/report.json.
                  args (passed on): --duration-s S --concurrency N --jobs N --anfragen N
-  soak [args]    run `idemstage soak [args]` (release) on database idemstage_soak
+  soak [--minutes N]
+                 run the soak test (release): N minutes (default 10) of random
+                 faults (SIGKILL, SIGSTOP, terminated connections) against 3
+                 `idemstage worker` processes, then every invariant checked
   help           show this text
 
 Database selection:
@@ -88,7 +91,40 @@ fn run() -> Result<i32> {
         "bench" => with_database("idemstage_bench", |url| bench::run(url, rest)),
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
-        "demo" | "soak" => with_database(&format!("idemstage_{cmd}"), |url| {
+        "soak" => {
+            let minutes = match rest {
+                [] => 10,
+                [flag, n] if flag == "--minutes" => match n.parse::<u64>() {
+                    Ok(n) if n > 0 => n,
+                    _ => {
+                        eprintln!("xtask: --minutes needs a positive whole number");
+                        return Ok(2);
+                    }
+                },
+                _ => {
+                    eprintln!("xtask: usage: cargo xtask soak [--minutes N]");
+                    return Ok(2);
+                }
+            };
+            // The soak test creates its own database, like every test.
+            with_database("postgres", |url| {
+                run_status(
+                    cargo()
+                        .args([
+                            "test",
+                            "--release",
+                            "-p",
+                            "idemstage-runner",
+                            "--test",
+                            "it",
+                        ])
+                        .args(["soak::", "--", "--nocapture"])
+                        .env("IDEMSTAGE_SOAK_SECS", (minutes * 60).to_string())
+                        .env("DATABASE_URL", url),
+                )
+            })
+        }
+        "demo" => with_database(&format!("idemstage_{cmd}"), |url| {
             run_status(
                 cargo()
                     .args(["run", "--release", "-p", "idemstage-runner"])

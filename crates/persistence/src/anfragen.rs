@@ -1,7 +1,7 @@
 //! Registering an anfrage and its input.
 
 use diesel::prelude::*;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{input_hash_of, AnfrageId, DomainError, RepoError, TenantId};
 use serde::Serialize;
 
@@ -59,44 +59,49 @@ pub async fn register_anfrage(
     validate_input(input_text)?;
     let sha = input_hash_of(input_text.as_bytes());
     let s3_key = format!("anfragen/{tenant}/{anfrage}/input.txt");
-    let inserted = diesel::insert_into(a::anfragen)
-        .values((
-            a::tenant_id.eq(tenant.as_str()),
-            a::id.eq(anfrage.to_string()),
-            a::input_text.eq(input_text),
-            a::input_sha256.eq(&sha),
-            a::s3_key.eq(&s3_key),
-        ))
-        .on_conflict(a::id)
-        .do_nothing()
-        .execute(conn)
+    // Scoped to the tenant (row-level security): another tenant's row with this id
+    // is invisible here, so a conflict with no visible row means "not yours".
+    let existing = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            crate::tenant::scope(conn, tenant).await?;
+            let inserted = diesel::insert_into(a::anfragen)
+                .values((
+                    a::tenant_id.eq(tenant.as_str()),
+                    a::id.eq(anfrage.to_string()),
+                    a::input_text.eq(input_text),
+                    a::input_sha256.eq(&sha),
+                    a::s3_key.eq(&s3_key),
+                ))
+                .on_conflict(a::id)
+                .do_nothing()
+                .execute(conn)
+                .await?;
+            if inserted == 1 {
+                return Ok(None);
+            }
+            a::anfragen
+                .filter(a::id.eq(anfrage.to_string()))
+                .select((a::tenant_id, a::input_sha256))
+                .first::<(String, String)>(conn)
+                .await
+                .optional()
+                .map(Some)
+        })
         .await
-        .map_err(map_diesel_error)?;
-    if inserted == 1 {
-        return Ok(RegisterOutcome::Created { input_sha256: sha });
-    }
-    let existing: Option<(String, String)> = a::anfragen
-        .filter(a::id.eq(anfrage.to_string()))
-        .select((a::tenant_id, a::input_sha256))
-        .first(conn)
-        .await
-        .optional()
         .map_err(map_diesel_error)?;
     match existing {
-        Some((owner, stored)) if owner == tenant.as_str() => {
+        None => Ok(RegisterOutcome::Created { input_sha256: sha }),
+        Some(Some((owner, stored))) if owner == tenant.as_str() => {
             Ok(RegisterOutcome::AlreadyRegistered {
                 same_input: stored == sha,
                 input_sha256: stored,
             })
         }
+        // Anfragen are never deleted: an id that conflicted but is not visible (or
+        // visible under another tenant) belongs to another tenant.
         Some(_) => Err(RepoError::TenantMismatch {
             tenant: tenant.to_string(),
             anfrage: anfrage.to_string(),
-        }),
-        // Anfragen are never deleted; a vanished row is a bug worth reporting.
-        None => Err(RepoError::InsertOrGetExhausted {
-            what: format!("anfragen {anfrage}"),
-            tries: 1,
         }),
     }
 }

@@ -350,6 +350,12 @@ impl FencedTx for PgFencedTx<'_> {
                 tenant: self.token.tenant.to_string(),
                 anfrage: self.token.anfrage.to_string(),
             })
+            // The limit holds for input that did not come through `register_anfrage`
+            // (written by hand or by another tool): a clear, permanent error.
+            .and_then(|text: String| {
+                crate::anfragen::validate_input(&text)?;
+                Ok(text)
+            })
     }
 
     async fn extraktionen(&mut self) -> Result<Vec<Extraktion>, RepoError> {

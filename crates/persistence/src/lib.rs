@@ -12,6 +12,7 @@ pub mod queue;
 pub mod report;
 pub mod runs;
 pub mod schema;
+pub mod tenant;
 
 pub use db::{
     connect, connect_pool, get, migrate, redact_url, revert_all_migrations, PgPool, PoolConfig,

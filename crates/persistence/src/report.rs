@@ -66,6 +66,22 @@ pub struct PipelineCheck {
     pub lost_stages: i64,
     /// Audit entries naming a file id that does not exist (must be 0).
     pub dangling_audit: i64,
+    /// Files (`dateien`) that no successful attempt created or reused, i.e. written by
+    /// an attempt that did not succeed (must be 0).
+    pub orphan_files: i64,
+    /// Successful runs of intake, extract or calculate without their audit entry from
+    /// the successful attempt (must be 0).
+    pub missing_audit: i64,
+    /// Runs whose attempt history does not match the run: a missing attempt row, an
+    /// attempt still `running` that is not the run's live attempt, or a `success` run
+    /// whose current attempt is not recorded as the success (must be 0).
+    pub attempt_history_errors: i64,
+    /// Attempts that ended `fenced` or `abandoned`: stale workers seen (informational).
+    pub abandoned: i64,
+    /// Jobs still queued, retrying or active (0 once everything is quiet).
+    pub live_jobs: i64,
+    /// Jobs that ended `failed` (informational; a bad job, or a dead stage).
+    pub failed_jobs: i64,
 }
 
 #[derive(QueryableByName)]
@@ -124,6 +140,31 @@ UNION ALL SELECT 'foreign_writes',
 UNION ALL SELECT 'dangling_audit',
     (SELECT count(*) FROM audit_log l WHERE l.action LIKE 'datei.%'
         AND NOT EXISTS (SELECT 1 FROM dateien d WHERE d.id = l.entity_id))
+UNION ALL SELECT 'orphan_files',
+    (SELECT count(*) FROM dateien d WHERE NOT EXISTS (
+        SELECT 1 FROM audit_log l JOIN success_attempt s ON s.run_id = l.run_id AND s.attempt = l.attempt
+         WHERE l.entity_id = d.id AND l.action IN ('datei.created', 'datei.reused')))
+UNION ALL SELECT 'missing_audit',
+    (SELECT count(*) FROM pipeline_runs r
+      WHERE r.status = 'success' AND r.stage IN ('intake', 'extract', 'calculate')
+        AND NOT EXISTS (SELECT 1 FROM audit_log l
+                         WHERE l.run_id = r.id AND l.attempt = r.attempts
+                           AND l.action = CASE r.stage WHEN 'intake' THEN 'anfrage.intake'
+                                                       WHEN 'extract' THEN 'anfrage.extracted'
+                                                       ELSE 'anfrage.calculated' END))
+UNION ALL SELECT 'attempt_history_errors',
+    (SELECT count(*) FROM pipeline_runs r
+      WHERE (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id) <> r.attempts
+         OR EXISTS (SELECT 1 FROM pipeline_run_attempts a
+                     WHERE a.run_id = r.id AND a.outcome = 'running'
+                       AND (a.attempt <> r.attempts OR r.status <> 'running'))
+         OR (r.status = 'success' AND NOT EXISTS (
+                SELECT 1 FROM pipeline_run_attempts a
+                 WHERE a.run_id = r.id AND a.attempt = r.attempts AND a.outcome = 'success')))
+UNION ALL SELECT 'abandoned',
+    (SELECT count(*) FROM pipeline_run_attempts WHERE outcome IN ('fenced', 'abandoned'))
+UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
+UNION ALL SELECT 'failed_jobs', (SELECT count(*) FROM jobs WHERE state = 'failed')
 UNION ALL SELECT 'status:' || status, count(*) FROM pipeline_runs GROUP BY status
 ";
 
@@ -148,6 +189,12 @@ pub async fn check_example_pipeline(
             "double_executions" => check.double_executions = v,
             "foreign_writes" => check.foreign_writes = v,
             "dangling_audit" => check.dangling_audit = v,
+            "orphan_files" => check.orphan_files = v,
+            "missing_audit" => check.missing_audit = v,
+            "attempt_history_errors" => check.attempt_history_errors = v,
+            "abandoned" => check.abandoned = v,
+            "live_jobs" => check.live_jobs = v,
+            "failed_jobs" => check.failed_jobs = v,
             status => {
                 let status = status.trim_start_matches("status:").to_owned();
                 check.runs_by_status.insert(status, v);
@@ -187,6 +234,30 @@ impl PipelineCheck {
                 self.dangling_audit
             ));
         }
+        if self.orphan_files != 0 {
+            v.push(format!(
+                "{} files not created or reused by a successful attempt",
+                self.orphan_files
+            ));
+        }
+        if self.missing_audit != 0 {
+            v.push(format!(
+                "{} successful runs without their audit entry",
+                self.missing_audit
+            ));
+        }
+        if self.attempt_history_errors != 0 {
+            v.push(format!(
+                "{} runs whose attempt history does not match",
+                self.attempt_history_errors
+            ));
+        }
         v
+    }
+
+    /// Every anfrage final and no job left queued, retrying or active: the state in
+    /// which fault tests check `violations()`.
+    pub fn is_quiet(&self) -> bool {
+        self.anfragen_final == self.anfragen && self.live_jobs == 0
     }
 }

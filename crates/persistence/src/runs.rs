@@ -218,27 +218,25 @@ async fn conflict_backoff(tries: u32, msg: &str) {
     tokio::time::sleep(Duration::from_millis(jitter)).await;
 }
 
-/// One claim: the bare statement, or, for a rerun policy with downstream stages, the
-/// statement plus the invalidation of those stages in one transaction.
+/// One claim, in a transaction scoped to the request's tenant (row-level
+/// security): the statement, plus, for a rerun policy with downstream stages, the
+/// invalidation of those stages.
 async fn claim_once(
     conn: &mut AsyncPgConnection,
     req: &ClaimRequest,
 ) -> Result<Option<(String, i32, DateTime<Utc>)>, RepoError> {
-    if req.policy.on_input_change == InputChangePolicy::Rerun && !req.policy.downstream.is_empty() {
-        conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
-            let claimed = claim_statement(conn, req).await?;
-            if claimed.as_ref().is_some_and(|(_, attempt, _)| *attempt > 1) {
-                mark_downstream_stale(conn, req).await?;
-            }
-            Ok(claimed)
-        })
-        .await
-        .map_err(|e| map_claim_error(e, req))
-    } else {
-        claim_statement(conn, req)
-            .await
-            .map_err(|e| map_claim_error(e, req))
-    }
+    let rerun =
+        req.policy.on_input_change == InputChangePolicy::Rerun && !req.policy.downstream.is_empty();
+    conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
+        crate::tenant::scope(conn, &req.tenant).await?;
+        let claimed = claim_statement(conn, req).await?;
+        if rerun && claimed.as_ref().is_some_and(|(_, attempt, _)| *attempt > 1) {
+            mark_downstream_stale(conn, req).await?;
+        }
+        Ok(claimed)
+    })
+    .await
+    .map_err(|e| map_claim_error(e, req))
 }
 
 #[async_trait]
@@ -265,7 +263,14 @@ impl RunRepository for PgRunRepository {
                     lease_expires_at,
                 });
             }
-            if let Some(outcome) = explain_skip(&mut conn, req).await? {
+            let explained = conn
+                .transaction::<_, TxError, _>(async |conn| {
+                    crate::tenant::scope(conn, &req.tenant).await?;
+                    Ok(explain_skip(conn, req).await?)
+                })
+                .await
+                .map_err(TxError::into_repo)?;
+            if let Some(outcome) = explained {
                 return Ok(outcome);
             }
         }
@@ -282,12 +287,17 @@ impl RunRepository for PgRunRepository {
     ) -> Result<RenewOutcome, RepoError> {
         use pipeline_runs::dsl as pr;
         let mut conn = self.conn().await?;
-        let renewed: Option<DateTime<Utc>> = diesel::update(fenced(token))
-            .set(pr::lease_expires_at.eq(now.into_sql::<Timestamptz>() + interval(lease)))
-            .returning(pr::lease_expires_at)
-            .get_result(&mut conn)
+        let renewed: Option<DateTime<Utc>> = conn
+            .transaction::<_, diesel::result::Error, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                diesel::update(fenced(token))
+                    .set(pr::lease_expires_at.eq(now.into_sql::<Timestamptz>() + interval(lease)))
+                    .returning(pr::lease_expires_at)
+                    .get_result(conn)
+                    .await
+                    .optional()
+            })
             .await
-            .optional()
             .map_err(map_diesel_error)?;
         Ok(match renewed {
             Some(lease_expires_at) => RenewOutcome::Renewed { lease_expires_at },
@@ -340,16 +350,21 @@ impl RunRepository for PgRunRepository {
         } else {
             "'dead'"
         });
-        let failed: Option<(String, i32)> = diesel::update(fenced(token))
-            .set((
-                pr::status.eq(status),
-                pr::last_error.eq(truncate(error)),
-                pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
-            ))
-            .returning((pr::status, pr::attempts))
-            .get_result(&mut conn)
+        let failed: Option<(String, i32)> = conn
+            .transaction::<_, diesel::result::Error, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                diesel::update(fenced(token))
+                    .set((
+                        pr::status.eq(status),
+                        pr::last_error.eq(truncate(error)),
+                        pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
+                    ))
+                    .returning((pr::status, pr::attempts))
+                    .get_result(conn)
+                    .await
+                    .optional()
+            })
             .await
-            .optional()
             .map_err(map_diesel_error)?;
         Ok(match failed {
             Some((status, attempts)) if status == "dead" => FailOutcome::Exhausted { attempts },
@@ -363,18 +378,24 @@ impl RunRepository for PgRunRepository {
         let mut conn = self.conn().await?;
         // Expire the lease now and give the attempt back to the budget: a shutdown is
         // not the stage's failure. The attempt row says `abandoned`.
-        let released: Option<DateTime<Utc>> = diesel::update(fenced(token))
-            .set((
-                pr::lease_expires_at.eq(now.into_sql::<Timestamptz>()),
-                pr::max_attempts.eq(pr::max_attempts + 1),
-                pr::last_error.eq("released by a worker shutting down"),
-            ))
-            .returning(pr::lease_expires_at)
-            .get_result(&mut conn)
+        let released: Option<DateTime<Utc>> = conn
+            .transaction::<_, TxError, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                let released = diesel::update(fenced(token))
+                    .set((
+                        pr::lease_expires_at.eq(now.into_sql::<Timestamptz>()),
+                        pr::max_attempts.eq(pr::max_attempts + 1),
+                        pr::last_error.eq("released by a worker shutting down"),
+                    ))
+                    .returning(pr::lease_expires_at)
+                    .get_result(conn)
+                    .await
+                    .optional()?;
+                mark_attempt(conn, token, "abandoned").await?;
+                Ok(released)
+            })
             .await
-            .optional()
-            .map_err(map_diesel_error)?;
-        mark_attempt(&mut conn, token, "abandoned").await?;
+            .map_err(TxError::into_repo)?;
         Ok(match released {
             Some(lease_expires_at) => RenewOutcome::Renewed { lease_expires_at },
             None => RenewOutcome::Fenced,
@@ -383,7 +404,12 @@ impl RunRepository for PgRunRepository {
 
     async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
         let mut conn = self.conn().await?;
-        mark_attempt(&mut conn, token, "fenced").await
+        conn.transaction::<_, TxError, _>(async |conn| {
+            crate::tenant::scope(conn, &token.tenant).await?;
+            Ok(mark_attempt(conn, token, "fenced").await?)
+        })
+        .await
+        .map_err(TxError::into_repo)
     }
 
     async fn read_run(
@@ -393,13 +419,12 @@ impl RunRepository for PgRunRepository {
         stage: &StageName,
     ) -> Result<Option<RunRecord>, RepoError> {
         let mut conn = self.conn().await?;
-        read_run(
-            &mut conn,
-            tenant.as_str(),
-            &anfrage.to_string(),
-            stage.as_str(),
-        )
-        .await?
+        conn.transaction::<_, TxError, _>(async |conn| {
+            crate::tenant::scope(conn, tenant).await?;
+            Ok(read_run(conn, tenant.as_str(), &anfrage.to_string(), stage.as_str()).await?)
+        })
+        .await
+        .map_err(TxError::into_repo)?
         .map(RunRow::into_record)
         .transpose()
     }
@@ -466,6 +491,7 @@ impl PgRunRepository {
         let outcome = conn
             .transaction::<_, TxError, _>(async move |conn| {
                 {
+                    crate::tenant::scope(conn, &token.tenant).await?;
                     // The fence first: it checks the token, marks success and locks the
                     // row, so a concurrent claim waits for this transaction and then
                     // sees `success`.
@@ -506,13 +532,19 @@ impl PgRunRepository {
         for _ in 0..8 {
             match self.conn().await {
                 Ok(mut conn) => {
-                    let run = read_run(
-                        &mut conn,
-                        token.tenant.as_str(),
-                        &token.anfrage.to_string(),
-                        token.stage.as_str(),
-                    )
-                    .await?;
+                    let run = conn
+                        .transaction::<_, TxError, _>(async |conn| {
+                            crate::tenant::scope(conn, &token.tenant).await?;
+                            Ok(read_run(
+                                conn,
+                                token.tenant.as_str(),
+                                &token.anfrage.to_string(),
+                                token.stage.as_str(),
+                            )
+                            .await?)
+                        })
+                        .await
+                        .map_err(TxError::into_repo)?;
                     return Ok(match run {
                         Some(r) if r.attempts == token.attempt && r.status == "success" => {
                             Recheck::Committed

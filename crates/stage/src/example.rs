@@ -15,9 +15,37 @@ use crate::{Pipeline, Stage, StageFlow, StageJob};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Chaos {
     pub crash_rate: f64,
+    /// Up to this many milliseconds (uniformly random) of extra work: once after the
+    /// claim (in `prepare`, outside any transaction) and, a quarter of it, inside the
+    /// fenced transaction after the first write. Widens the windows in which fault
+    /// tests kill, stop or disconnect a worker.
+    pub delay_ms: u64,
 }
 
 impl Chaos {
+    pub fn crashing(crash_rate: f64) -> Self {
+        Self {
+            crash_rate,
+            ..Self::default()
+        }
+    }
+
+    async fn delay(&self, max_ms: u64) {
+        if max_ms > 0 {
+            let ms = rand::random::<u64>() % (max_ms + 1);
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+
+    async fn prepare_delay(&self) -> Result<serde_json::Value, StageError> {
+        self.delay(self.delay_ms).await;
+        Ok(serde_json::Value::Null)
+    }
+
+    async fn in_tx_delay(&self) {
+        self.delay(self.delay_ms / 4).await;
+    }
+
     fn maybe_crash(&self, stage: &str) -> Result<(), StageError> {
         if self.crash_rate <= 0.0 || rand::random::<f64>() >= self.crash_rate {
             return Ok(());
@@ -127,6 +155,9 @@ impl Stage for Intake {
     fn policy(&self) -> &StagePolicy {
         &self.0.policy
     }
+    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+        self.0.chaos.prepare_delay().await
+    }
     async fn run(
         &self,
         job: &StageJob,
@@ -140,6 +171,7 @@ impl Stage for Intake {
         let datei = tx
             .insert_or_get_datei(&sha, &s3_key, text.len() as i64)
             .await?;
+        self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("intake")?;
         tx.audit(
             &job.anfrage_id.to_string(),
@@ -159,6 +191,9 @@ impl Stage for Extract {
     fn policy(&self) -> &StagePolicy {
         &self.0.policy
     }
+    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+        self.0.chaos.prepare_delay().await
+    }
     async fn run(
         &self,
         job: &StageJob,
@@ -168,6 +203,7 @@ impl Stage for Extract {
         let text = tx.anfrage_text().await?;
         let positions = extract_positions(&text);
         tx.replace_extraktionen(&positions).await?;
+        self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("extract")?;
         tx.audit(
             &job.anfrage_id.to_string(),
@@ -206,6 +242,9 @@ impl Stage for Feasibility {
     fn policy(&self) -> &StagePolicy {
         &self.0.policy
     }
+    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+        self.0.chaos.prepare_delay().await
+    }
     async fn run(
         &self,
         _: &StageJob,
@@ -216,6 +255,7 @@ impl Stage for Feasibility {
         let reasons = feasibility_reasons(&positions);
         let feasible = reasons.is_empty();
         tx.put_feasibility(feasible, json!(reasons)).await?;
+        self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("feasibility")?;
         Ok(if feasible {
             StageFlow::Continue
@@ -232,6 +272,9 @@ impl Stage for Calculate {
     }
     fn policy(&self) -> &StagePolicy {
         &self.0.policy
+    }
+    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+        self.0.chaos.prepare_delay().await
     }
     async fn run(
         &self,
@@ -256,6 +299,7 @@ impl Stage for Calculate {
             lines.push(json!({ "position": p.position_index, "cents": cents }));
         }
         tx.put_calculation(total, json!(lines)).await?;
+        self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("calculate")?;
         tx.audit(
             &job.anfrage_id.to_string(),

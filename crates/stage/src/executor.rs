@@ -111,7 +111,10 @@ impl Executor {
         // The heartbeat renews the lease while the body runs and reports a lost lease,
         // which cancels the body: its results could never commit anyway.
         let (lost_tx, mut lost_rx) = watch::channel(false);
-        let heartbeat = {
+        // Aborted when this future is dropped (its job's handler aborted, say): a
+        // heartbeat that outlived its execution would keep the stage `running` for
+        // ever with nobody running it.
+        let heartbeat = AbortOnDrop({
             let repo = self.repo.clone();
             let token = token.clone();
             let (every, lease) = (policy.heartbeat, policy.lease);
@@ -132,7 +135,7 @@ impl Executor {
                     }
                 }
             })
-        };
+        });
         let body = async {
             let prepared = AssertUnwindSafe(stage.prepare(job))
                 .catch_unwind()
@@ -151,7 +154,7 @@ impl Executor {
                 }
             } => Ok(Completion::Fenced),
         };
-        heartbeat.abort();
+        drop(heartbeat);
 
         match result {
             Ok(Completion::Committed(flow)) => Ok(ExecutionOutcome::Succeeded {
@@ -240,6 +243,15 @@ impl Executor {
             }
             idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
         })
+    }
+}
+
+/// Aborts the task when dropped (a tokio `JoinHandle` only detaches).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

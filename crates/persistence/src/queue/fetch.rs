@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, BigInt, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{FetchedJob, JobId, RepoError};
+use idemstage_domain::{FailKind, FetchedJob, JobId, RepoError};
 
 use crate::error::map_diesel_error;
 
@@ -54,7 +54,7 @@ UPDATE jobs j
        lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
   FROM next
  WHERE j.id = next.id
-RETURNING j.id, j.queue, j.payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
+RETURNING j.id, j.queue, j.payload::text AS payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
           j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
 
 #[derive(diesel::QueryableByName)]
@@ -63,8 +63,11 @@ pub(crate) struct FetchedRow {
     id: String,
     #[diesel(sql_type = Text)]
     queue: String,
-    #[diesel(sql_type = Jsonb)]
-    payload: serde_json::Value,
+    /// As text, decoded per row: a payload the JSON decoder refuses (e.g. nested
+    /// deeper than its recursion limit) must fail its own job, not the whole batch
+    /// (whose rows this statement has already leased).
+    #[diesel(sql_type = Text)]
+    payload: String,
     #[diesel(sql_type = Integer)]
     priority: i32,
     #[diesel(sql_type = Nullable<Text>)]
@@ -86,11 +89,11 @@ pub(crate) struct FetchedRow {
 }
 
 impl FetchedRow {
-    fn into_job(self) -> Result<FetchedJob, RepoError> {
+    fn into_job(self, payload: serde_json::Value) -> Result<FetchedJob, RepoError> {
         Ok(FetchedJob {
             id: JobId::parse(&self.id)?,
             queue: self.queue,
-            payload: self.payload,
+            payload,
             priority: self.priority,
             singleton_key: self.singleton_key,
             attempt: self.attempt,
@@ -131,10 +134,19 @@ pub async fn fetch(
             .await
     }
     .map_err(map_diesel_error)?;
-    let mut jobs = rows
-        .into_iter()
-        .map(FetchedRow::into_job)
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut jobs = Vec::with_capacity(rows.len());
+    for row in rows {
+        match serde_json::from_str(&row.payload) {
+            Ok(payload) => jobs.push(row.into_job(payload)?),
+            Err(e) => {
+                // Leased by this fetch, so its token is ours: fail it for good.
+                let id = JobId::parse(&row.id)?;
+                let error = format!("job payload cannot be decoded: {e}");
+                tracing::warn!(job = %id, %error, "poison job failed at fetch");
+                super::fail(conn, id, row.attempt, &error, FailKind::Permanent).await?;
+            }
+        }
+    }
     // RETURNING does not keep the order of the CTE.
     jobs.sort_by(|a, b| b.priority.cmp(&a.priority).then(a.id.cmp(&b.id)));
     Ok(jobs)

@@ -2,6 +2,8 @@
 //! Every test gets its own database from `idemstage_testkit::TestDb`.
 
 mod claim;
+mod claim_cost;
 mod foundation;
 mod queue;
 mod support;
+mod tenant_isolation;

@@ -519,7 +519,7 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     fixtures::reset(&mut conn).await?;
     // Every anfrage is feasible, so each runs all four stages.
     fixtures::insert_numbered_anfragen(&mut conn, TENANT, args.anfragen, INPUT).await?;
-    let pipeline = example::pipeline(Chaos { crash_rate: 0.0 });
+    let pipeline = example::pipeline(Chaos::default());
     let tenant = TenantId::parse(TENANT)?;
     let input_hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
     let jobs: Vec<JobToSend> = (0..args.anfragen)

@@ -142,9 +142,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
 
     let started = Instant::now();
     let counters = Arc::new(Counters::default());
-    let pipeline = example::pipeline(Chaos {
-        crash_rate: args.crash_rate,
-    });
+    let pipeline = example::pipeline(Chaos::crashing(args.crash_rate));
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut workers = JoinSet::new();
     for _ in 0..args.workers {

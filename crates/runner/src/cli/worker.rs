@@ -36,6 +36,10 @@ pub struct Args {
     /// Fault injection: probability that a stage body aborts mid-way
     #[arg(long, default_value_t = 0.0, hide = true)]
     pub crash_rate: f64,
+    /// Fault injection: up to this many ms of extra work per stage, after the claim
+    /// and inside the fenced transaction (widens the windows fault tests hit)
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub stage_delay_ms: u64,
 }
 
 impl Args {
@@ -62,6 +66,7 @@ impl Args {
         Ok(example::pipeline_with(
             Chaos {
                 crash_rate: self.crash_rate,
+                delay_ms: self.stage_delay_ms,
             },
             policy,
         )
@@ -99,6 +104,10 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         return Err(BadInput("--concurrency must be positive".into()).into());
     }
     let pipeline = args.pipeline()?;
+    // Bad input is refused before the first connection (exit 2, not 3).
+    for q in &args.queues {
+        pipeline.stage(q).map_err(|e| BadInput(e.to_string()))?;
+    }
     let pool = idemstage_persistence::connect_pool(url, args.pool_config()).await?;
     let worker = PipelineWorker::new(
         pool,

@@ -1,6 +1,11 @@
-//! Integration tests of the runner crate (one binary): the queue worker loop and
-//! `idemstage worker` processes against a real PostgreSQL.
+//! Integration tests of the runner crate (one binary): the queue worker loop,
+//! `idemstage worker` processes, fault injection and bad input against a real
+//! PostgreSQL.
 
+mod bad_input;
 mod cli;
+mod faults;
 mod processes;
 mod queue_worker;
+mod soak;
+mod support;

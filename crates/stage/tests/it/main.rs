@@ -168,7 +168,9 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
         .await
         .unwrap();
     assert_eq!(check.foreign_writes, 1);
-    assert_eq!(check.violations().len(), 3, "{:?}", check.violations());
+    // ... and so is the successful run that now lacks its own audit entry.
+    assert_eq!(check.missing_audit, 1);
+    assert_eq!(check.violations().len(), 4, "{:?}", check.violations());
 }
 
 #[tokio::test]
@@ -212,7 +214,7 @@ async fn an_infeasible_anfrage_stops_before_calculate() {
 #[tokio::test]
 async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
     let mut f = fixture().await;
-    let crashing = example::pipeline(Chaos { crash_rate: 1.0 });
+    let crashing = example::pipeline(Chaos::crashing(1.0));
     let job = f.anfrage("10 Stk Schrauben").await;
     let exec = f.executor();
     let intake = crashing.stage("intake").unwrap();
@@ -388,4 +390,53 @@ async fn a_malformed_payload_is_a_clear_error() {
         pipeline.stage("ocr").err().unwrap().to_string(),
         "unknown stage \"ocr\""
     );
+}
+
+/// An execution dropped mid-body (its job's handler task aborted because the job
+/// lease was taken over, e.g. after a SIGSTOP) must stop renewing its claim: an
+/// orphaned heartbeat kept the stage `running` for ever while nobody ran it (found
+/// by the soak test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
+    let mut f = fixture().await;
+    let (stage, pipeline) = gate(300, 60_000);
+    let job = f.anfrage("1 h Warten").await;
+    let running = {
+        let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
+        tokio::spawn(async move {
+            let stage = pipeline.stages()[0].clone();
+            exec.run(&pipeline, &stage, &job).await.unwrap()
+        })
+    };
+    stage.started.notified().await;
+    running.abort();
+    assert!(running.await.unwrap_err().is_cancelled());
+    // The lease must run out on the database clock (no one renews it any more).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(
+        &mut f.conn,
+        "SELECT 1 FROM pipeline_runs WHERE status = 'running' AND lease_expires_at < now()",
+    )
+    .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dropped execution's lease is still being renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // And another worker can take the stage over.
+    let req = ClaimRequest {
+        tenant: job.tenant_id.clone(),
+        anfrage: job.anfrage_id,
+        stage: StageName::parse("gate").unwrap(),
+        input_hash: job.input_hash.clone(),
+        worker: WorkerId::generate(),
+        policy: pipeline.stages()[0].policy().clone(),
+    };
+    assert!(matches!(
+        f.repo.claim(&req).await.unwrap(),
+        ClaimOutcome::Claimed { attempt: 2, .. }
+    ));
 }

@@ -1,0 +1,185 @@
+//! Row-level security: a transaction scoped to tenant A (`tenant::scope`, as every
+//! tenant-scoped transaction of the persistence layer is) can neither read nor
+//! write tenant B's rows in any tenant table, and a crafted claim naming B's
+//! anfrage under A is refused.
+
+use diesel::sql_types::Text;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use idemstage_domain::{
+    ClaimOutcome, CompleteOutcome, Extraktion, FencedTx, RepoError, RunRepository, StageError,
+    TenantId,
+};
+use idemstage_persistence::tenant::scope;
+use idemstage_testkit::TestDb;
+
+use crate::support::*;
+
+const TENANT_TABLES: [&str; 8] = [
+    "anfragen",
+    "pipeline_runs",
+    "pipeline_run_attempts",
+    "dateien",
+    "anfrage_extraktionen",
+    "feasibility_results",
+    "calculation_results",
+    "audit_log",
+];
+
+/// One completed stage for `tenant` that writes a row into every tenant table.
+async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::AnfrageId {
+    let repo = repo(db, 2).await;
+    let anfrage = new_anfrage(&mut db.conn().await, tenant).await;
+    let req = request(tenant, anfrage, "intake");
+    let outcome = repo.claim(&req).await.unwrap();
+    assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));
+    let token = token_of(&req, &outcome);
+    let write = write_fn(|tx| {
+        async move {
+            tx.replace_extraktionen(&[Extraktion {
+                position_index: 0,
+                description: "x".into(),
+                quantity: Some(1.0),
+                unit: Some("stk".into()),
+            }])
+            .await?;
+            tx.insert_or_get_datei(&"a".repeat(64), "k", 1).await?;
+            tx.put_feasibility(true, serde_json::json!([])).await?;
+            tx.put_calculation(150, serde_json::json!([])).await?;
+            Ok(())
+        }
+        .boxed()
+    });
+    assert_eq!(
+        repo.complete(&token, &write).await.unwrap(),
+        CompleteOutcome::Committed
+    );
+    anfrage
+}
+
+fn write_fn<F>(f: F) -> F
+where
+    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+{
+    f
+}
+
+async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    count(conn, sql).await
+}
+
+#[tokio::test]
+async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants_rows() {
+    let db = TestDb::new().await;
+    let (a, b) = (tenant("ta"), tenant("tb"));
+    fill(&db, &a).await;
+    let b_anfrage = fill(&db, &b).await;
+    let mut conn = db.conn().await;
+    // The connecting (owner/superuser) role sees both tenants: reports need that.
+    for table in TENANT_TABLES {
+        assert!(
+            n(
+                &mut conn,
+                &format!("SELECT 1 FROM {table} WHERE tenant_id = 'tb'")
+            )
+            .await
+                > 0
+        );
+    }
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        scope(conn, &a).await?;
+        for table in TENANT_TABLES {
+            let mine = n(conn, &format!("SELECT 1 FROM {table}")).await;
+            let theirs = n(
+                conn,
+                &format!("SELECT 1 FROM {table} WHERE tenant_id = 'tb'"),
+            )
+            .await;
+            assert!(mine > 0, "{table}: tenant A sees its own rows");
+            assert_eq!(theirs, 0, "{table}: tenant A sees tenant B's rows");
+            let touched = diesel::sql_query(format!(
+                "UPDATE {table} SET tenant_id = tenant_id WHERE tenant_id = 'tb'"
+            ))
+            .execute(conn)
+            .await?;
+            assert_eq!(touched, 0, "{table}: tenant A updated B's rows");
+            let deleted = diesel::sql_query(format!("DELETE FROM {table} WHERE tenant_id = 'tb'"))
+                .execute(conn)
+                .await?;
+            assert_eq!(deleted, 0, "{table}: tenant A deleted B's rows");
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    // Writing a row for B from A's scope is refused by the policy's WITH CHECK.
+    for insert in [
+        "INSERT INTO audit_log (id, tenant_id, entity_id, action) \
+         VALUES ('01JDQ3W5AAAAAAAAAAAAAAAAAA', 'tb', 'x', 'forged')",
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key) \
+         VALUES ('tb', '01JDQ3W5AAAAAAAAAAAAAAAAAB', 'x', repeat('a', 64), 'k')",
+    ] {
+        let err = conn
+            .transaction::<_, diesel::result::Error, _>(async |conn| {
+                scope(conn, &a).await?;
+                diesel::sql_query(insert).execute(conn).await?;
+                Ok(())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("row-level security"),
+            "{insert}: {err}"
+        );
+    }
+    // Moving A's row to B is refused too.
+    let err = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            scope(conn, &a).await?;
+            diesel::sql_query("UPDATE audit_log SET tenant_id = 'tb'")
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("row-level security"), "{err}");
+    // The role alone, without a tenant, sees nothing.
+    conn.batch_execute("BEGIN; SET LOCAL ROLE idemstage_app")
+        .await
+        .unwrap();
+    for table in TENANT_TABLES {
+        assert_eq!(n(&mut conn, &format!("SELECT 1 FROM {table}")).await, 0);
+    }
+    conn.batch_execute("ROLLBACK").await.unwrap();
+
+    // A crafted job (claim) for tenant A naming B's anfrage: refused, nothing written.
+    let repo = repo(&db, 2).await;
+    let before = n(&mut conn, "SELECT 1 FROM pipeline_runs").await;
+    let err = repo
+        .claim(&request(&a, b_anfrage, "extract"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RepoError::AnfrageNotFound { .. }), "{err:?}");
+    assert_eq!(n(&mut conn, "SELECT 1 FROM pipeline_runs").await, before);
+    // And registering B's anfrage id under A says it belongs to someone else.
+    let err = idemstage_persistence::anfragen::register_anfrage(&mut conn, &a, &b_anfrage, "x")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RepoError::TenantMismatch { .. }), "{err:?}");
+    // The role cannot bypass RLS.
+    #[derive(diesel::QueryableByName)]
+    struct Role {
+        #[diesel(sql_type = Text)]
+        flags: String,
+    }
+    let role: Role = diesel::sql_query(
+        "SELECT rolsuper::text || rolbypassrls::text || rolcanlogin::text AS flags \
+         FROM pg_roles WHERE rolname = 'idemstage_app'",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(role.flags, "falsefalsefalse");
+}

@@ -1,0 +1,472 @@
+//! Bad input reaching a running worker: job rows written by hand with malformed,
+//! oversized or hostile payloads, an input above the limit, a queue the pipeline
+//! does not know, a stage body that panics and one that never returns. Each ends
+//! in a clear error on a failed job (or run); the worker keeps running and the
+//! good work next to it is unaffected. (Bad CLI input is in `cli.rs`.)
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{
+    input_hash_of, AnfrageId, FencedTx, JobId, SendOptions, StageError, StageName, StagePolicy,
+    TenantId,
+};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_runner::Counters;
+use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_testkit::TestDb;
+use serde_json::{json, Value};
+
+use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
+
+#[derive(diesel::QueryableByName, Debug)]
+struct JobRow {
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Integer)]
+    retry_count: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+}
+
+async fn insert_job(conn: &mut AsyncPgConnection, queue: &str, payload: Value) -> JobId {
+    let id = JobId::new();
+    diesel::sql_query("INSERT INTO jobs (id, queue, payload, retry_limit) VALUES ($1, $2, $3, 3)")
+        .bind::<Text, _>(id.to_string())
+        .bind::<Text, _>(queue)
+        .bind::<Jsonb, _>(payload)
+        .execute(conn)
+        .await
+        .unwrap();
+    id
+}
+
+async fn job(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
+    diesel::sql_query("SELECT state, retry_count, last_error FROM jobs WHERE id = $1")
+        .bind::<Text, _>(id.to_string())
+        .get_result(conn)
+        .await
+        .unwrap()
+}
+
+async fn wait_job_state(conn: &mut AsyncPgConnection, id: JobId, state: &str) -> JobRow {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let row = job(conn, id).await;
+        if row.state == state {
+            return row;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job {id} never reached {state}: {row:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let t1 = TenantId::parse("t1").unwrap();
+    // Another tenant's anfrage, that a crafted payload names.
+    let foreign = AnfrageId::new();
+    register_anfrage(&mut conn, &t1, &foreign, "1 Stk Foreign")
+        .await
+        .unwrap();
+    let hash = input_hash_of(b"1 Stk Foreign");
+    let good = |tenant: Value, anfrage: Value, hash: Value| json!({ "tenant_id": tenant, "anfrage_id": anfrage, "input_hash": hash });
+    let mut nested = json!("t1");
+    for _ in 0..300 {
+        nested = json!([nested]);
+    }
+    let long = "a".repeat(100_000);
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("a string", json!("just a string"), "invalid job payload"),
+        ("null", Value::Null, "invalid job payload"),
+        ("an array", json!([1, 2, 3]), "invalid job payload"),
+        ("empty object", json!({}), "missing field"),
+        (
+            "unknown field",
+            json!({ "tenant_id": "t1", "anfrage_id": foreign.to_string(), "input_hash": hash, "stage": "calculate" }),
+            "unknown field",
+        ),
+        (
+            "id not a ULID",
+            good(json!("t1"), json!("not-a-ulid"), json!(hash)),
+            "invalid anfrage id",
+        ),
+        (
+            "SQL in the anfrage id",
+            good(json!("t1"), json!("'; DROP TABLE jobs;--"), json!(hash)),
+            "invalid anfrage id",
+        ),
+        (
+            "SQL in the tenant id",
+            good(
+                json!("t1' OR '1'='1"),
+                json!(foreign.to_string()),
+                json!(hash),
+            ),
+            "invalid tenant id",
+        ),
+        (
+            "very long tenant id",
+            good(json!(long), json!(foreign.to_string()), json!(hash)),
+            "invalid tenant id",
+        ),
+        (
+            "very long anfrage id",
+            good(json!("t1"), json!(long), json!(hash)),
+            "invalid anfrage id",
+        ),
+        (
+            "oversized payload (2 MiB hash)",
+            good(
+                json!("t1"),
+                json!(foreign.to_string()),
+                json!("f".repeat(2 << 20)),
+            ),
+            "input_hash must be 64 hex characters",
+        ),
+        (
+            "deeply nested",
+            good(nested, json!(foreign.to_string()), json!(hash)),
+            "job payload cannot be decoded",
+        ),
+        (
+            "unknown anfrage",
+            good(
+                json!("t1"),
+                json!(AnfrageId::new().to_string()),
+                json!(hash),
+            ),
+            "not found for tenant t1",
+        ),
+        (
+            "another tenant's anfrage",
+            good(json!("t2"), json!(foreign.to_string()), json!(hash)),
+            "not found for tenant t2",
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (what, payload, _) in &cases {
+        ids.push((
+            *what,
+            insert_job(&mut conn, "intake", payload.clone()).await,
+        ));
+    }
+    // A job on a queue that no stage of the pipeline has.
+    let stray = insert_job(&mut conn, "nosuch", json!({})).await;
+
+    let counters = Arc::new(Counters::default());
+    let worker = start_pipeline_worker(
+        db.pool(10).await,
+        db.url(),
+        support::pipeline(),
+        4,
+        counters.clone(),
+    );
+    for ((what, id), (_, _, message)) in ids.iter().zip(&cases) {
+        let row = wait_job_state(&mut conn, *id, "failed").await;
+        let error = row.last_error.unwrap_or_default();
+        assert!(error.contains(message), "{what}: {error}");
+        assert_eq!(row.retry_count, 0, "{what}: a permanent error was retried");
+        assert!(
+            error.len() <= 5_000,
+            "{what}: error of {} bytes is not a clear message",
+            error.len()
+        );
+    }
+    // The worker is still running and good work goes through.
+    let mut keys = support::enqueue(db.url(), 3).await;
+    support::send(&mut conn, &t1, foreign, "1 Stk Foreign").await;
+    keys.push((t1.clone(), foreign));
+    let check = support::wait_until(db.url(), "good work done", 60, |c| {
+        c.stages_succeeded == 4 * 4 && c.live_jobs == 1
+    })
+    .await;
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    assert_eq!(job(&mut conn, stray).await.state, "created");
+    // No run exists for anything but the good anfragen: no crafted job got as far
+    // as a claim.
+    assert_eq!(count(&mut conn, "SELECT 1 FROM pipeline_runs").await, 16);
+    assert_eq!(check.failed_jobs, cases.len() as i64);
+    for (tenant, anfrage) in &keys {
+        assert_eq!(
+            count(
+                &mut conn,
+                &format!(
+                    "SELECT 1 FROM pipeline_runs WHERE tenant_id = '{tenant}' \
+                     AND anfrage_id = '{anfrage}' AND status = 'success'"
+                )
+            )
+            .await,
+            4
+        );
+    }
+    stop_pipeline_worker(worker).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let tenant = TenantId::parse("t1").unwrap();
+    let anfrage = AnfrageId::new();
+    let text = "1 Stk x\n".repeat(200_000); // 1.6 MB, past the 1 MiB limit
+    let hash = input_hash_of(text.as_bytes());
+    diesel::sql_query(
+        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+         VALUES ($1, $2, $3, $4, 'by-hand')",
+    )
+    .bind::<Text, _>(tenant.as_str())
+    .bind::<Text, _>(anfrage.to_string())
+    .bind::<Text, _>(&text)
+    .bind::<Text, _>(&hash)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let job = first_job(&support::pipeline(), tenant.clone(), anfrage, hash);
+    idemstage_persistence::queue::send_in(&mut conn, &job)
+        .await
+        .unwrap();
+    let worker = start_pipeline_worker(
+        db.pool(10).await,
+        db.url(),
+        support::pipeline(),
+        2,
+        Arc::new(Counters::default()),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job never failed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    #[derive(diesel::QueryableByName)]
+    struct Run {
+        #[diesel(sql_type = Text)]
+        status: String,
+        #[diesel(sql_type = Nullable<Text>)]
+        last_error: Option<String>,
+    }
+    let run: Run = diesel::sql_query("SELECT status, last_error FROM pipeline_runs")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(run.status, "dead");
+    assert!(
+        run.last_error
+            .unwrap_or_default()
+            .contains("more than the limit"),
+        "no clear error"
+    );
+    assert_eq!(count(&mut conn, "SELECT 1 FROM dateien").await, 0);
+    // Good work still goes through.
+    support::enqueue(db.url(), 1).await;
+    support::wait_until(db.url(), "good anfrage done", 60, |c| {
+        c.stages_succeeded == 4
+    })
+    .await;
+    stop_pipeline_worker(worker).await;
+}
+
+/// A stage whose body misbehaves depending on the anfrage's text: `boom` panics
+/// (inside the fenced transaction, after a write), `hang` never returns from
+/// `prepare`, `hangtx` never returns inside the fenced transaction after a write;
+/// anything else succeeds with an audit entry.
+struct Probe {
+    name: StageName,
+    policy: StagePolicy,
+}
+
+#[async_trait]
+impl Stage for Probe {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+    async fn prepare(&self, job: &StageJob) -> Result<Value, StageError> {
+        if job.input_hash == input_hash_of(b"hang") {
+            std::future::pending::<()>().await;
+        }
+        Ok(Value::Null)
+    }
+    async fn run(
+        &self,
+        job: &StageJob,
+        _: &Value,
+        tx: &mut dyn FencedTx,
+    ) -> Result<StageFlow, StageError> {
+        let text = tx.anfrage_text().await?;
+        tx.audit(&job.anfrage_id.to_string(), "probe.started", json!({}))
+            .await?;
+        match text.as_str() {
+            "boom" => panic!("probe body exploded"),
+            "hangtx" => std::future::pending::<()>().await,
+            _ => {}
+        }
+        tx.audit(&job.anfrage_id.to_string(), "probe.done", json!({}))
+            .await?;
+        Ok(StageFlow::Continue)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let policy = StagePolicy {
+        max_attempts: 2,
+        lease: Duration::from_millis(600),
+        heartbeat: Duration::from_millis(150),
+        timeout: Duration::from_millis(800),
+        ..StagePolicy::default()
+    };
+    let pipeline = Pipeline::new(vec![Arc::new(Probe {
+        name: StageName::parse("probe").unwrap(),
+        policy,
+    })])
+    .unwrap()
+    .with_send_options(SendOptions {
+        retry_limit: 5,
+        retry_delay: Duration::from_millis(10),
+        expire_in: Duration::from_secs(3),
+        ..SendOptions::default()
+    });
+    let tenant = TenantId::parse("t1").unwrap();
+    let mut anfragen = Vec::new();
+    for text in ["boom", "hang", "hangtx", "fine"] {
+        let anfrage = AnfrageId::new();
+        register_anfrage(&mut conn, &tenant, &anfrage, text)
+            .await
+            .unwrap();
+        let job = first_job(
+            &pipeline,
+            tenant.clone(),
+            anfrage,
+            input_hash_of(text.as_bytes()),
+        );
+        idemstage_persistence::queue::send_in(&mut conn, &job)
+            .await
+            .unwrap();
+        anfragen.push((text, anfrage));
+    }
+    let worker = start_pipeline_worker(
+        db.pool(6).await,
+        db.url(),
+        pipeline.clone(),
+        4,
+        Arc::new(Counters::default()),
+    );
+    #[derive(diesel::QueryableByName, Debug)]
+    struct Run {
+        #[diesel(sql_type = Text)]
+        status: String,
+        #[diesel(sql_type = Integer)]
+        attempts: i32,
+        #[diesel(sql_type = Nullable<Text>)]
+        last_error: Option<String>,
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    for (text, anfrage) in &anfragen {
+        let want = if *text == "fine" { "success" } else { "dead" };
+        let run = loop {
+            let run: Option<Run> = diesel::sql_query(
+                "SELECT status, attempts, last_error FROM pipeline_runs WHERE anfrage_id = $1",
+            )
+            .bind::<Text, _>(anfrage.to_string())
+            .get_result(&mut conn)
+            .await
+            .ok();
+            if let Some(run) = run.filter(|r| r.status == want) {
+                break run;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{text} never {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let error = run.last_error.clone().unwrap_or_default();
+        match *text {
+            "boom" => assert!(error.contains("panicked: probe body exploded"), "{run:?}"),
+            "hang" | "hangtx" => assert!(error.contains("exceeded its deadline"), "{run:?}"),
+            _ => {}
+        }
+        if want == "dead" {
+            assert_eq!(run.attempts, 2, "{text}: {run:?}");
+        }
+    }
+    // The failed attempts wrote nothing: only the fine anfrage's two entries exist.
+    assert_eq!(count(&mut conn, "SELECT 1 FROM audit_log").await, 2);
+    // The dead runs' jobs failed for good; the worker still works.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "dead runs' jobs not failed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let anfrage = AnfrageId::new();
+    register_anfrage(&mut conn, &tenant, &anfrage, "fine again")
+        .await
+        .unwrap();
+    let job = first_job(
+        &pipeline,
+        tenant.clone(),
+        anfrage,
+        input_hash_of(b"fine again"),
+    );
+    idemstage_persistence::queue::send_in(&mut conn, &job)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(
+        &mut conn,
+        &format!(
+            "SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{anfrage}' AND status = 'success'"
+        ),
+    )
+    .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker stopped working"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // No connection was left inside an aborted transaction holding locks.
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction'"
+        )
+        .await,
+        0
+    );
+    stop_pipeline_worker(worker).await;
+}
+
+#[test]
+fn a_worker_for_a_queue_the_pipeline_does_not_know_refuses_to_start() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["worker", "--queues", "intake,nosuch"])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("unknown stage \"nosuch\""), "{stderr}");
+}

@@ -1,0 +1,130 @@
+//! Random faults for a while, then the invariants. In the default test run it lasts
+//! `IDEMSTAGE_SOAK_SECS` (default 15) seconds; `cargo xtask soak --minutes N` runs
+//! it in release for N minutes. Three `idemstage worker` processes work a stream of
+//! anfragen (each sent twice) while, at random moments, a worker is SIGKILLed and
+//! replaced, a worker is SIGSTOPped past its lease and continued, or worker
+//! connections are terminated mid-transaction. Then the faults stop and the
+//! database must show every anfrage final, nothing run twice, nothing foreign.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Integer};
+use diesel_async::RunQueryDsl;
+use idemstage_domain::{AnfrageId, TenantId};
+use idemstage_testkit::TestDb;
+use rand::Rng;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::{assert_quiet_and_sound, count, send, signal, text, Workers};
+
+fn soak_secs() -> u64 {
+    std::env::var("IDEMSTAGE_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
+    let secs = soak_secs();
+    let db = TestDb::new().await;
+    let mut workers = Workers::start(
+        db.url(),
+        3,
+        &["--stage-delay-ms", "200", "--crash-rate", "0.02"],
+    );
+    let stop = CancellationToken::new();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    // A steady stream of anfragen, each sent twice, kept to a backlog the workers
+    // can follow.
+    let sender = {
+        let (url, stop) = (db.url().to_owned(), stop.clone());
+        tokio::spawn(async move {
+            #[derive(diesel::QueryableByName)]
+            struct Pid {
+                #[diesel(sql_type = Integer)]
+                pid: i32,
+            }
+            let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            let pid: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+                .get_result(&mut conn)
+                .await
+                .unwrap();
+            pid_tx.send(pid.pid).unwrap();
+            let mut sent = 0usize;
+            while !stop.is_cancelled() {
+                let live = count(
+                    &mut conn,
+                    "SELECT 1 FROM jobs WHERE state IN ('created', 'retry', 'active')",
+                )
+                .await;
+                if live < 40 {
+                    for _ in 0..5 {
+                        let tenant = TenantId::parse(&format!("t{}", sent % 4)).unwrap();
+                        let anfrage = AnfrageId::new();
+                        for _ in 0..2 {
+                            send(&mut conn, &tenant, anfrage, &text(sent)).await;
+                        }
+                        sent += 1;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            sent
+        })
+    };
+    // The sender's own connection is spared, so that it sends every anfrage it counts.
+    let sender_pid = pid_rx.await.unwrap();
+
+    let mut faults: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut conn = db.conn().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while tokio::time::Instant::now() < deadline {
+        let pause = rand::rng().random_range(300..1500);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let victim = rand::rng().random_range(0..workers.children.len());
+        match rand::rng().random_range(0..3) {
+            0 => {
+                workers.kill_and_replace(victim);
+                *faults.entry("sigkill").or_default() += 1;
+            }
+            1 => {
+                // Past its stage lease (1.5 s) and often past its job lease (3 s).
+                signal(&workers.children[victim], "-STOP");
+                let stopped = rand::rng().random_range(2000..5000);
+                tokio::time::sleep(Duration::from_millis(stopped)).await;
+                signal(&workers.children[victim], "-CONT");
+                *faults.entry("sigstop").or_default() += 1;
+            }
+            _ => {
+                #[derive(diesel::QueryableByName)]
+                struct N {
+                    #[diesel(sql_type = BigInt)]
+                    n: i64,
+                }
+                let n: N = diesel::sql_query(format!(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS n FROM (
+                         SELECT pid FROM pg_stat_activity
+                          WHERE datname = current_database() AND pid <> pg_backend_pid()
+                            AND pid <> {sender_pid} AND backend_type = 'client backend'
+                            AND state IN ('idle in transaction', 'active')
+                          ORDER BY random() LIMIT 3) p"
+                ))
+                .get_result(&mut conn)
+                .await
+                .unwrap();
+                *faults.entry("terminated connections").or_default() += n.n as u32;
+            }
+        }
+    }
+    stop.cancel();
+    let sent = sender.await.unwrap();
+    let check = assert_quiet_and_sound(db.url(), 300).await;
+    workers.assert_all_alive();
+    workers.stop_all();
+    eprintln!("soak: {secs} s of faults {faults:?}; {sent} anfragen sent twice each; {check:?}");
+    assert_eq!(check.anfragen, sent as i64);
+    assert!(sent > 0);
+    assert!(!faults.is_empty(), "no fault was injected");
+}
