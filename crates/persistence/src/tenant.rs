@@ -28,9 +28,10 @@ pub async fn scope(
     diesel::sql_query(
         "SELECT set_config('role', 'idemstage_app', true), \
                 set_config('app.tenant_id', $1, true), \
-                set_config('idle_in_transaction_session_timeout', '10000', true)",
+                set_config('idle_in_transaction_session_timeout', $2, true)",
     )
     .bind::<Text, _>(tenant.as_str())
+    .bind::<Text, _>(IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string())
     .execute(conn)
     .await
     .map(|_| ())

@@ -83,10 +83,19 @@ pub async fn maintain(
     let limit = i64::from(config.batch_limit.max(1));
     let retention_ms = millis(config.retention);
     conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
-        let lock: Locked = diesel::sql_query("SELECT pg_try_advisory_xact_lock($1) AS locked")
-            .bind::<BigInt, _>(MAINTENANCE_LOCK_KEY)
-            .get_result(conn)
-            .await?;
+        // A worker stopped (SIGSTOP, VM pause) inside this transaction would hold the
+        // lock, and so stop every worker's maintenance (expired job leases would
+        // never come back): the server ends such a session after the timeout.
+        let lock: Locked = diesel::sql_query(
+            "SELECT pg_try_advisory_xact_lock($1) AS locked
+               FROM (SELECT set_config('idle_in_transaction_session_timeout', $2, true)) s",
+        )
+        .bind::<BigInt, _>(MAINTENANCE_LOCK_KEY)
+        .bind::<diesel::sql_types::Text, _>(
+            crate::tenant::IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string(),
+        )
+        .get_result(conn)
+        .await?;
         if !lock.locked {
             return Ok(MaintenanceOutcome::Skipped);
         }
