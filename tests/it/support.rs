@@ -1,21 +1,8 @@
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
 use idemstage_domain::{AnfrageId, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
 
-#[derive(diesel::QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
-        .get_result::<Count>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .n
-}
+pub use idemstage_testkit::count;
 
 pub async fn anfrage(
     conn: &mut AsyncPgConnection,

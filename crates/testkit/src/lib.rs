@@ -384,3 +384,17 @@ fn passwd_user(name: &str) -> Option<(u32, u32)> {
         Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
     })
 }
+
+/// `SELECT count(*)` of any query, for invariant checks in plain SQL.
+pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
+        .get_result::<Count>(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .n
+}

@@ -3,8 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
 use idemstage_domain::{
     AnfrageId, ClaimOutcome, ClaimRequest, ClaimToken, StageName, StagePolicy, TenantId, WorkerId,
 };
@@ -67,20 +66,7 @@ pub async fn repo(db: &TestDb, pool_size: u32) -> Arc<PgRunRepository> {
     Arc::new(PgRunRepository::new(db.pool(pool_size).await))
 }
 
-#[derive(diesel::QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-/// `SELECT count(*)` of any query, for invariant checks in plain SQL.
-pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
-        .get_result::<Count>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .n
-}
+pub use idemstage_testkit::count;
 
 /// Waits until the database clock has passed the run's lease (no blind sleep: the
 /// condition is read from the database).

@@ -5,8 +5,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::report::{check_example_pipeline, PipelineCheck};
@@ -195,18 +194,7 @@ pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
     check
 }
 
-pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    #[derive(diesel::QueryableByName)]
-    struct N {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
-        .get_result::<N>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .n
-}
+pub use idemstage_testkit::count;
 
 pub fn signal(child: &Child, sig: &str) {
     let status = Command::new("kill")

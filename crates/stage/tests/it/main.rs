@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use diesel::sql_types::BigInt;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     AnfrageId, ClaimOutcome, ClaimRequest, FencedTx, RunRepository, SkipReason, StageError,
@@ -18,19 +17,7 @@ use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, Stage, StageFlow, St
 use idemstage_testkit::TestDb;
 use tokio::sync::Notify;
 
-#[derive(diesel::QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    diesel::sql_query(format!("SELECT count(*) AS n FROM ({sql}) q"))
-        .get_result::<Count>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .n
-}
+use idemstage_testkit::count;
 
 struct Fixture {
     _db: TestDb,
