@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use diesel::dsl::{now, IntervalDsl};
 use diesel::pg::data_types::PgInterval;
 use diesel::prelude::*;
-use diesel::sql_types::Timestamptz;
+use diesel::sql_types::{Bool, Text, Timestamptz};
 use diesel::upsert::excluded;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
@@ -130,21 +130,17 @@ async fn claim_statement(
     let rerun_on_new_input = pr::status
         .eq("success")
         .and(pr::input_hash.ne(excluded(pr::input_hash)))
-        .and(diesel::dsl::sql::<diesel::sql_types::Bool>(
-            if req.policy.on_input_change == InputChangePolicy::Rerun {
-                "true"
-            } else {
-                "false"
-            },
-        ));
+        // A bound parameter, not SQL text: the statement stays the same for both
+        // policies, so Diesel can cache its prepared form.
+        .and((req.policy.on_input_change == InputChangePolicy::Rerun).into_sql::<Bool>());
     let guard = reclaimable.and(within_budget).or(rerun_on_new_input);
     // A rerun of a finished stage gets a fresh attempt budget on top of the used one;
     // attempts itself only ever grows, because it is the fencing token.
-    let max_attempts = diesel::dsl::sql::<diesel::sql_types::Integer>(
-        "CASE WHEN pipeline_runs.status = 'success' \
-         THEN pipeline_runs.attempts + excluded.max_attempts \
-         ELSE pipeline_runs.max_attempts END",
-    );
+    let max_attempts = diesel::dsl::case_when(
+        pr::status.eq("success"),
+        pr::attempts + excluded(pr::max_attempts),
+    )
+    .otherwise(pr::max_attempts);
     diesel::query_dsl::methods::FilterDsl::filter(
         diesel::insert_into(pipeline_runs::table)
             .values((
@@ -345,11 +341,12 @@ impl RunRepository for PgRunRepository {
     ) -> Result<FailOutcome, RepoError> {
         use pipeline_runs::dsl as pr;
         let mut conn = self.conn().await?;
-        let status = diesel::dsl::sql::<diesel::sql_types::Text>(if retryable {
-            "CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'failed' END"
-        } else {
-            "'dead'"
-        });
+        // Cacheable: the permanent case is the same CASE with a bound flag.
+        let status = diesel::dsl::case_when(
+            pr::attempts.ge(pr::max_attempts).or((!retryable).into_sql::<Bool>()),
+            "dead".into_sql::<Text>(),
+        )
+        .otherwise("failed".into_sql::<Text>());
         let failed: Option<(String, i32)> = conn
             .transaction::<_, diesel::result::Error, _>(async |conn| {
                 crate::tenant::scope(conn, &token.tenant).await?;
@@ -636,20 +633,19 @@ async fn explain_skip(
     req: &ClaimRequest,
 ) -> Result<Option<ClaimOutcome>, RepoError> {
     use pipeline_runs::dsl as pr;
-    let Some(run) = read_run(
-        conn,
-        req.tenant.as_str(),
-        &req.anfrage.to_string(),
-        req.stage.as_str(),
-    )
-    .await?
-    else {
+    // The run and the database clock in one round trip.
+    let found: Option<(RunRow, DateTime<Utc>)> = pr::pipeline_runs
+        .filter(pr::tenant_id.eq(req.tenant.as_str()))
+        .filter(pr::anfrage_id.eq(req.anfrage.to_string()))
+        .filter(pr::stage.eq(req.stage.as_str()))
+        .select((RunRow::as_select(), now.into_sql::<Timestamptz>()))
+        .first(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    let Some((run, db_now)) = found else {
         return Ok(None);
     };
-    let db_now: DateTime<Utc> = diesel::select(now.into_sql::<Timestamptz>())
-        .get_result(conn)
-        .await
-        .map_err(map_diesel_error)?;
     let status: RunStatus = run.status.parse()?;
     Ok(match status {
         RunStatus::Success if run.input_hash == req.input_hash => {
