@@ -5,6 +5,7 @@
 
 pub mod anfragen;
 pub mod bench_support;
+pub mod cached;
 pub mod db;
 pub mod error;
 pub mod fenced;

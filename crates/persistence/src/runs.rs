@@ -16,6 +16,7 @@ use idemstage_domain::{
     RunRepository, RunStatus, SkipReason, StageError, StageName, TenantId,
 };
 
+use crate::cached::Cached;
 use crate::error::{map_diesel_error, TxError};
 use crate::fenced::PgFencedTx;
 use crate::schema::{pipeline_run_attempts, pipeline_runs};
@@ -141,29 +142,31 @@ async fn claim_statement(
         pr::attempts + excluded(pr::max_attempts),
     )
     .otherwise(pr::max_attempts);
-    diesel::query_dsl::methods::FilterDsl::filter(
-        diesel::insert_into(pipeline_runs::table)
-            .values((
-                &row,
-                pr::started_at.eq(db_now),
-                pr::lease_expires_at.eq(db_now + lease),
-            ))
-            .on_conflict((pr::tenant_id, pr::anfrage_id, pr::stage))
-            .do_update()
-            .set((
-                pr::status.eq("running"),
-                pr::attempts.eq(pr::attempts + 1),
-                pr::max_attempts.eq(max_attempts),
-                pr::input_hash.eq(excluded(pr::input_hash)),
-                pr::worker_id.eq(excluded(pr::worker_id)),
-                pr::started_at.eq(db_now),
-                pr::lease_expires_at.eq(db_now + lease),
-                pr::finished_at.eq(None::<DateTime<Utc>>),
-                pr::last_error.eq(None::<String>),
-            )),
-        guard,
+    Cached(
+        diesel::query_dsl::methods::FilterDsl::filter(
+            diesel::insert_into(pipeline_runs::table)
+                .values((
+                    &row,
+                    pr::started_at.eq(db_now),
+                    pr::lease_expires_at.eq(db_now + lease),
+                ))
+                .on_conflict((pr::tenant_id, pr::anfrage_id, pr::stage))
+                .do_update()
+                .set((
+                    pr::status.eq("running"),
+                    pr::attempts.eq(pr::attempts + 1),
+                    pr::max_attempts.eq(max_attempts),
+                    pr::input_hash.eq(excluded(pr::input_hash)),
+                    pr::worker_id.eq(excluded(pr::worker_id)),
+                    pr::started_at.eq(db_now),
+                    pr::lease_expires_at.eq(db_now + lease),
+                    pr::finished_at.eq(None::<DateTime<Utc>>),
+                    pr::last_error.eq(None::<String>),
+                )),
+            guard,
+        )
+        .returning((pr::id, pr::attempts, pr::lease_expires_at)),
     )
-    .returning((pr::id, pr::attempts, pr::lease_expires_at))
     .get_result(conn)
     .await
     .optional()
@@ -343,7 +346,9 @@ impl RunRepository for PgRunRepository {
         let mut conn = self.conn().await?;
         // Cacheable: the permanent case is the same CASE with a bound flag.
         let status = diesel::dsl::case_when(
-            pr::attempts.ge(pr::max_attempts).or((!retryable).into_sql::<Bool>()),
+            pr::attempts
+                .ge(pr::max_attempts)
+                .or((!retryable).into_sql::<Bool>()),
             "dead".into_sql::<Text>(),
         )
         .otherwise("failed".into_sql::<Text>());
@@ -492,13 +497,12 @@ impl PgRunRepository {
                     // The fence first: it checks the token, marks success and locks the
                     // row, so a concurrent claim waits for this transaction and then
                     // sees `success`.
-                    let fenced_rows = diesel::update(fenced(token))
-                        .set((
-                            pr::status.eq("success"),
-                            pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
-                        ))
-                        .execute(conn)
-                        .await?;
+                    let fenced_rows = Cached(diesel::update(fenced(token)).set((
+                        pr::status.eq("success"),
+                        pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
+                    )))
+                    .execute(conn)
+                    .await?;
                     if fenced_rows == 0 {
                         return Ok(CompleteOutcome::Fenced);
                     }

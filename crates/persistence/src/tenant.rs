@@ -25,13 +25,15 @@ pub async fn scope(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
 ) -> Result<(), diesel::result::Error> {
-    diesel::sql_query(
-        "SELECT set_config('role', 'idemstage_app', true), \
-                set_config('app.tenant_id', $1, true), \
-                set_config('idle_in_transaction_session_timeout', $2, true)",
+    crate::cached::Cached(
+        diesel::sql_query(
+            "SELECT set_config('role', 'idemstage_app', true), \
+                    set_config('app.tenant_id', $1, true), \
+                    set_config('idle_in_transaction_session_timeout', $2, true)",
+        )
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Text, _>(IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string()),
     )
-    .bind::<Text, _>(tenant.as_str())
-    .bind::<Text, _>(IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string())
     .execute(conn)
     .await
     .map(|_| ())

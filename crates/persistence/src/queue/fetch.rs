@@ -7,6 +7,7 @@ use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{FailKind, FetchedJob, JobId, RepoError};
 
+use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
 /// `FOR UPDATE SKIP LOCKED` lets concurrent fetchers pass each other's rows instead
@@ -124,12 +125,14 @@ pub async fn fetch(
         diesel::sql_query(FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL))
             .bind::<Text, _>(queue)
             .bind::<BigInt, _>(limit)
+            .cached()
             .load(conn)
             .await
     } else {
         diesel::sql_query(FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL))
             .bind::<Array<Text>, _>(queues)
             .bind::<BigInt, _>(limit)
+            .cached()
             .load(conn)
             .await
     }

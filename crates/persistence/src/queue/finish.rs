@@ -16,6 +16,7 @@ use idemstage_domain::{
 };
 
 use super::{RETRY_DELAY_MS_SQL, VALID_QUEUE_SQL};
+use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
 #[derive(diesel::QueryableByName)]
@@ -39,6 +40,7 @@ pub async fn complete(
     .bind::<Text, _>(id.to_string())
     .bind::<Integer, _>(attempt)
     .bind::<Nullable<Jsonb>, _>(output)
+    .cached()
     .execute(conn)
     .await
     .map_err(map_diesel_error)?;
@@ -76,6 +78,7 @@ pub async fn complete_many(
             .collect::<Vec<_>>(),
     )
     .bind::<Array<Integer>, _>(jobs.iter().map(|(_, a)| *a).collect::<Vec<_>>())
+    .cached()
     .load(conn)
     .await
     .map_err(map_diesel_error)?;
@@ -168,6 +171,7 @@ pub async fn fail(
         .bind::<Text, _>(error)
         .bind::<Bool, _>(kind == FailKind::Retryable)
         .bind::<Text, _>(JobId::new().to_string())
+        .cached()
         .get_result(conn)
         .await
         .optional()
@@ -202,6 +206,7 @@ pub async fn cancel(
     )
     .bind::<Text, _>(id.to_string())
     .bind::<Integer, _>(attempt)
+    .cached()
     .execute(conn)
     .await
     .map_err(map_diesel_error)?;
@@ -243,6 +248,7 @@ pub async fn retry_at(
     .bind::<Text, _>(id.to_string())
     .bind::<Integer, _>(attempt)
     .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
+    .cached()
     .get_result(conn)
     .await
     .optional()
@@ -279,6 +285,7 @@ pub async fn renew_lease(
     )
     .bind::<Text, _>(id.to_string())
     .bind::<Integer, _>(attempt)
+    .cached()
     .get_result(conn)
     .await
     .optional()

@@ -9,6 +9,7 @@ use idemstage_domain::queue::validate_queue_name;
 use idemstage_domain::{JobId, JobToSend, RepoError, SendResult};
 
 use super::millis;
+use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 use crate::PgPool;
 
@@ -77,6 +78,7 @@ pub async fn send_in(
         .bind::<BigInt, _>(millis(o.expire_in))
         .bind::<Nullable<Text>, _>(o.dead_letter.as_deref())
         .bind::<BigInt, _>(millis(o.start_after.unwrap_or_default()))
+        .cached()
         .get_result(conn)
         .await
         .optional()
@@ -196,6 +198,7 @@ pub async fn send_batch(
             opts.map(|o| millis(o.start_after.unwrap_or_default()))
                 .collect::<Vec<_>>(),
         )
+        .cached()
         .load(conn)
         .await
         .map_err(map_diesel_error)?;
