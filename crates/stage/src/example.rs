@@ -142,6 +142,18 @@ macro_rules! named_stage {
         }
     };
 }
+/// The `name` and `policy` of a stage wrapping `Named`.
+macro_rules! named_identity {
+    () => {
+        fn name(&self) -> &StageName {
+            &self.0.name
+        }
+        fn policy(&self) -> &StagePolicy {
+            &self.0.policy
+        }
+    };
+}
+
 named_stage!(Intake);
 named_stage!(Extract);
 named_stage!(Feasibility);
@@ -149,12 +161,7 @@ named_stage!(Calculate);
 
 #[async_trait]
 impl Stage for Intake {
-    fn name(&self) -> &StageName {
-        &self.0.name
-    }
-    fn policy(&self) -> &StagePolicy {
-        &self.0.policy
-    }
+    named_identity!();
     async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
         self.0.chaos.prepare_delay().await
     }
@@ -185,12 +192,7 @@ impl Stage for Intake {
 
 #[async_trait]
 impl Stage for Extract {
-    fn name(&self) -> &StageName {
-        &self.0.name
-    }
-    fn policy(&self) -> &StagePolicy {
-        &self.0.policy
-    }
+    named_identity!();
     async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
         self.0.chaos.prepare_delay().await
     }
@@ -236,12 +238,7 @@ pub fn feasibility_reasons(positions: &[Extraktion]) -> Vec<String> {
 
 #[async_trait]
 impl Stage for Feasibility {
-    fn name(&self) -> &StageName {
-        &self.0.name
-    }
-    fn policy(&self) -> &StagePolicy {
-        &self.0.policy
-    }
+    named_identity!();
     async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
         self.0.chaos.prepare_delay().await
     }
@@ -267,12 +264,7 @@ impl Stage for Feasibility {
 
 #[async_trait]
 impl Stage for Calculate {
-    fn name(&self) -> &StageName {
-        &self.0.name
-    }
-    fn policy(&self) -> &StagePolicy {
-        &self.0.policy
-    }
+    named_identity!();
     async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
         self.0.chaos.prepare_delay().await
     }
