@@ -72,8 +72,11 @@ pub async fn register_anfrage(
                     a::input_sha256.eq(&sha),
                     a::s3_key.eq(&s3_key),
                 ))
-                .on_conflict(a::id)
-                .do_nothing()
+                // No conflict target: a concurrent insert of the same id can trip the
+                // (tenant_id, id) unique index before the primary key, and only the
+                // arbiter indexes of ON CONFLICT are forgiven. Any conflict means the
+                // id exists; the read below says whose it is.
+                .on_conflict_do_nothing()
                 .execute(conn)
                 .await?;
             if inserted == 1 {

@@ -780,3 +780,57 @@ async fn stress_random_claims_keep_every_invariant() {
         0
     );
 }
+
+/// Duplicate sends register the same anfrage and send its job from many
+/// connections at once, each in one transaction as `idemstage enqueue` does: all
+/// succeed, one creates it, one job is sent. The demo once failed here with a
+/// unique violation on `anfragen_tenant_id_uq` while the insert's conflict target
+/// was the primary key alone; now any conflict counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
+    let db = TestDb::new().await;
+    let t = tenant("t1");
+    for _ in 0..10 {
+        let anfrage = idemstage_domain::AnfrageId::new();
+        let barrier = Arc::new(Barrier::new(16));
+        let mut tasks = Vec::new();
+        for _ in 0..16 {
+            let (barrier, t, url) = (barrier.clone(), t.clone(), db.url().to_owned());
+            tasks.push(tokio::spawn(async move {
+                let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+                barrier.wait().await;
+                conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+                    let registered = idemstage_persistence::anfragen::register_anfrage(
+                        conn, &t, &anfrage, "1 Stk",
+                    )
+                    .await?;
+                    let job = idemstage_domain::JobToSend {
+                        queue: "intake".into(),
+                        payload: serde_json::json!({}),
+                        options: idemstage_domain::SendOptions {
+                            singleton_key: Some(format!("intake:t1:{anfrage}")),
+                            ..Default::default()
+                        },
+                    };
+                    idemstage_persistence::queue::send_in(conn, &job).await?;
+                    Ok(registered)
+                })
+                .await
+                .unwrap()
+            }));
+        }
+        let mut created = 0;
+        for task in tasks {
+            if matches!(
+                task.await.unwrap(),
+                idemstage_persistence::anfragen::RegisterOutcome::Created { .. }
+            ) {
+                created += 1;
+            }
+        }
+        assert_eq!(created, 1);
+    }
+    let mut conn = db.conn().await;
+    assert_eq!(count(&mut conn, "SELECT * FROM anfragen").await, 10);
+    assert_eq!(count(&mut conn, "SELECT * FROM jobs").await, 10);
+}
