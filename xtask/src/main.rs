@@ -129,7 +129,8 @@ fn run() -> Result<i32> {
                 cargo()
                     .args(["run", "--release", "-p", "idemstage-runner"])
                     .args(["--bin", "idemstage", "--", cmd])
-                    .args(rest)
+                    // `cargo xtask demo -- --anfragen 10` works like without `--`.
+                    .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(rest))
                     .env("DATABASE_URL", url),
             )
         }),
