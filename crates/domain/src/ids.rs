@@ -77,6 +77,17 @@ impl WorkerId {
     }
 }
 
+/// ULIDs from one process increase strictly, also within one millisecond
+/// (`Ulid::new()` draws the low bits at random), so that id order is creation
+/// order: the queue fetches "oldest first" by id.
+fn monotonic_ulid() -> Ulid {
+    static GENERATOR: std::sync::Mutex<ulid::Generator> =
+        std::sync::Mutex::new(ulid::Generator::new());
+    let mut generator = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    // Overflow needs 2^80 ids in one millisecond; fall back rather than fail.
+    generator.generate().unwrap_or_else(|_| Ulid::new())
+}
+
 macro_rules! ulid_id {
     ($(#[$m:meta])* $name:ident, $err:ident) => {
         $(#[$m])*
@@ -86,7 +97,7 @@ macro_rules! ulid_id {
 
         impl $name {
             pub fn new() -> Self {
-                Self(Ulid::new())
+                Self(monotonic_ulid())
             }
             pub fn parse(s: &str) -> Result<Self, DomainError> {
                 // Ulid::from_string accepts lowercase; we store the canonical form only.
@@ -250,6 +261,12 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn ids_of_one_process_increase_strictly() {
+        let ids: Vec<RowId> = (0..10_000).map(|_| RowId::new()).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
     }
 
     #[test]
