@@ -33,8 +33,9 @@ pub struct Counters {
     pub dead: AtomicU64,
     pub exhausted: AtomicU64,
     /// Successes per (tenant, anfrage, stage) as reported to workers: more than one
-    /// for a key would be a double execution seen from the outside.
-    successes: Mutex<HashMap<String, u32>>,
+    /// for a key would be a double execution seen from the outside. Only kept when
+    /// asked for (demo, tests): a long-running worker would grow it without end.
+    successes: Option<Mutex<HashMap<String, u32>>>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -64,9 +65,23 @@ impl Counters {
         }
     }
 
+    /// Counters that also remember every key that succeeded, for
+    /// `double_successes`.
+    pub fn tracking_successes() -> Self {
+        Self {
+            successes: Some(Mutex::default()),
+            ..Self::default()
+        }
+    }
+
     /// Keys for which more than one execution reported success.
+    ///
+    /// # Panics
+    /// Without `tracking_successes` there is nothing to count: asking is a bug.
     pub fn double_successes(&self) -> u64 {
         self.successes
+            .as_ref()
+            .expect("double_successes needs Counters::tracking_successes()")
             .lock()
             .unwrap()
             .values()
@@ -134,13 +149,15 @@ impl JobHandler for PipelineHandler {
         match outcome {
             ExecutionOutcome::Succeeded { .. } => {
                 Counters::bump(&c.succeeded);
-                let key = format!(
-                    "{}:{}:{}",
-                    stage.name(),
-                    stage_job.tenant_id,
-                    stage_job.anfrage_id
-                );
-                *c.successes.lock().unwrap().entry(key).or_default() += 1;
+                if let Some(successes) = &c.successes {
+                    let key = format!(
+                        "{}:{}:{}",
+                        stage.name(),
+                        stage_job.tenant_id,
+                        stage_job.anfrage_id
+                    );
+                    *successes.lock().unwrap().entry(key).or_default() += 1;
+                }
                 Ok(())
             }
             ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. }) => {

@@ -141,7 +141,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     }
 
     let started = Instant::now();
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters::tracking_successes());
     let pipeline = example::pipeline(Chaos::crashing(args.crash_rate));
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut workers = JoinSet::new();

@@ -334,7 +334,7 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
     )
     .await
     .unwrap();
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters::tracking_successes());
     let chaos = Chaos {
         crash_rate: 0.0,
         delay_ms: 100,
@@ -363,7 +363,7 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
             )
         })
         .collect();
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters::tracking_successes());
     let mut running = Vec::new();
     for _ in 0..2 {
         running.push(start_worker(
