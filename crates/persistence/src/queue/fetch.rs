@@ -12,11 +12,12 @@ use crate::error::map_diesel_error;
 
 /// `FOR UPDATE SKIP LOCKED` lets concurrent fetchers pass each other's rows instead
 /// of queueing behind them; the outer UPDATE then leases exactly the rows this
-/// statement locked. Order: priority DESC, then id (a ULID, so oldest first), which
-/// is the order of `jobs_fetch_idx`: an ordered index scan that stops after N rows.
+/// statement locked, found by their `ctid` (see `LEASE_SQL`). Order: priority DESC,
+/// then id (a ULID, so oldest first), which is the order of `jobs_fetch_idx`: an
+/// ordered index scan that stops after N rows.
 const FETCH_ONE_QUEUE_SQL: &str = "\
 WITH next AS (
-    SELECT id FROM jobs
+    SELECT ctid FROM jobs
      WHERE queue = $1
        AND state IN ('created', 'retry')
        AND start_after <= now()
@@ -32,9 +33,9 @@ WITH next AS (
 /// locked only until this statement's transaction ends.
 const FETCH_MANY_QUEUES_SQL: &str = "\
 WITH next AS (
-    SELECT c.id FROM unnest($1::text[]) AS q(name)
+    SELECT c.ctid FROM unnest($1::text[]) AS q(name)
     CROSS JOIN LATERAL (
-        SELECT id, priority FROM jobs
+        SELECT ctid, id, priority FROM jobs
          WHERE queue = q.name
            AND state IN ('created', 'retry')
            AND start_after <= now()
@@ -47,14 +48,22 @@ WITH next AS (
 )
 {lease}";
 
+/// The locked rows are updated through a TID scan of their `ctid`s: a row locked by
+/// this statement cannot move until it ends, so the ctid still names it, and there
+/// is no join for the planner to get wrong. (Joined on `id`, the planner costs the
+/// CTE at its LIMIT and, on a table of a few thousand rows, hashes a sequential
+/// scan of the whole table for every fetch.) `ARRAY(...)` hides the batch size from
+/// the planner, which would otherwise cost one random page read per TID. A row that
+/// another transaction changed after this statement's snapshot is locked (as its
+/// newest version) but not visible to the TID scan: it is left as it was and
+/// fetched next time.
 const LEASE_SQL: &str = "\
 UPDATE jobs j
    SET state = 'active',
        attempt = j.attempt + 1,
        started_at = now(),
        lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
-  FROM next
- WHERE j.id = next.id
+WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
 RETURNING j.id, j.queue, j.payload::text AS payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
           j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
 

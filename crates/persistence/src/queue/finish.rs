@@ -4,10 +4,10 @@
 //! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
 //! nobody else holds the job.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel::OptionalExtension;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
@@ -52,6 +52,14 @@ pub async fn complete(
 }
 
 /// Completes many jobs in one statement; outcomes are in input order.
+///
+/// The tokens travel as one JSON object `{id: [attempt, ...]}`, so the statement has
+/// no join for the planner to choose: the jobs are probed by primary key (the key
+/// array behind `ARRAY(...)` is costed at a few elements, so even a small table is
+/// not scanned whole) and each row's fence is a key lookup in the object. Joined
+/// with `unnest` of the tokens instead, the planner hashed a scan of the whole table
+/// on small tables, and, when statistics said no job was active, looped over every
+/// active job once per token.
 pub async fn complete_many(
     conn: &mut AsyncPgConnection,
     jobs: &[(JobId, i32)],
@@ -66,18 +74,20 @@ pub async fn complete_many(
         #[diesel(sql_type = Integer)]
         attempt: i32,
     }
+    // Every token of a job goes along: the same job listed twice with different
+    // attempts completes if either is its current token.
+    let mut tokens: HashMap<String, Vec<i32>> = HashMap::with_capacity(jobs.len());
+    for (id, attempt) in jobs {
+        tokens.entry(id.to_string()).or_default().push(*attempt);
+    }
     let rows: Vec<Done> = diesel::sql_query(
         "UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL
-           FROM unnest($1::text[], $2::int[]) AS t(id, attempt)
-          WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'active'
+          WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
+            AND j.state = 'active'
+            AND ($1 -> j.id::text) @> to_jsonb(j.attempt)
          RETURNING j.id, j.attempt",
     )
-    .bind::<Array<Text>, _>(
-        jobs.iter()
-            .map(|(id, _)| id.to_string())
-            .collect::<Vec<_>>(),
-    )
-    .bind::<Array<Integer>, _>(jobs.iter().map(|(_, a)| *a).collect::<Vec<_>>())
+    .bind::<Jsonb, _>(serde_json::json!(tokens))
     .cached()
     .load(conn)
     .await
@@ -114,13 +124,14 @@ pub(crate) fn failure_set_sql(retry: &str) -> String {
 /// The dead-letter copy of failed rows `src` (a CTE with the columns of `jobs`):
 /// payload and priority, and a last_error naming the original job and its error.
 pub(crate) fn dead_letter_insert_sql(new_id: &str, src: &str, extra_where: &str) -> String {
+    let valid_queue = VALID_QUEUE_SQL.replace("{col}", &format!("{src}.dead_letter"));
     format!(
         "INSERT INTO jobs (id, queue, priority, payload, last_error)
          SELECT {new_id}, {src}.dead_letter, {src}.priority, {src}.payload,
                 format('dead-lettered from job %s of queue %s: %s',
                        {src}.id, {src}.queue, {src}.last_error)
            FROM {src}
-          WHERE {src}.state = 'failed' AND {src}.dead_letter ~ {VALID_QUEUE_SQL} {extra_where}
+          WHERE {src}.state = 'failed' AND {valid_queue} {extra_where}
          RETURNING id, queue"
     )
 }

@@ -45,7 +45,8 @@ least(
     END,
     315360000000::float8)";
 
-/// Dead-letter queue names must match the `jobs.queue` CHECK; a row written by hand
-/// with a bad name is failed without a copy rather than making every retry of the
-/// failure (and maintenance) error out.
-const VALID_QUEUE_SQL: &str = "'^[A-Za-z0-9_.:-]{1,100}$'";
+/// Dead-letter queue names must pass the `jobs.queue` CHECK (this is its expression,
+/// with `{col}` for the column); a row written by hand with a bad name is failed
+/// without a copy rather than making every retry of the failure (and maintenance)
+/// error out.
+const VALID_QUEUE_SQL: &str = "({col} ~ '^[A-Za-z0-9_.:-]+$' AND length({col}) <= 100)";

@@ -240,6 +240,122 @@ async fn sql_constraints_refuse_bad_ids_and_statuses() {
     }
 }
 
+/// Migration 000030 rewrote the text CHECKs without counted repetitions (they made
+/// every job UPDATE pay for a large regex automaton). Each rewritten rule must
+/// accept exactly the strings the original pattern accepted.
+#[tokio::test]
+async fn rewritten_text_checks_accept_exactly_what_the_original_patterns_did() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let ulid = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
+    let hex64 = "a".repeat(64);
+    let long = |c: &str, n: usize| c.repeat(n);
+    // (what is checked, the original pattern, SQL that stores `{v}`, candidates)
+    let rules: [(&str, &str, &str, Vec<String>); 5] = [
+        (
+            "ulid_text",
+            "^[0-7][0-9A-HJKMNP-TV-Z]{25}$",
+            "SELECT CAST('{v}' AS ulid_text)",
+            vec![
+                ulid.into(),
+                ulid[..25].into(),
+                format!("{ulid}A"),
+                format!("8{}", &ulid[1..]),
+                format!("{}I", &ulid[..25]),
+                format!("{}L", &ulid[..25]),
+                format!("{}O", &ulid[..25]),
+                format!("{}U", &ulid[..25]),
+                ulid.to_lowercase(),
+                format!("{ulid}\n"),
+                String::new(),
+            ],
+        ),
+        (
+            "tenant_slug",
+            "^[a-z0-9][a-z0-9_-]{0,62}$",
+            "SELECT CAST('{v}' AS tenant_slug)",
+            vec![
+                "a".into(),
+                "0-a_b".into(),
+                long("a", 63),
+                long("a", 64),
+                "-a".into(),
+                "_a".into(),
+                "A".into(),
+                "a b".into(),
+                String::new(),
+            ],
+        ),
+        (
+            "stage_name",
+            "^[a-z][a-z0-9_]{0,62}$",
+            "SELECT CAST('{v}' AS stage_name)",
+            vec![
+                "a".into(),
+                "a_b9".into(),
+                long("a", 63),
+                long("a", 64),
+                "1a".into(),
+                "a-b".into(),
+                String::new(),
+            ],
+        ),
+        (
+            "anfragen.input_sha256",
+            "^[0-9a-f]{64}$",
+            "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+             VALUES ('t1', '{id}', 'x', '{v}', 'k')",
+            vec![
+                hex64.clone(),
+                hex64[..63].into(),
+                format!("{hex64}a"),
+                hex64.to_uppercase(),
+                format!("{}g", &hex64[..63]),
+                String::new(),
+            ],
+        ),
+        (
+            "jobs.queue",
+            "^[A-Za-z0-9_.:-]{1,100}$",
+            "INSERT INTO jobs (id, queue, payload) VALUES ('{id}', '{v}', '{}')",
+            vec![
+                "q".into(),
+                "A.b:c-d_9".into(),
+                long("q", 100),
+                long("q", 101),
+                "a b".into(),
+                "a/b".into(),
+                String::new(),
+            ],
+        ),
+    ];
+    for (i, (rule, pattern, store, candidates)) in rules.iter().enumerate() {
+        for (k, v) in candidates.iter().enumerate() {
+            #[derive(diesel::QueryableByName)]
+            struct Matches {
+                #[diesel(sql_type = diesel::sql_types::Bool)]
+                matches: bool,
+            }
+            let original: Matches = diesel::sql_query("SELECT $1 ~ $2 AS matches")
+                .bind::<Text, _>(v)
+                .bind::<Text, _>(*pattern)
+                .get_result(&mut conn)
+                .await
+                .unwrap();
+            // A distinct valid id per row stored.
+            let id = format!("01JDQ3W5AAAAAAAAAAAAAA{i:02}{k:02}");
+            let sql = store.replace("{v}", v).replace("{id}", &id);
+            match conn.batch_execute(&sql).await {
+                Ok(()) => assert!(original.matches, "{rule} accepted {v:?}"),
+                Err(DieselError::DatabaseError(DatabaseErrorKind::CheckViolation, _)) => {
+                    assert!(!original.matches, "{rule} refused {v:?}")
+                }
+                Err(e) => panic!("{rule}, {v:?}: {e:?}"),
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn each_test_database_is_isolated() {
     let a = TestDb::new().await;

@@ -1053,3 +1053,76 @@ async fn invalid_send_options_are_refused_before_writing() {
     }
     assert_eq!(count(&mut conn, "SELECT count(*) AS n FROM jobs").await, 0);
 }
+
+#[derive(diesel::QueryableByName)]
+struct IndexReads {
+    #[diesel(sql_type = BigInt)]
+    lease: i64,
+    #[diesel(sql_type = BigInt)]
+    pkey: i64,
+}
+
+/// Index entries read so far through the lease index and the primary key, as
+/// this session's statistics show them (flushed first: PostgreSQL 15 reports a
+/// backend's counters only now and then).
+async fn index_reads(conn: &mut AsyncPgConnection) -> IndexReads {
+    conn.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    diesel::sql_query(
+        "SELECT sum(idx_tup_read) FILTER (WHERE indexrelname = 'jobs_lease_idx')::bigint AS lease,
+                sum(idx_tup_read) FILTER (WHERE indexrelname = 'jobs_pkey')::bigint AS pkey
+           FROM pg_stat_user_indexes WHERE relname = 'jobs'",
+    )
+    .get_result(conn)
+    .await
+    .unwrap()
+}
+
+/// Statistics taken while no job is active (a bulk insert, then ANALYZE) used to
+/// make the planner read every active job through the lease index for each fenced
+/// statement, once per token in `complete_many`. The fenced statements must probe
+/// the primary key whatever the statistics say.
+#[tokio::test]
+async fn fenced_statements_probe_the_primary_key_when_statistics_say_no_job_is_active() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let batch: Vec<JobToSend> = (0..2000)
+        .map(|i| job("plan", json!(i), SendOptions::default()))
+        .collect();
+    queue::send_batch(&mut conn, &batch).await.unwrap();
+    conn.batch_execute("VACUUM ANALYZE jobs").await.unwrap();
+    let jobs = queue::fetch(&mut conn, &["plan".to_owned()], 1000)
+        .await
+        .unwrap();
+    assert_eq!(jobs.len(), 1000);
+    let before = index_reads(&mut conn).await;
+
+    let tokens: Vec<(JobId, i32)> = jobs[..500].iter().map(|j| (j.id, j.attempt)).collect();
+    // Several runs: PostgreSQL may switch a prepared statement to a generic plan
+    // after five, and that plan must be right too.
+    for chunk in tokens.chunks(50) {
+        let outcomes = queue::complete_many(&mut conn, chunk).await.unwrap();
+        assert!(outcomes.iter().all(|o| *o == JobCompleteOutcome::Completed));
+    }
+    for j in &jobs[500..510] {
+        assert_eq!(
+            queue::complete(&mut conn, j.id, j.attempt, None)
+                .await
+                .unwrap(),
+            JobCompleteOutcome::Completed
+        );
+    }
+    let after = index_reads(&mut conn).await;
+
+    assert_eq!(
+        after.lease - before.lease,
+        0,
+        "a fenced statement scanned the lease index"
+    );
+    assert!(
+        after.pkey - before.pkey >= 510,
+        "510 completions read {} primary-key entries",
+        after.pkey - before.pkey
+    );
+}
