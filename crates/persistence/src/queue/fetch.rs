@@ -1,5 +1,6 @@
 //! Fetching: lease up to N jobs in one statement.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -67,6 +68,11 @@ WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
 RETURNING j.id, j.queue, j.payload::text AS payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
           j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
 
+static FETCH_ONE_QUEUE: LazyLock<String> =
+    LazyLock::new(|| FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL));
+static FETCH_MANY_QUEUES: LazyLock<String> =
+    LazyLock::new(|| FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL));
+
 #[derive(diesel::QueryableByName)]
 pub(crate) struct FetchedRow {
     #[diesel(sql_type = Text)]
@@ -131,14 +137,14 @@ pub async fn fetch(
     }
     let limit = i64::from(limit);
     let rows: Vec<FetchedRow> = if let [queue] = queues {
-        diesel::sql_query(FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL))
+        diesel::sql_query(FETCH_ONE_QUEUE.as_str())
             .bind::<Text, _>(queue)
             .bind::<BigInt, _>(limit)
             .cached()
             .load(conn)
             .await
     } else {
-        diesel::sql_query(FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL))
+        diesel::sql_query(FETCH_MANY_QUEUES.as_str())
             .bind::<Array<Text>, _>(queues)
             .bind::<BigInt, _>(limit)
             .cached()

@@ -1,6 +1,7 @@
 //! Sending jobs: one, or many in one round trip.
 
 use std::collections::HashSet;
+use std::sync::LazyLock;
 
 use diesel::sql_types::{Array, BigInt, Bool, Integer, Jsonb, Nullable, Text};
 use diesel::OptionalExtension;
@@ -39,6 +40,13 @@ const LIVE_SINGLETON_CONFLICT: &str = "ON CONFLICT (queue, singleton_key) \
 /// With a throttle window both the live index and the window index arbitrate.
 const ANY_CONFLICT: &str = "ON CONFLICT DO NOTHING";
 
+/// Built once: the statement cache is keyed by the SQL text, so a text rebuilt per
+/// call costs an allocation and a hash of the whole statement every time.
+static SEND_LIVE_SINGLETON_SQL: LazyLock<String> =
+    LazyLock::new(|| SEND_SQL.replace("{conflict}", LIVE_SINGLETON_CONFLICT));
+static SEND_ANY_CONFLICT_SQL: LazyLock<String> =
+    LazyLock::new(|| SEND_SQL.replace("{conflict}", ANY_CONFLICT));
+
 #[derive(diesel::QueryableByName)]
 struct Inserted {
     #[diesel(sql_type = Text)]
@@ -56,14 +64,11 @@ pub async fn send_in(
     job.options.validate()?;
     let o = &job.options;
     let id = JobId::new();
-    let sql = SEND_SQL.replace(
-        "{conflict}",
-        if o.singleton_seconds.is_some() {
-            ANY_CONFLICT
-        } else {
-            LIVE_SINGLETON_CONFLICT
-        },
-    );
+    let sql: &str = if o.singleton_seconds.is_some() {
+        &SEND_ANY_CONFLICT_SQL
+    } else {
+        &SEND_LIVE_SINGLETON_SQL
+    };
     let inserted: Option<Inserted> = diesel::sql_query(sql)
         .bind::<Text, _>(id.to_string())
         .bind::<Text, _>(&job.queue)
