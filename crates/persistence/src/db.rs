@@ -4,9 +4,12 @@ use std::time::Duration;
 
 use diesel::Connection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, PoolableConnection, RecyclingMethod,
+};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+use futures_util::future::BoxFuture;
 use idemstage_domain::RepoError;
 
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations");
@@ -78,11 +81,33 @@ pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
 /// driver's own reason instead of a pool timeout.
 pub async fn connect_pool(url: &str, config: PoolConfig) -> Result<PgPool, RepoError> {
     drop(connect(url).await?);
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(url);
+    let mut manager_config = ManagerConfig::default();
+    manager_config.recycling_method = RecyclingMethod::CustomFunction(Box::new(checkout_check));
+    let manager =
+        AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(url, manager_config);
     Ok(bb8::Pool::builder()
         .max_size(config.max_size)
         .connection_timeout(config.connection_timeout)
         .build_unchecked(manager))
+}
+
+/// The check of a pooled connection before it is handed out: no round trip (the
+/// default sends `SELECT 1` before every checkout, one round trip more than the
+/// statement itself on every claim). A connection whose socket the server closed
+/// (restart, `pg_terminate_backend`) is seen as closed once its background task
+/// read the end of the stream, and is replaced here. One that died a moment ago can
+/// still be handed out: its first statement then fails as `Unavailable`, which every
+/// caller must handle anyway (a connection can die right after any check), and it
+/// is dropped when it comes back to the pool.
+fn checkout_check(conn: &mut AsyncPgConnection) -> BoxFuture<'_, diesel::QueryResult<()>> {
+    let broken = conn.is_broken();
+    Box::pin(async move {
+        if broken {
+            Err(diesel::result::Error::BrokenTransactionManager)
+        } else {
+            Ok(())
+        }
+    })
 }
 
 /// Applies the pending embedded migrations; returns how many ran.

@@ -531,21 +531,24 @@ impl PgRunRepository {
         let mut delay = Duration::from_millis(50);
         let mut last = None;
         for _ in 0..8 {
-            match self.conn().await {
-                Ok(mut conn) => {
-                    let run = conn
-                        .transaction::<_, TxError, _>(async |conn| {
-                            crate::tenant::scope(conn, &token.tenant).await?;
-                            Ok(read_run(
-                                conn,
-                                token.tenant.as_str(),
-                                &token.anfrage.to_string(),
-                                token.stage.as_str(),
-                            )
-                            .await?)
-                        })
-                        .await
-                        .map_err(TxError::into_repo)?;
+            let read = match self.conn().await {
+                Ok(mut conn) => conn
+                    .transaction::<_, TxError, _>(async |conn| {
+                        crate::tenant::scope(conn, &token.tenant).await?;
+                        Ok(read_run(
+                            conn,
+                            token.tenant.as_str(),
+                            &token.anfrage.to_string(),
+                            token.stage.as_str(),
+                        )
+                        .await?)
+                    })
+                    .await
+                    .map_err(TxError::into_repo),
+                Err(e) => Err(e),
+            };
+            match read {
+                Ok(run) => {
                     return Ok(match run {
                         Some(r) if r.attempts == token.attempt && r.status == "success" => {
                             Recheck::Committed
@@ -556,7 +559,10 @@ impl PgRunRepository {
                         _ => Recheck::Fenced,
                     });
                 }
-                Err(e) => last = Some(e),
+                // The pool may hand out a connection that died with the lost one
+                // (a restart): it is dropped on return, and the next try gets another.
+                Err(e @ RepoError::Unavailable(_)) => last = Some(e),
+                Err(e) => return Err(e),
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(2));
