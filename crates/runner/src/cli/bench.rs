@@ -91,6 +91,13 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !args.duration_s.is_finite() || args.duration_s <= 0.0 {
         return Err(BadInput("--duration-s must be positive".into()).into());
     }
+    if args.drain_loops.is_empty() || args.drain_loops.contains(&0) {
+        return Err(BadInput(format!(
+            "--drain-loops {:?}: give one or more loop counts of at least 1, e.g. 2,4,16",
+            args.drain_loops
+        ))
+        .into());
+    }
     idemstage_persistence::migrate(url).await?;
     let mut conn = idemstage_persistence::connect(url).await?;
     // Every scenario starts by emptying the tables: never on a database that is not
@@ -349,7 +356,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
     let fastest = drains
         .iter()
         .max_by(|a, b| a.per_s.total_cmp(&b.per_s))
-        .context("--drain-loops is empty")?;
+        .context("no drain ran")?;
 
     // (c) Pickup latency: sends to an idle worker, from the send's return to the
     // handler's start.

@@ -178,6 +178,39 @@ async fn enqueue_prints_the_job_id_then_duplicate() {
     );
 }
 
+#[tokio::test]
+async fn bench_refuses_bad_counts_before_it_touches_the_database() {
+    let db = TestDb::new().await;
+    let ok = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert!(ok.status.success());
+    for (args, message) in [
+        (vec!["--drain-loops", "0"], "--drain-loops"),
+        (vec!["--drain-loops", "2,0"], "--drain-loops"),
+        (vec!["--jobs", "0"], "counts must be positive"),
+        (vec!["--duration-s", "0"], "--duration-s"),
+    ] {
+        let mut full = vec!["bench", "queue"];
+        full.extend(args.iter().copied());
+        let out = idemstage(&db, &full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    // Not a benchmark database either: nothing was emptied.
+    assert_eq!(rows(&db).await, 2);
+}
+
 #[test]
 fn an_unreachable_database_is_exit_code_3() {
     let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
