@@ -8,10 +8,10 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde::Serialize;
 
-use crate::queue::{JobToSend, SendResult};
+use crate::queue::{JobCompleteOutcome, JobToSend, SendResult};
 use crate::{
-    AnfrageId, ClaimOutcome, CompleteOutcome, FailOutcome, RenewOutcome, RepoError, RowId, RunId,
-    RunStatus, StageError, StageName, StagePolicy, TenantId, WorkerId,
+    AnfrageId, ClaimOutcome, CompleteOutcome, FailOutcome, JobId, RenewOutcome, RepoError, RowId,
+    RunId, RunStatus, StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
 
 /// Everything a claim needs.
@@ -127,6 +127,15 @@ pub trait FencedTx: Send {
     /// Sends a job in this transaction: it exists (and wakes workers) only if the
     /// completion commits.
     async fn send_job(&mut self, job: &JobToSend) -> Result<SendResult, RepoError>;
+
+    /// Completes the queue job this execution runs for, in this transaction, fenced
+    /// on the job's token: the job is completed if and only if the stage's success
+    /// commits. `Fenced` (the job was taken over) does not stop the commit.
+    async fn complete_job(
+        &mut self,
+        job: JobId,
+        attempt: i32,
+    ) -> Result<JobCompleteOutcome, RepoError>;
 
     /// Reads the anfrage's input text (same transaction, same tenant).
     async fn anfrage_text(&mut self) -> Result<String, RepoError>;

@@ -6,7 +6,8 @@ use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    ClaimToken, DateiRef, Extraktion, FencedTx, JobToSend, RepoError, RowId, SendResult, TenantId,
+    ClaimToken, DateiRef, Extraktion, FencedTx, JobCompleteOutcome, JobId, JobToSend, RepoError,
+    RowId, SendResult, TenantId,
 };
 
 use crate::error::map_diesel_error;
@@ -334,6 +335,14 @@ impl FencedTx for PgFencedTx<'_> {
 
     async fn send_job(&mut self, job: &JobToSend) -> Result<SendResult, RepoError> {
         crate::queue::send_in(self.conn, job).await
+    }
+
+    async fn complete_job(
+        &mut self,
+        job: JobId,
+        attempt: i32,
+    ) -> Result<JobCompleteOutcome, RepoError> {
+        crate::queue::complete(self.conn, job, attempt, None).await
     }
 
     async fn anfrage_text(&mut self) -> Result<String, RepoError> {

@@ -6,6 +6,6 @@ pub mod queue_worker;
 
 pub use pipeline_worker::{Counters, CountersSnapshot, PipelineWorker, PipelineWorkerConfig};
 pub use queue_worker::{
-    handler_fn, FnHandler, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerError,
-    WorkerStats, WorkerStatsSnapshot,
+    handler_fn, FnHandler, Handled, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig,
+    WorkerError, WorkerStats, WorkerStatsSnapshot,
 };

@@ -4,7 +4,9 @@
 //! The rule that keeps stages from being lost: while a stage is not final, at least
 //! one live job for it exists. A job is completed only when its stage is final
 //! (succeeded, dead, or found succeeded); a stage that someone else holds defers
-//! the job until that holder's lease runs out.
+//! the job until that holder's lease runs out. A job whose stage succeeds is
+//! completed in the stage's own fenced transaction (`Executor::run_leased`), so the
+//! two commit together.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,12 +15,13 @@ use std::time::Duration;
 
 use idemstage_domain::{FetchedJob, SkipReason, WorkerId};
 use idemstage_persistence::{PgPool, PgRunRepository};
-use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, StageJob};
+use idemstage_stage::{ExecutionOutcome, Executor, JobLease, Pipeline, StageJob};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
+    Handled, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerError,
+    WorkerStatsSnapshot,
 };
 
 /// Outcome counts across one or more stage workers (the demo shares one).
@@ -127,16 +130,20 @@ impl JobHandler for PipelineHandler {
         &self,
         job: FetchedJob,
         payload: serde_json::Value,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Handled, HandlerError> {
         let stage = self
             .pipeline
             .stage(&job.queue)
             .map_err(HandlerError::permanent)?;
         let stage_job =
             StageJob::from_payload(&job.queue, &payload).map_err(HandlerError::permanent)?;
+        let lease = JobLease {
+            id: job.id,
+            attempt: job.attempt,
+        };
         let outcome = self
             .executor
-            .run(&self.pipeline, stage, &stage_job)
+            .run_leased(&self.pipeline, stage, &stage_job, lease)
             .await
             .map_err(|e| {
                 if e.is_retryable() {
@@ -147,7 +154,7 @@ impl JobHandler for PipelineHandler {
             })?;
         let c = &self.counters;
         match outcome {
-            ExecutionOutcome::Succeeded { .. } => {
+            ExecutionOutcome::Succeeded { job_completed, .. } => {
                 Counters::bump(&c.succeeded);
                 if let Some(successes) = &c.successes {
                     let key = format!(
@@ -158,11 +165,15 @@ impl JobHandler for PipelineHandler {
                     );
                     *successes.lock().unwrap().entry(key).or_default() += 1;
                 }
-                Ok(())
+                Ok(if job_completed {
+                    Handled::AlreadyCompleted
+                } else {
+                    Handled::Complete
+                })
             }
             ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. }) => {
                 Counters::bump(&c.skipped);
-                Ok(())
+                Ok(Handled::Complete)
             }
             ExecutionOutcome::Skipped(SkipReason::InFlight { lease_expires_at }) => {
                 Counters::bump(&c.deferred);
@@ -201,7 +212,7 @@ impl JobHandler for PipelineHandler {
             }
             ExecutionOutcome::Exhausted { .. } => {
                 Counters::bump(&c.exhausted);
-                Ok(())
+                Ok(Handled::Complete)
             }
         }
     }

@@ -58,6 +58,16 @@ impl From<StageError> for HandlerError {
     }
 }
 
+/// What a handler reports when a job succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handled {
+    /// The worker completes the job (fenced on its token).
+    Complete,
+    /// The handler already completed the job under its token, in the transaction
+    /// of its own writes (`FencedTx::complete_job`); the worker records it only.
+    AlreadyCompleted,
+}
+
 /// Handles the jobs of the worker's queues. The worker deserializes the payload
 /// first; a payload that does not fit `Payload` fails the job (permanently, with
 /// serde's reason) without calling the handler. Use `serde_json::Value` to take
@@ -68,10 +78,11 @@ pub trait JobHandler: Send + Sync + 'static {
         &self,
         job: FetchedJob,
         payload: Self::Payload,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+    ) -> impl Future<Output = Result<Handled, HandlerError>> + Send;
 }
 
-/// A closure as a handler: `handler_fn(|job, payload: MyPayload| async move { .. })`.
+/// A closure as a handler: `handler_fn(|job, payload: MyPayload| async move { .. })`;
+/// `Ok(())` has the worker complete the job.
 pub struct FnHandler<P, F> {
     f: F,
     _payload: PhantomData<fn(P)>,
@@ -100,8 +111,9 @@ where
         &self,
         job: FetchedJob,
         payload: P,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
-        (self.f)(job, payload)
+    ) -> impl Future<Output = Result<Handled, HandlerError>> + Send {
+        let handled = (self.f)(job, payload);
+        async move { handled.await.map(|()| Handled::Complete) }
     }
 }
 
@@ -368,6 +380,8 @@ impl<H: JobHandler> QueueWorker<H> {
 /// How a job's run ended, to be recorded under its token.
 enum Finish {
     Complete,
+    /// Completed by the handler in its own transaction: nothing to write.
+    AlreadyCompleted,
     Fail(String, FailKind),
     /// Shutdown: give the job back unfinished.
     Release,
@@ -393,17 +407,7 @@ async fn run_job<H: JobHandler>(
             let (h, j) = (handler.clone(), job.clone());
             let mut task = tokio::spawn(async move { h.handle(j, payload).await });
             tokio::select! {
-                joined = &mut task => match joined {
-                    Ok(Ok(())) => Finish::Complete,
-                    Ok(Err(HandlerError::Retryable(m))) => Finish::Fail(m, FailKind::Retryable),
-                    Ok(Err(HandlerError::Permanent(m))) => Finish::Fail(m, FailKind::Permanent),
-                    Ok(Err(HandlerError::Defer { until, .. })) => Finish::Defer(until),
-                    Err(e) if e.is_panic() => Finish::Fail(
-                        format!("handler panicked: {}", panic_message(e.into_panic())),
-                        FailKind::Retryable,
-                    ),
-                    Err(e) => Finish::Fail(format!("handler task ended: {e}"), FailKind::Retryable),
-                },
+                joined = &mut task => finish_of(joined),
                 // Our clock, but only for giving up on a handler: the database's
                 // clock decides the lease.
                 _ = async {
@@ -422,6 +426,13 @@ async fn run_job<H: JobHandler>(
                 // slow handler but not a dead worker. If the lease was taken over,
                 // the job is someone else's now: stop, and record nothing.
                 lost = renew_job_lease(&pool, &job) => {
+                    // A handler that completed the job itself ends its lease too:
+                    // if it has just returned, its result stands.
+                    if task.is_finished() {
+                        let finish = finish_of(task.await);
+                        record(&pool, &job, finish, &stats, backoff_min).await;
+                        return;
+                    }
                     task.abort();
                     tracing::warn!(job = %job.id, reason = %lost, "job lease lost; handler aborted");
                     WorkerStats::add(&stats.fenced, 1);
@@ -435,6 +446,21 @@ async fn run_job<H: JobHandler>(
         }
     };
     record(&pool, &job, finish, &stats, backoff_min).await;
+}
+
+fn finish_of(joined: Result<Result<Handled, HandlerError>, tokio::task::JoinError>) -> Finish {
+    match joined {
+        Ok(Ok(Handled::Complete)) => Finish::Complete,
+        Ok(Ok(Handled::AlreadyCompleted)) => Finish::AlreadyCompleted,
+        Ok(Err(HandlerError::Retryable(m))) => Finish::Fail(m, FailKind::Retryable),
+        Ok(Err(HandlerError::Permanent(m))) => Finish::Fail(m, FailKind::Permanent),
+        Ok(Err(HandlerError::Defer { until, .. })) => Finish::Defer(until),
+        Err(e) if e.is_panic() => Finish::Fail(
+            format!("handler panicked: {}", panic_message(e.into_panic())),
+            FailKind::Retryable,
+        ),
+        Err(e) => Finish::Fail(format!("handler task ended: {e}"), FailKind::Retryable),
+    }
 }
 
 /// Renews the job's lease at a third of `expire_in` until it is refused (returns
@@ -469,12 +495,18 @@ async fn record(
     stats: &WorkerStats,
     backoff_min: Duration,
 ) {
+    if let Finish::AlreadyCompleted = finish {
+        WorkerStats::add(&stats.completed, 1);
+        tracing::debug!(job = %job.id, attempt = job.attempt, "job completed by its handler");
+        return;
+    }
     const TRIES: u32 = 5;
     let mut delay = backoff_min;
     for tries in 1..=TRIES {
         let result = async {
             let mut conn = idemstage_persistence::get(pool).await?;
             Ok::<_, RepoError>(match &finish {
+                Finish::AlreadyCompleted => (&stats.completed, "completed"),
                 Finish::Complete => {
                     match queue::complete(&mut conn, job.id, job.attempt, None).await? {
                         JobCompleteOutcome::Completed => (&stats.completed, "completed"),

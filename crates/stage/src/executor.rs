@@ -1,13 +1,14 @@
 //! One stage execution: claim → skip, or prepare and run → fenced commit or fail.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, FencedTx, RejectReason, RenewOutcome,
-    RepoError, RunId, RunRepository, SkipReason, StageError, WorkerId,
+    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, FencedTx, JobCompleteOutcome, JobId,
+    RejectReason, RenewOutcome, RepoError, RunId, RunRepository, SkipReason, StageError, WorkerId,
 };
 use serde::Serialize;
 use tokio::sync::watch;
@@ -23,6 +24,8 @@ pub enum ExecutionOutcome {
         run_id: RunId,
         attempt: i32,
         flow: Flow,
+        /// The queue job (`run_leased`) was completed in the same transaction.
+        job_completed: bool,
     },
     Skipped(SkipReason),
     Rejected(RejectReason),
@@ -49,6 +52,13 @@ pub enum Flow {
     Stop,
 }
 
+/// The queue job an execution runs for, with its fencing token (`FetchedJob::attempt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JobLease {
+    pub id: JobId,
+    pub attempt: i32,
+}
+
 /// Runs stage executions for one worker identity.
 #[derive(Clone)]
 pub struct Executor {
@@ -72,6 +82,30 @@ impl Executor {
         pipeline: &Pipeline,
         stage: &Arc<dyn Stage>,
         job: &StageJob,
+    ) -> Result<ExecutionOutcome, RepoError> {
+        self.execute(pipeline, stage, job, None).await
+    }
+
+    /// As `run`, for a fetched queue job: on success the job is also completed in
+    /// the stage's transaction (`job_completed`), so the stage's success and its
+    /// job's completion commit together, with one statement and one commit less
+    /// than completing the job afterwards.
+    pub async fn run_leased(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+        lease: JobLease,
+    ) -> Result<ExecutionOutcome, RepoError> {
+        self.execute(pipeline, stage, job, Some(lease)).await
+    }
+
+    async fn execute(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+        lease: Option<JobLease>,
     ) -> Result<ExecutionOutcome, RepoError> {
         let policy = pipeline.effective_policy(stage.as_ref());
         let req = ClaimRequest {
@@ -141,7 +175,8 @@ impl Executor {
                 .catch_unwind()
                 .await
                 .map_err(panic_message)??;
-            self.commit(pipeline, stage, job, &token, prepared).await
+            self.commit(pipeline, stage, job, &token, prepared, lease)
+                .await
         };
         let result = tokio::select! {
             r = tokio::time::timeout(policy.timeout, body) => {
@@ -157,10 +192,14 @@ impl Executor {
         drop(heartbeat);
 
         match result {
-            Ok(Completion::Committed(flow)) => Ok(ExecutionOutcome::Succeeded {
+            Ok(Completion::Committed {
+                flow,
+                job_completed,
+            }) => Ok(ExecutionOutcome::Succeeded {
                 run_id,
                 attempt,
                 flow,
+                job_completed,
             }),
             Ok(Completion::Fenced) => {
                 self.repo.record_fenced(&token).await?;
@@ -192,7 +231,8 @@ impl Executor {
         }
     }
 
-    /// The fenced transaction: the body's writes, then the next stage's job.
+    /// The fenced transaction: the body's writes, then the next stage's job, then
+    /// the completion of this execution's own job.
     async fn commit(
         &self,
         pipeline: &Pipeline,
@@ -200,6 +240,7 @@ impl Executor {
         job: &StageJob,
         token: &ClaimToken,
         prepared: serde_json::Value,
+        lease: Option<JobLease>,
     ) -> Result<Completion, StageError> {
         let next_job = pipeline
             .next(stage.name())
@@ -207,16 +248,23 @@ impl Executor {
         // `Fn`, because a conflict re-runs the transaction; the flow of the attempt
         // that committed is the one reported.
         let flow = Arc::new(std::sync::Mutex::new(Flow::Continue));
+        let job_completed = Arc::new(AtomicBool::new(false));
         let write = {
-            let (stage, job, prepared, flow) =
-                (stage.clone(), job.clone(), Arc::new(prepared), flow.clone());
+            let (stage, job, prepared, flow, job_completed) = (
+                stage.clone(),
+                job.clone(),
+                Arc::new(prepared),
+                flow.clone(),
+                job_completed.clone(),
+            );
             fenced_write(move |tx| {
-                let (stage, job, prepared, next_job, flow) = (
+                let (stage, job, prepared, next_job, flow, job_completed) = (
                     stage.clone(),
                     job.clone(),
                     prepared.clone(),
                     next_job.clone(),
                     flow.clone(),
+                    job_completed.clone(),
                 );
                 async move {
                     let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
@@ -232,15 +280,24 @@ impl Executor {
                         }
                         StageFlow::Stop => *flow.lock().unwrap() = Flow::Stop,
                     }
+                    // Last, so that its row lock is held for the shortest time. A
+                    // job taken over (Fenced) is left to its new holder, who will
+                    // find the stage succeeded.
+                    if let Some(lease) = lease {
+                        let done = tx.complete_job(lease.id, lease.attempt).await?;
+                        job_completed
+                            .store(done == JobCompleteOutcome::Completed, Ordering::SeqCst);
+                    }
                     Ok(())
                 }
                 .boxed()
             })
         };
         Ok(match self.repo.complete(token, &write).await? {
-            idemstage_domain::CompleteOutcome::Committed => {
-                Completion::Committed(*flow.lock().unwrap())
-            }
+            idemstage_domain::CompleteOutcome::Committed => Completion::Committed {
+                flow: *flow.lock().unwrap(),
+                job_completed: job_completed.load(Ordering::SeqCst),
+            },
             idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
         })
     }
@@ -255,9 +312,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The completion as the executor sees it (carrying the flow of the commit).
+/// The completion as the executor sees it (carrying what the committed attempt of
+/// the transaction did).
 enum Completion {
-    Committed(Flow),
+    Committed { flow: Flow, job_completed: bool },
     Fenced,
 }
 

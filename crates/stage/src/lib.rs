@@ -8,7 +8,7 @@ pub mod example;
 mod executor;
 mod pipeline;
 
-pub use executor::{ExecutionOutcome, Executor, Flow};
+pub use executor::{ExecutionOutcome, Executor, Flow, JobLease};
 pub use pipeline::{first_job, Pipeline, PipelineError, StageJob};
 
 use async_trait::async_trait;

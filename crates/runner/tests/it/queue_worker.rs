@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{FetchedJob, JobId, JobToSend, SendOptions, SendResult};
+use idemstage_domain::{FetchedJob, JobCompleteOutcome, JobId, JobToSend, SendOptions, SendResult};
 use idemstage_persistence::{connect_pool, queue, PgPool, PoolConfig};
 use idemstage_runner::{
-    handler_fn, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerStats,
+    handler_fn, Handled, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig, WorkerStats,
     WorkerStatsSnapshot,
 };
-use idemstage_testkit::TestDb;
+use idemstage_testkit::{count, TestDb};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -178,6 +178,66 @@ async fn worker_completes_ok_jobs_and_fails_erroring_ones_with_retries() {
 
     let stats = w.shutdown().await;
     assert_eq!((stats.completed, stats.failed, stats.fenced), (1, 2, 0));
+}
+
+/// Completes each job itself, with an output, and says so.
+struct SelfCompleting {
+    pool: PgPool,
+}
+
+impl JobHandler for SelfCompleting {
+    type Payload = serde_json::Value;
+    async fn handle(
+        &self,
+        job: FetchedJob,
+        _payload: serde_json::Value,
+    ) -> Result<Handled, HandlerError> {
+        let mut conn = idemstage_persistence::get(&self.pool)
+            .await
+            .map_err(HandlerError::retryable)?;
+        let output = json!({ "completed_by": "handler" });
+        match queue::complete(&mut conn, job.id, job.attempt, Some(&output))
+            .await
+            .map_err(HandlerError::retryable)?
+        {
+            JobCompleteOutcome::Completed => Ok(Handled::AlreadyCompleted),
+            JobCompleteOutcome::Fenced => Err(HandlerError::permanent("fenced")),
+        }
+    }
+}
+
+/// A handler that completed its job itself (as the stage worker does inside the
+/// stage's transaction) is counted as completed, and the worker writes nothing
+/// more: no second completion, which would come back `Fenced`.
+#[tokio::test]
+async fn a_job_its_handler_completed_is_recorded_without_a_second_write() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let pool = db.pool(4).await;
+    let w = start(pool.clone(), db.url(), config("s"), SelfCompleting { pool });
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(
+            send(
+                &mut conn,
+                job("s", json!({ "i": i }), SendOptions::default()),
+            )
+            .await,
+        );
+    }
+    for id in &ids {
+        wait_for_state(&mut conn, *id, "completed").await;
+    }
+    let stats = w.shutdown().await;
+    assert_eq!((stats.completed, stats.failed, stats.fenced), (5, 0, 0));
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM jobs WHERE output->>'completed_by' = 'handler'"
+        )
+        .await,
+        5
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,9 +11,11 @@ use idemstage_domain::{
     StageName, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::PgRunRepository;
+use idemstage_persistence::{queue, PgRunRepository};
 use idemstage_stage::example::{self, Chaos};
-use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_stage::{
+    first_job, ExecutionOutcome, Executor, JobLease, Pipeline, Stage, StageFlow, StageJob,
+};
 use idemstage_testkit::TestDb;
 use tokio::sync::Notify;
 
@@ -426,4 +428,97 @@ async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
         f.repo.claim(&req).await.unwrap(),
         ClaimOutcome::Claimed { attempt: 2, .. }
     ));
+}
+
+/// `run_leased` completes the stage's queue job in the stage's own transaction (both
+/// rows then carry that transaction's `now()`); a job taken over by another fetch
+/// is left to its new holder, and the stage still succeeds.
+#[tokio::test]
+async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
+    let mut f = fixture().await;
+    let pipeline = example::pipeline(Chaos::default());
+    let job = f.anfrage("10 Stk Schrauben M8").await;
+    let exec = f.executor();
+    let [intake, extract, ..] = pipeline.stages() else {
+        panic!("the example pipeline has four stages")
+    };
+    let sent = first_job(
+        &pipeline,
+        job.tenant_id.clone(),
+        job.anfrage_id,
+        job.input_hash.clone(),
+    );
+    queue::send_in(&mut f.conn, &sent).await.unwrap();
+    let fetched = queue::fetch(&mut f.conn, &[intake.name().to_string()], 1)
+        .await
+        .unwrap()
+        .remove(0);
+    let lease = JobLease {
+        id: fetched.id,
+        attempt: fetched.attempt,
+    };
+    let outcome = exec
+        .run_leased(&pipeline, intake, &job, lease)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            ExecutionOutcome::Succeeded {
+                job_completed: true,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    let same_transaction = format!(
+        "SELECT 1 FROM jobs j JOIN pipeline_runs r
+             ON r.anfrage_id = '{}' AND r.stage = 'intake' AND r.status = 'success'
+          WHERE j.id = '{}' AND j.state = 'completed' AND j.completed_at = r.finished_at",
+        job.anfrage_id, fetched.id
+    );
+    assert_eq!(count(&mut f.conn, &same_transaction).await, 1);
+
+    // The next stage's job, fetched, then fetched again elsewhere (its token moves on).
+    let fetched = queue::fetch(&mut f.conn, &[extract.name().to_string()], 1)
+        .await
+        .unwrap()
+        .remove(0);
+    diesel::sql_query(format!(
+        "UPDATE jobs SET attempt = attempt + 1 WHERE id = '{}'",
+        fetched.id
+    ))
+    .execute(&mut f.conn)
+    .await
+    .unwrap();
+    let stale = JobLease {
+        id: fetched.id,
+        attempt: fetched.attempt,
+    };
+    let outcome = exec
+        .run_leased(&pipeline, extract, &job, stale)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            ExecutionOutcome::Succeeded {
+                job_completed: false,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            &format!(
+                "SELECT 1 FROM jobs WHERE id = '{}' AND state = 'active' AND attempt = {}",
+                fetched.id,
+                fetched.attempt + 1
+            )
+        )
+        .await,
+        1
+    );
 }
