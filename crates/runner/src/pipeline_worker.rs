@@ -120,6 +120,9 @@ struct PipelineHandler {
     counters: Arc<Counters>,
 }
 
+/// How long a stopping worker waits for the releases of its aborted stages.
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
 /// A little after the holder's lease, so the deferred job finds it expired.
 const DEFER_SLACK: Duration = Duration::from_millis(50);
 
@@ -222,6 +225,8 @@ impl JobHandler for PipelineHandler {
 pub struct PipelineWorker {
     inner: QueueWorker<PipelineHandler>,
     worker_id: WorkerId,
+    /// A clone of the handler's, for the releases at shutdown.
+    executor: Executor,
 }
 
 impl PipelineWorker {
@@ -253,12 +258,13 @@ impl PipelineWorker {
         );
         let handler = PipelineHandler {
             pipeline,
-            executor,
+            executor: executor.clone(),
             counters,
         };
         Ok(Self {
             inner: QueueWorker::new(pool, database_url, queue, handler)?,
             worker_id,
+            executor,
         })
     }
 
@@ -266,7 +272,11 @@ impl PipelineWorker {
         &self.worker_id
     }
 
+    /// Works until `shutdown`; then, after the queue worker's grace, waits briefly
+    /// for the stages of aborted executions to be released.
     pub async fn run(self, shutdown: CancellationToken) -> WorkerStatsSnapshot {
-        self.inner.run(shutdown).await
+        let stats = self.inner.run(shutdown).await;
+        self.executor.finish_releases(RELEASE_WAIT).await;
+        stats
     }
 }

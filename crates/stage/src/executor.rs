@@ -12,6 +12,7 @@ use idemstage_domain::{
 };
 use serde::Serialize;
 use tokio::sync::watch;
+use tokio_util::task::TaskTracker;
 
 use crate::{Pipeline, Stage, StageFlow, StageJob};
 
@@ -64,11 +65,33 @@ pub struct JobLease {
 pub struct Executor {
     repo: Arc<dyn RunRepository>,
     worker: WorkerId,
+    /// Releases of executions dropped mid-way (see `ReleaseOnDrop`).
+    releases: TaskTracker,
 }
 
 impl Executor {
     pub fn new(repo: Arc<dyn RunRepository>, worker: WorkerId) -> Self {
-        Self { repo, worker }
+        Self {
+            repo,
+            worker,
+            releases: TaskTracker::new(),
+        }
+    }
+
+    /// Waits (at most `within`) for the releases of executions that were dropped
+    /// before they finished: a worker calls it after its last execution, so that
+    /// it exits only after giving its stages back.
+    pub async fn finish_releases(&self, within: std::time::Duration) {
+        self.releases.close();
+        if tokio::time::timeout(within, self.releases.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pending = self.releases.len(),
+                "stage releases still running at exit; their leases will run out"
+            );
+        }
     }
 
     pub fn worker(&self) -> &WorkerId {
@@ -141,6 +164,14 @@ impl Executor {
             attempt
         );
         let _enter = span.enter();
+        // Until the outcome is known: if this future is dropped (its job's handler
+        // aborted after the shutdown grace, say), the stage is given back at once
+        // instead of staying `running` until its lease runs out.
+        let mut release = ReleaseOnDrop {
+            repo: self.repo.clone(),
+            token: Some(token.clone()),
+            tracker: self.releases.clone(),
+        };
 
         // The heartbeat renews the lease while the body runs and reports a lost lease,
         // which cancels the body: its results could never commit anyway.
@@ -190,6 +221,7 @@ impl Executor {
             } => Ok(Completion::Fenced),
         };
         drop(heartbeat);
+        release.disarm();
 
         match result {
             Ok(Completion::Committed {
@@ -300,6 +332,44 @@ impl Executor {
             },
             idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
         })
+    }
+}
+
+/// Releases the claim (`RunRepository::release`: lease ended now, the attempt
+/// `abandoned` and given back to the budget) if dropped while armed. The release
+/// is fenced on the token, so it changes nothing if the transaction had committed
+/// or someone had taken the stage over.
+struct ReleaseOnDrop {
+    repo: Arc<dyn RunRepository>,
+    token: Option<ClaimToken>,
+    tracker: TaskTracker,
+}
+
+impl ReleaseOnDrop {
+    fn disarm(&mut self) {
+        self.token = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some(token) = self.token.take() else {
+            return;
+        };
+        // No runtime (it is shutting down): the lease runs out instead.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let repo = self.repo.clone();
+        self.tracker.spawn_on(
+            async move {
+                match repo.release(&token).await {
+                    Ok(_) => tracing::info!(stage = %token.stage, anfrage = %token.anfrage, "abandoned stage released"),
+                    Err(e) => tracing::warn!(error = %e, "releasing an abandoned stage failed; its lease will run out"),
+                }
+            },
+            &runtime,
+        );
     }
 }
 

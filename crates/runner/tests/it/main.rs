@@ -7,5 +7,6 @@ mod cli;
 mod faults;
 mod processes;
 mod queue_worker;
+mod shutdown;
 mod soak;
 mod support;

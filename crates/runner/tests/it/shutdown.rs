@@ -1,0 +1,139 @@
+//! A stage worker stopping while a stage is still running: after the grace the
+//! execution is aborted, and the stage is given back at once, not left `running`
+//! until its lease runs out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idemstage_domain::{
+    AnfrageId, ClaimOutcome, ClaimRequest, FencedTx, RunRepository, StageError, StageName,
+    StagePolicy, TenantId, WorkerId,
+};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::{queue, PgRunRepository};
+use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_testkit::TestDb;
+use serde_json::Value;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::count;
+
+/// Never finishes `prepare`; says when it started.
+struct Stuck {
+    name: StageName,
+    policy: StagePolicy,
+    started: Arc<Notify>,
+}
+
+#[async_trait]
+impl Stage for Stuck {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+    async fn prepare(&self, _job: &StageJob) -> Result<Value, StageError> {
+        self.started.notify_one();
+        std::future::pending().await
+    }
+    async fn run(
+        &self,
+        _job: &StageJob,
+        _prepared: &Value,
+        _tx: &mut dyn FencedTx,
+    ) -> Result<StageFlow, StageError> {
+        Ok(StageFlow::Continue)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_aborted_at_shutdown_is_released_at_once() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // A lease far longer than the test: only a release can end it early.
+    let policy = StagePolicy {
+        lease: Duration::from_secs(600),
+        heartbeat: Duration::from_secs(60),
+        timeout: Duration::from_secs(600),
+        ..StagePolicy::default()
+    };
+    let started = Arc::new(Notify::new());
+    let pipeline = Pipeline::new(vec![Arc::new(Stuck {
+        name: StageName::parse("stuck").unwrap(),
+        policy: policy.clone(),
+        started: started.clone(),
+    })])
+    .unwrap();
+    let tenant = TenantId::parse("t1").unwrap();
+    let anfrage = AnfrageId::new();
+    let registered = register_anfrage(&mut conn, &tenant, &anfrage, "1 h Warten")
+        .await
+        .unwrap();
+    let input_hash = registered.input_sha256().to_owned();
+    let job = first_job(&pipeline, tenant.clone(), anfrage, input_hash.clone());
+    queue::send_in(&mut conn, &job).await.unwrap();
+
+    let mut config = PipelineWorkerConfig {
+        concurrency: 1,
+        ..Default::default()
+    };
+    config.queue.poll_interval = Duration::from_millis(100);
+    config.queue.shutdown_grace = Duration::from_millis(100);
+    let worker = PipelineWorker::new(
+        db.pool(4).await,
+        db.url(),
+        pipeline.clone(),
+        config,
+        Arc::new(Counters::default()),
+    )
+    .unwrap();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    tokio::time::timeout(Duration::from_secs(60), started.notified())
+        .await
+        .expect("the stage never started");
+    stop.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("worker did not stop")
+        .unwrap();
+    assert_eq!(stats.released, 1, "{stats:?}");
+
+    // Released when run() returned: the lease ended, the attempt is abandoned and
+    // given back (max_attempts one higher), the job is queued again.
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM pipeline_runs r JOIN pipeline_run_attempts a ON a.run_id = r.id
+              WHERE r.status = 'running' AND r.lease_expires_at <= now()
+                AND r.max_attempts = 6 AND a.attempt = 1 AND a.outcome = 'abandoned'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'retry'").await,
+        1
+    );
+    // So another worker claims the stage now, not after ten minutes.
+    let repo = PgRunRepository::new(db.pool(2).await);
+    let claim = repo
+        .claim(&ClaimRequest {
+            tenant,
+            anfrage,
+            stage: StageName::parse("stuck").unwrap(),
+            input_hash,
+            worker: WorkerId::generate(),
+            policy,
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(claim, ClaimOutcome::Claimed { attempt: 2, .. }),
+        "{claim:?}"
+    );
+}
