@@ -170,11 +170,16 @@ pub async fn maintain(
         }
 
         let deleted = diesel::sql_query(
+            // The conditions again outside: a row changed after this statement's
+            // snapshot (a failed job retried by hand) is re-checked in its new
+            // version, and the IN alone would match it by id.
             "DELETE FROM jobs WHERE id IN (
                  SELECT id FROM jobs
                   WHERE state IN ('completed', 'cancelled', 'failed')
                     AND completed_at < now() - $1 * interval '1 millisecond'
-                  LIMIT $2)",
+                  LIMIT $2)
+               AND state IN ('completed', 'cancelled', 'failed')
+               AND completed_at < now() - $1 * interval '1 millisecond'",
         )
         .bind::<BigInt, _>(retention_ms)
         .bind::<BigInt, _>(limit)
