@@ -28,7 +28,7 @@ pub enum DomainError {
 }
 
 /// Errors of the persistence layer.
-#[derive(Debug, Error)]
+#[derive(Debug, Error, Clone)]
 pub enum RepoError {
     /// The database cannot be reached, or the connection broke. Retry after a backoff.
     #[error("database unavailable: {0}")]

@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use idemstage_domain::queue::validate_queue_name;
 use idemstage_domain::{
-    FailKind, FetchedJob, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome, RepoError,
+    FailKind, FetchedJob, JobCompleteOutcome, JobFailOutcome, JobId, JobRetryOutcome, RepoError,
     StageError,
 };
 use idemstage_persistence::queue::{self, JobListener, MaintenanceConfig, MaintenanceOutcome};
 use idemstage_persistence::PgPool;
 use serde::de::DeserializeOwned;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -281,6 +281,7 @@ impl<H: JobHandler> QueueWorker<H> {
             background_stop.clone(),
         ));
 
+        let (completer, completer_done) = Completer::start(self.pool.clone());
         let slots = Arc::new(Semaphore::new(cfg.concurrency));
         let hard_stop = CancellationToken::new();
         let mut in_flight = JoinSet::new();
@@ -316,6 +317,7 @@ impl<H: JobHandler> QueueWorker<H> {
                         };
                         in_flight.spawn(run_job(
                             self.pool.clone(),
+                            completer.clone(),
                             self.handler.clone(),
                             job,
                             permit,
@@ -366,6 +368,11 @@ impl<H: JobHandler> QueueWorker<H> {
             hard_stop.cancel();
             while in_flight.join_next().await.is_some() {}
         }
+        // Every job task has ended, so this was the last sender.
+        drop(completer);
+        if let Err(e) = completer_done.await {
+            tracing::error!(error = %e, "job completer failed");
+        }
         background_stop.cancel();
         while background.join_next().await.is_some() {}
         self.stats.snapshot()
@@ -392,6 +399,7 @@ enum Finish {
 #[allow(clippy::too_many_arguments)]
 async fn run_job<H: JobHandler>(
     pool: PgPool,
+    completer: Completer,
     handler: Arc<H>,
     job: FetchedJob,
     _slot: tokio::sync::OwnedSemaphorePermit,
@@ -430,7 +438,7 @@ async fn run_job<H: JobHandler>(
                     // if it has just returned, its result stands.
                     if task.is_finished() {
                         let finish = finish_of(task.await);
-                        record(&pool, &job, finish, &stats, backoff_min).await;
+                        record(&pool, &completer, &job, finish, &stats, backoff_min).await;
                         return;
                     }
                     task.abort();
@@ -445,7 +453,7 @@ async fn run_job<H: JobHandler>(
             }
         }
     };
-    record(&pool, &job, finish, &stats, backoff_min).await;
+    record(&pool, &completer, &job, finish, &stats, backoff_min).await;
 }
 
 fn finish_of(joined: Result<Result<Handled, HandlerError>, tokio::task::JoinError>) -> Finish {
@@ -460,6 +468,76 @@ fn finish_of(joined: Result<Result<Handled, HandlerError>, tokio::task::JoinErro
             FailKind::Retryable,
         ),
         Err(e) => Finish::Fail(format!("handler task ended: {e}"), FailKind::Retryable),
+    }
+}
+
+/// Completes the jobs of many handlers with one `complete_many` each time: the
+/// completions that arrive while one statement runs go together in the next
+/// ("natural" batching, so a lone completion waits for nothing). One connection,
+/// one statement and one commit serve a whole batch.
+#[derive(Clone)]
+struct Completer {
+    tx: mpsc::UnboundedSender<PendingCompletion>,
+}
+
+struct PendingCompletion {
+    id: JobId,
+    attempt: i32,
+    reply: oneshot::Sender<Result<JobCompleteOutcome, RepoError>>,
+}
+
+/// Most completions per statement.
+const COMPLETION_BATCH: usize = 256;
+
+impl Completer {
+    /// The loop ends when the last `Completer` is dropped.
+    fn start(pool: PgPool) -> (Self, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { tx }, tokio::spawn(completer_loop(pool, rx)))
+    }
+
+    async fn complete(&self, job: &FetchedJob) -> Result<JobCompleteOutcome, RepoError> {
+        let (reply, outcome) = oneshot::channel();
+        let stopped = || RepoError::Unavailable("the job completer has stopped".into());
+        self.tx
+            .send(PendingCompletion {
+                id: job.id,
+                attempt: job.attempt,
+                reply,
+            })
+            .map_err(|_| stopped())?;
+        outcome.await.map_err(|_| stopped())?
+    }
+}
+
+async fn completer_loop(pool: PgPool, mut rx: mpsc::UnboundedReceiver<PendingCompletion>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < COMPLETION_BATCH {
+            match rx.try_recv() {
+                Ok(next) => batch.push(next),
+                Err(_) => break,
+            }
+        }
+        let tokens: Vec<(JobId, i32)> = batch.iter().map(|c| (c.id, c.attempt)).collect();
+        let outcomes = async {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::complete_many(&mut conn, &tokens).await
+        }
+        .await;
+        // Each waiting handler gets its own outcome, or the error to retry on.
+        match outcomes {
+            Ok(outcomes) => {
+                for (pending, outcome) in batch.into_iter().zip(outcomes) {
+                    let _ = pending.reply.send(Ok(outcome));
+                }
+            }
+            Err(e) => {
+                for pending in batch {
+                    let _ = pending.reply.send(Err(e.clone()));
+                }
+            }
+        }
     }
 }
 
@@ -490,6 +568,7 @@ async fn renew_job_lease(pool: &PgPool, job: &FetchedJob) -> String {
 /// first attempt did commit; both end the job's lease here.
 async fn record(
     pool: &PgPool,
+    completer: &Completer,
     job: &FetchedJob,
     finish: Finish,
     stats: &WorkerStats,
@@ -504,14 +583,18 @@ async fn record(
     let mut delay = backoff_min;
     for tries in 1..=TRIES {
         let result = async {
+            if let Finish::Complete = finish {
+                // Without a pooled connection of its own: the completer uses one
+                // for the completions of many handlers.
+                return Ok(match completer.complete(job).await? {
+                    JobCompleteOutcome::Completed => (&stats.completed, "completed"),
+                    JobCompleteOutcome::Fenced => (&stats.fenced, "fenced"),
+                });
+            }
             let mut conn = idemstage_persistence::get(pool).await?;
             Ok::<_, RepoError>(match &finish {
-                Finish::AlreadyCompleted => (&stats.completed, "completed"),
-                Finish::Complete => {
-                    match queue::complete(&mut conn, job.id, job.attempt, None).await? {
-                        JobCompleteOutcome::Completed => (&stats.completed, "completed"),
-                        JobCompleteOutcome::Fenced => (&stats.fenced, "fenced"),
-                    }
+                Finish::AlreadyCompleted | Finish::Complete => {
+                    unreachable!("recorded above without a connection")
                 }
                 Finish::Fail(msg, kind) => {
                     match queue::fail(&mut conn, job.id, job.attempt, msg, *kind).await? {

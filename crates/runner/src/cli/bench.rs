@@ -358,6 +358,15 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         .max_by(|a, b| a.per_s.total_cmp(&b.per_s))
         .context("no drain ran")?;
 
+    // (b2) The backlog again, worked off by a QueueWorker.
+    let (worker_per_s, worker_completed) = worker_drain(url, &mut conn, args).await?;
+    if worker_completed != args.jobs {
+        violations.push(format!(
+            "the drain worker completed {worker_completed} of {} jobs",
+            args.jobs
+        ));
+    }
+
     // (c) Pickup latency: sends to an idle worker, from the send's return to the
     // handler's start.
     fixtures::reset(&mut conn).await?;
@@ -379,6 +388,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         "drain_batch": args.drain_batch,
         "drain_loops": fastest.loops,
         "drain_per_s": fastest.per_s,
+        "worker_drain_per_s": worker_per_s,
         "latency_samples": samples,
         "latency_ms_p50": p50,
         "latency_ms_p99": p99,
@@ -389,6 +399,83 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         report[format!("drain_per_s_loops_{}", d.loops)] = json!(d.per_s);
     }
     Ok(report)
+}
+
+/// Empties the tables, sends `jobs` jobs to the drain queue in batches of 1,000,
+/// then `VACUUM ANALYZE`.
+async fn insert_drain_jobs(
+    conn: &mut diesel_async::AsyncPgConnection,
+    jobs: u64,
+) -> anyhow::Result<()> {
+    fixtures::reset(conn).await?;
+    let mut left = jobs;
+    let mut i = 0u64;
+    while left > 0 {
+        let n = left.min(1000);
+        let batch: Vec<JobToSend> = (0..n)
+            .map(|k| JobToSend {
+                queue: DRAIN_QUEUE.into(),
+                payload: json!({ "i": i + k }),
+                options: SendOptions::default(),
+            })
+            .collect();
+        queue::send_batch(conn, &batch).await?;
+        left -= n;
+        i += n;
+    }
+    fixtures::vacuum_analyze(conn, &["jobs"]).await?;
+    Ok(())
+}
+
+/// The same backlog worked off by a `QueueWorker` (what an application runs):
+/// `concurrency` no-op handlers, each job completed on its own. Jobs/s from the
+/// worker's start to the last completion.
+async fn worker_drain(
+    url: &str,
+    conn: &mut diesel_async::AsyncPgConnection,
+    args: &Args,
+) -> anyhow::Result<(f64, u64)> {
+    insert_drain_jobs(conn, args.jobs).await?;
+    let pool = idemstage_persistence::connect_pool(
+        url,
+        PoolConfig {
+            max_size: args.concurrency as u32 + 2,
+            ..PoolConfig::default()
+        },
+    )
+    .await?;
+    let handled = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let handled = handled.clone();
+        handler_fn(move |_job, _: serde_json::Value| {
+            handled.fetch_add(1, Ordering::Relaxed);
+            async { Ok::<(), HandlerError>(()) }
+        })
+    };
+    let worker = QueueWorker::new(
+        pool,
+        url,
+        QueueWorkerConfig {
+            queues: vec![DRAIN_QUEUE.into()],
+            concurrency: args.concurrency,
+            batch_size: args.concurrency as u32,
+            ..QueueWorkerConfig::default()
+        },
+        handler,
+    )?;
+    let stats = worker.stats();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let running = tokio::spawn(worker.run(shutdown.clone()));
+    // Polled, not timed: the worker's own count says when the backlog is gone.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while stats.snapshot().completed < args.jobs && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    shutdown.cancel();
+    let done = running.await.context("drain worker")?.completed;
+    Ok((per_s(done, elapsed), done))
 }
 
 struct Drain {
@@ -407,23 +494,7 @@ async fn drain(
     args: &Args,
     loops: usize,
 ) -> anyhow::Result<Drain> {
-    fixtures::reset(conn).await?;
-    let mut left = args.jobs;
-    let mut i = 0u64;
-    while left > 0 {
-        let n = left.min(1000);
-        let batch: Vec<JobToSend> = (0..n)
-            .map(|k| JobToSend {
-                queue: DRAIN_QUEUE.into(),
-                payload: json!({ "i": i + k }),
-                options: SendOptions::default(),
-            })
-            .collect();
-        queue::send_batch(conn, &batch).await?;
-        left -= n;
-        i += n;
-    }
-    fixtures::vacuum_analyze(conn, &["jobs"]).await?;
+    insert_drain_jobs(conn, args.jobs).await?;
     let mut conns = Vec::new();
     for _ in 0..loops {
         conns.push(idemstage_persistence::connect(url).await?);

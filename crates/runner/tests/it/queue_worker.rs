@@ -560,3 +560,73 @@ async fn idle_worker_pickup_latency_via_notify() {
         .unwrap();
     assert_eq!(c.n, SENDS as i64 + 1);
 }
+
+/// Completions that arrive while a completion statement runs go together in the
+/// next one: one statement and one commit for many jobs. One job's row is held
+/// locked, so the statement that completes it waits until the other handlers
+/// have finished; jobs completed by one statement share its `now()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_that_arrive_together_share_one_statement() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut ids = Vec::new();
+    for i in 0..16 {
+        ids.push(
+            send(
+                &mut conn,
+                job("c", json!({ "i": i }), SendOptions::default()),
+            )
+            .await,
+        );
+    }
+    let (started_tx, mut started_rx) = mpsc::unbounded_channel();
+    let release = CancellationToken::new();
+    let mut cfg = config("c");
+    cfg.concurrency = 16;
+    cfg.batch_size = 16;
+    let w = start(
+        db.pool(20).await,
+        db.url(),
+        cfg,
+        gated_handler(started_tx, release.clone()),
+    );
+    for _ in 0..16 {
+        tokio::time::timeout(DEADLINE, started_rx.recv())
+            .await
+            .expect("a handler never started");
+    }
+    let mut locker = db.conn().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            ids[0]
+        ))
+        .await
+        .unwrap();
+    release.cancel();
+    let waiting = "SELECT 1 FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let deadline = Instant::now() + DEADLINE;
+    while count(&mut conn, waiting).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no completion waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    locker.batch_execute("COMMIT").await.unwrap();
+    for id in &ids {
+        wait_for_state(&mut conn, *id, "completed").await;
+    }
+    let stats = w.shutdown().await;
+    assert_eq!((stats.completed, stats.fenced), (16, 0));
+    let statements = count(
+        &mut conn,
+        "SELECT DISTINCT completed_at FROM jobs WHERE queue = 'c'",
+    )
+    .await;
+    assert!(
+        statements < 16,
+        "16 completions took {statements} statements"
+    );
+}
