@@ -1,4 +1,5 @@
-//! Bulk fixtures for `idemstage bench`. Workers never call these: they write rows
+//! Bulk fixtures for `idemstage bench` (and the reset of `idemstage demo`). Workers
+//! never call these: they write rows
 //! directly (outside the claim and the queue) so that benchmarks can set up large
 //! states quickly, outside their timed windows.
 

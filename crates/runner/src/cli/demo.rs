@@ -11,6 +11,7 @@ use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::bench_support as fixtures;
 use idemstage_persistence::report::check_example_pipeline;
 use idemstage_persistence::{PoolConfig, TxError};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
@@ -115,6 +116,25 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
     }
     idemstage_persistence::migrate(url).await?;
+    // The verdict is read from the whole database, so it must hold only this run's
+    // rows: a demo database (`*_demo`) is emptied first (a second `cargo xtask
+    // demo` on a cluster left running), any other one must be empty already.
+    {
+        let mut conn = idemstage_persistence::connect(url).await?;
+        let stale = check_example_pipeline(&mut conn).await?.anfragen;
+        if stale > 0 {
+            let db = fixtures::current_database(&mut conn).await?;
+            if !(db == "demo" || db.ends_with("_demo")) {
+                return Err(BadInput(format!(
+                    "database {db:?} already holds {stale} anfragen: the demo checks every \
+                     row, so it needs an empty database, or one whose name ends in \"_demo\" \
+                     (it empties that one; cargo xtask demo uses idemstage_demo)"
+                ))
+                .into());
+            }
+            fixtures::reset(&mut conn).await?;
+        }
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let tenants: Vec<TenantId> = (0..args.tenants)

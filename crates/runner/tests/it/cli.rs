@@ -211,6 +211,31 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
     assert_eq!(rows(&db).await, 2);
 }
 
+/// The demo's verdict covers every row, so on a database with other anfragen (and
+/// no "demo" in its name, which it would empty) it refuses to start.
+#[tokio::test]
+async fn demo_refuses_a_database_that_holds_other_anfragen() {
+    let db = TestDb::new().await;
+    let ok = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert!(ok.status.success());
+    let out = idemstage(&db, &["demo", "--anfragen", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("already holds 1 anfragen"), "{stderr}");
+    assert_eq!(rows(&db).await, 2, "the demo touched the database");
+}
+
 #[test]
 fn an_unreachable_database_is_exit_code_3() {
     let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
