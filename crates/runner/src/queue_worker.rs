@@ -574,29 +574,21 @@ async fn record(
     stats: &WorkerStats,
     backoff_min: Duration,
 ) {
-    if let Finish::AlreadyCompleted = finish {
-        WorkerStats::add(&stats.completed, 1);
-        tracing::debug!(job = %job.id, attempt = job.attempt, "job completed by its handler");
-        return;
-    }
     const TRIES: u32 = 5;
     let mut delay = backoff_min;
     for tries in 1..=TRIES {
         let result = async {
-            if let Finish::Complete = finish {
+            Ok::<_, RepoError>(match &finish {
+                // Written by the handler: nothing to do.
+                Finish::AlreadyCompleted => (&stats.completed, "completed"),
                 // Without a pooled connection of its own: the completer uses one
                 // for the completions of many handlers.
-                return Ok(match completer.complete(job).await? {
+                Finish::Complete => match completer.complete(job).await? {
                     JobCompleteOutcome::Completed => (&stats.completed, "completed"),
                     JobCompleteOutcome::Fenced => (&stats.fenced, "fenced"),
-                });
-            }
-            let mut conn = idemstage_persistence::get(pool).await?;
-            Ok::<_, RepoError>(match &finish {
-                Finish::AlreadyCompleted | Finish::Complete => {
-                    unreachable!("recorded above without a connection")
-                }
+                },
                 Finish::Fail(msg, kind) => {
+                    let mut conn = idemstage_persistence::get(pool).await?;
                     match queue::fail(&mut conn, job.id, job.attempt, msg, *kind).await? {
                         JobFailOutcome::Retrying { .. } | JobFailOutcome::Failed { .. } => {
                             tracing::info!(job = %job.id, queue = %job.queue, error = %msg, "job failed");
@@ -606,12 +598,14 @@ async fn record(
                     }
                 }
                 Finish::Release => {
+                    let mut conn = idemstage_persistence::get(pool).await?;
                     match queue::retry_now(&mut conn, job.id, job.attempt).await? {
                         JobRetryOutcome::Requeued => (&stats.released, "released"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
                     }
                 }
                 Finish::Defer(until) => {
+                    let mut conn = idemstage_persistence::get(pool).await?;
                     match queue::retry_at(&mut conn, job.id, job.attempt, *until).await? {
                         JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),

@@ -1,7 +1,6 @@
 //! One stage execution: claim → skip, or prepare and run → fenced commit or fail.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
@@ -277,59 +276,62 @@ impl Executor {
         let next_job = pipeline
             .next(stage.name())
             .map(|next| pipeline.job_for(next.name(), job));
-        // `Fn`, because a conflict re-runs the transaction; the flow of the attempt
-        // that committed is the one reported.
-        let flow = Arc::new(std::sync::Mutex::new(Flow::Continue));
-        let job_completed = Arc::new(AtomicBool::new(false));
+        // `Fn`, because a conflict re-runs the transaction; what the attempt that
+        // committed did (its flow, whether it completed the job) is reported.
+        let committed = Arc::new(std::sync::Mutex::new((Flow::Continue, false)));
         let write = {
-            let (stage, job, prepared, flow, job_completed) = (
+            let (stage, job, prepared, committed) = (
                 stage.clone(),
                 job.clone(),
                 Arc::new(prepared),
-                flow.clone(),
-                job_completed.clone(),
+                committed.clone(),
             );
             fenced_write(move |tx| {
-                let (stage, job, prepared, next_job, flow, job_completed) = (
+                let (stage, job, prepared, next_job, committed) = (
                     stage.clone(),
                     job.clone(),
                     prepared.clone(),
                     next_job.clone(),
-                    flow.clone(),
-                    job_completed.clone(),
+                    committed.clone(),
                 );
                 async move {
                     let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
                         .catch_unwind()
                         .await
                         .map_err(panic_message)??;
-                    match outcome {
+                    let flow = match outcome {
                         StageFlow::Continue => {
                             if let Some(next_job) = &next_job {
                                 tx.send_job(next_job).await?;
                             }
-                            *flow.lock().unwrap() = Flow::Continue;
+                            Flow::Continue
                         }
-                        StageFlow::Stop => *flow.lock().unwrap() = Flow::Stop,
-                    }
+                        StageFlow::Stop => Flow::Stop,
+                    };
                     // Last, so that its row lock is held for the shortest time. A
                     // job taken over (Fenced) is left to its new holder, who will
                     // find the stage succeeded.
-                    if let Some(lease) = lease {
-                        let done = tx.complete_job(lease.id, lease.attempt).await?;
-                        job_completed
-                            .store(done == JobCompleteOutcome::Completed, Ordering::SeqCst);
-                    }
+                    let job_completed = match lease {
+                        Some(lease) => {
+                            tx.complete_job(lease.id, lease.attempt).await?
+                                == JobCompleteOutcome::Completed
+                        }
+                        None => false,
+                    };
+                    *committed.lock().unwrap() = (flow, job_completed);
                     Ok(())
                 }
                 .boxed()
             })
         };
         Ok(match self.repo.complete(token, &write).await? {
-            idemstage_domain::CompleteOutcome::Committed => Completion::Committed {
-                flow: *flow.lock().unwrap(),
-                job_completed: job_completed.load(Ordering::SeqCst),
-            },
+            idemstage_domain::CompleteOutcome::Committed => {
+                let (flow, job_completed) = *committed.lock().unwrap();
+                Completion::Committed {
+                    flow,
+                    job_completed,
+                }
+            }
             idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
         })
     }

@@ -18,8 +18,8 @@ use idemstage_persistence::bench_support as fixtures;
 use idemstage_persistence::report::check_example_pipeline;
 use idemstage_persistence::{queue, PgRunRepository, PoolConfig};
 use idemstage_runner::{
-    handler_fn, Counters, HandlerError, PipelineWorker, PipelineWorkerConfig, QueueWorker,
-    QueueWorkerConfig,
+    handler_fn, Counters, HandlerError, JobHandler, PipelineWorker, PipelineWorkerConfig,
+    QueueWorker, QueueWorkerConfig,
 };
 use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::first_job;
@@ -436,33 +436,8 @@ async fn worker_drain(
     args: &Args,
 ) -> anyhow::Result<(f64, u64)> {
     insert_drain_jobs(conn, args.jobs).await?;
-    let pool = idemstage_persistence::connect_pool(
-        url,
-        PoolConfig {
-            max_size: args.concurrency as u32 + 2,
-            ..PoolConfig::default()
-        },
-    )
-    .await?;
-    let handled = Arc::new(AtomicU64::new(0));
-    let handler = {
-        let handled = handled.clone();
-        handler_fn(move |_job, _: serde_json::Value| {
-            handled.fetch_add(1, Ordering::Relaxed);
-            async { Ok::<(), HandlerError>(()) }
-        })
-    };
-    let worker = QueueWorker::new(
-        pool,
-        url,
-        QueueWorkerConfig {
-            queues: vec![DRAIN_QUEUE.into()],
-            concurrency: args.concurrency,
-            batch_size: args.concurrency as u32,
-            ..QueueWorkerConfig::default()
-        },
-        handler,
-    )?;
+    let handler = handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
+    let worker = bench_worker(url, args, DRAIN_QUEUE, handler).await?;
     let stats = worker.stats();
     let shutdown = CancellationToken::new();
     let started = Instant::now();
@@ -544,12 +519,14 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-async fn pickup_latency(
+/// A `QueueWorker` on `queue` at `--concurrency`, leasing up to that many jobs per
+/// fetch, with a pool of its own.
+async fn bench_worker<H: JobHandler>(
     url: &str,
     args: &Args,
-    conn: &mut diesel_async::AsyncPgConnection,
-) -> anyhow::Result<(f64, f64, usize)> {
-    let started: Arc<Mutex<HashMap<JobId, Instant>>> = Arc::default();
+    queue: &str,
+    handler: H,
+) -> anyhow::Result<QueueWorker<H>> {
     let pool = idemstage_persistence::connect_pool(
         url,
         PoolConfig {
@@ -558,6 +535,25 @@ async fn pickup_latency(
         },
     )
     .await?;
+    Ok(QueueWorker::new(
+        pool,
+        url,
+        QueueWorkerConfig {
+            queues: vec![queue.into()],
+            concurrency: args.concurrency,
+            batch_size: args.concurrency as u32,
+            ..QueueWorkerConfig::default()
+        },
+        handler,
+    )?)
+}
+
+async fn pickup_latency(
+    url: &str,
+    args: &Args,
+    conn: &mut diesel_async::AsyncPgConnection,
+) -> anyhow::Result<(f64, f64, usize)> {
+    let started: Arc<Mutex<HashMap<JobId, Instant>>> = Arc::default();
     let handler = {
         let started = started.clone();
         handler_fn(move |job, _: serde_json::Value| {
@@ -565,17 +561,7 @@ async fn pickup_latency(
             async { Ok::<(), HandlerError>(()) }
         })
     };
-    let worker = QueueWorker::new(
-        pool,
-        url,
-        QueueWorkerConfig {
-            queues: vec![LATENCY_QUEUE.into()],
-            concurrency: args.concurrency,
-            batch_size: args.concurrency as u32,
-            ..QueueWorkerConfig::default()
-        },
-        handler,
-    )?;
+    let worker = bench_worker(url, args, LATENCY_QUEUE, handler).await?;
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(worker.run(shutdown.clone()));
     // Let the listener connect and the first (empty) fetch pass.

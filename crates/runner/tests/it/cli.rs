@@ -31,6 +31,22 @@ async fn rows(db: &TestDb) -> i64 {
 
 const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
+/// `idemstage enqueue` of anfrage `ANFRAGE` with a one-line input for `tenant`.
+fn enqueue(db: &TestDb, tenant: &str) -> Output {
+    idemstage(
+        db,
+        &[
+            "enqueue",
+            "--tenant",
+            tenant,
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    )
+}
+
 #[tokio::test]
 async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     let db = TestDb::new().await;
@@ -111,32 +127,10 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     assert_eq!(rows(&db).await, 0, "bad input wrote something");
 
     // An anfrage id of another tenant: refused, and the first tenant's data stays.
-    let ok = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     assert_eq!(rows(&db).await, 2);
-    let other = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t2",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let other = enqueue(&db, "t2");
     assert_eq!(other.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&other.stderr).contains("belongs to another tenant"));
     assert_eq!(rows(&db).await, 2);
@@ -146,32 +140,10 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
 #[tokio::test]
 async fn enqueue_prints_the_job_id_then_duplicate() {
     let db = TestDb::new().await;
-    let first = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let first = enqueue(&db, "t1");
     let id = String::from_utf8(first.stdout).unwrap();
     assert_eq!(id.trim().len(), 26, "{id}");
-    let second = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let second = enqueue(&db, "t1");
     assert_eq!(
         String::from_utf8(second.stdout).unwrap().trim(),
         "duplicate"
@@ -181,18 +153,7 @@ async fn enqueue_prints_the_job_id_then_duplicate() {
 #[tokio::test]
 async fn bench_refuses_bad_counts_before_it_touches_the_database() {
     let db = TestDb::new().await;
-    let ok = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     for (args, message) in [
         (vec!["--drain-loops", "0"], "--drain-loops"),
@@ -216,18 +177,7 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
 #[tokio::test]
 async fn demo_refuses_a_database_that_holds_other_anfragen() {
     let db = TestDb::new().await;
-    let ok = idemstage(
-        &db,
-        &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
-        ],
-    );
+    let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     let out = idemstage(&db, &["demo", "--anfragen", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
