@@ -116,8 +116,17 @@ async fn a_team_defines_and_runs_its_own_pipeline() {
     );
 
     // New input for ocr: its Rerun policy re-runs it and makes translate stale.
+    diesel_async::RunQueryDsl::execute(
+        diesel::sql_query(format!(
+            "UPDATE anfragen SET input_text = 'scan2.pdf', input_sha256 = '{}' WHERE id = '{anfrage}'",
+            idemstage_domain::input_hash_of(b"scan2.pdf")
+        )),
+        &mut conn,
+    )
+    .await
+    .unwrap();
     let changed = StageJob {
-        input_hash: "f".repeat(64),
+        input_hash: idemstage_domain::input_hash_of(b"scan2.pdf"),
         ..job.clone()
     };
     assert!(matches!(

@@ -60,6 +60,7 @@ fn request(tenant: &TenantId, anfrage: idemstage_domain::AnfrageId, hash: &str) 
         input_hash: hash.to_owned(),
         worker: WorkerId::generate(),
         policy: StagePolicy::default(),
+        upstream: None,
     }
 }
 
@@ -74,9 +75,10 @@ async fn correction_1_a_guard_on_the_conflict_target_filters_nothing() {
     let (anfrage, hash) = anfrage(&mut conn, &t, "1 Stk Test").await;
     conn.batch_execute(&format!(
         "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
-             max_attempts, input_hash, worker_id, started_at, lease_expires_at, finished_at)
+             max_attempts, input_hash, worker_id, started_at, lease_expires_at, finished_at,
+             success_attempt)
          VALUES ('{}', 't1', '{anfrage}', 'intake', 'success', 1, 100, '{hash}', 'w',
-             now(), now(), now())",
+             now(), now(), now(), 1)",
         idemstage_domain::RunId::new()
     ))
     .await

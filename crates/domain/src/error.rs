@@ -45,6 +45,23 @@ pub enum RepoError {
     /// The anfrage id is already registered for another tenant.
     #[error("anfrage {anfrage} belongs to another tenant than {tenant}")]
     TenantMismatch { tenant: String, anfrage: String },
+    /// A lock or statement timeout, or a cancelled statement (55P03, 57014): the
+    /// database is busy, not the request wrong. Retry after a backoff.
+    #[error("database busy, retry: {0}")]
+    Timeout(String),
+    /// The server is out of a resource (53xxx: disk, memory, connections). Retry
+    /// after a backoff.
+    #[error("database out of resources, retry: {0}")]
+    Resources(String),
+    /// The anfrage is registered with another input and its first stage's policy
+    /// is `Reject`: nothing was changed.
+    #[error("anfrage {anfrage} of tenant {tenant} is registered with another input (stored sha256 {stored_hash}, new {new_hash}) and its first stage rejects input changes")]
+    InputChanged {
+        tenant: String,
+        anfrage: String,
+        stored_hash: String,
+        new_hash: String,
+    },
     /// Insert-or-get found neither its own insert nor an existing row, repeatedly.
     #[error("insert-or-get of {what} gave up after {tries} tries: the row kept disappearing")]
     InsertOrGetExhausted { what: String, tries: u32 },
@@ -56,10 +73,27 @@ pub enum RepoError {
 }
 
 impl RepoError {
+    /// Errors that say the request itself is wrong (no such anfrage, another
+    /// tenant's, invalid ids or options, an input that may not change). Every
+    /// other error is about the database, not the request.
+    pub fn is_bad_request(&self) -> bool {
+        matches!(
+            self,
+            RepoError::AnfrageNotFound { .. }
+                | RepoError::TenantMismatch { .. }
+                | RepoError::InputChanged { .. }
+                | RepoError::Invalid(_)
+        )
+    }
+
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            RepoError::Unavailable(_) | RepoError::Conflict(_) | RepoError::AmbiguousCommit(_)
+            RepoError::Unavailable(_)
+                | RepoError::Conflict(_)
+                | RepoError::AmbiguousCommit(_)
+                | RepoError::Timeout(_)
+                | RepoError::Resources(_)
         )
     }
 }
@@ -90,5 +124,44 @@ impl StageError {
             StageError::Repo(e) => e.is_retryable(),
             StageError::Transient(_) | StageError::Panicked(_) | StageError::TimedOut(_) => true,
         }
+    }
+}
+
+/// The most bytes of error text written to the database (`last_error`, attempt
+/// history).
+pub const MAX_ERROR_TEXT_BYTES: usize = 4000;
+
+/// Error text that the database always accepts: NUL characters (which PostgreSQL's
+/// `text` refuses, 22021) become U+FFFD, and text longer than
+/// `MAX_ERROR_TEXT_BYTES` is cut at a character boundary with a note of its length.
+/// Recording a failure must never fail because of the failure's own message.
+pub fn sanitize_error_text(error: &str) -> String {
+    let clean = if error.contains('\0') {
+        std::borrow::Cow::Owned(error.replace('\0', "\u{fffd}"))
+    } else {
+        std::borrow::Cow::Borrowed(error)
+    };
+    if clean.len() <= MAX_ERROR_TEXT_BYTES {
+        return clean.into_owned();
+    }
+    let mut end = MAX_ERROR_TEXT_BYTES;
+    while !clean.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &clean[..end], error.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sanitized_error_text_has_no_nul_and_is_bounded() {
+        assert_eq!(sanitize_error_text("a\0b"), "a\u{fffd}b");
+        let long = "ä".repeat(5000);
+        let s = sanitize_error_text(&long);
+        assert!(s.len() < MAX_ERROR_TEXT_BYTES + 40, "{}", s.len());
+        assert!(s.ends_with("(10000 bytes)"));
+        assert_eq!(sanitize_error_text("plain"), "plain");
     }
 }

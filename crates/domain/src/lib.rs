@@ -10,7 +10,7 @@ pub mod policy;
 pub mod queue;
 pub mod repo;
 
-pub use error::{DomainError, RepoError, StageError};
+pub use error::{sanitize_error_text, DomainError, RepoError, StageError, MAX_ERROR_TEXT_BYTES};
 pub use ids::{input_hash_of, AnfrageId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
 pub use outcome::{
     ClaimOutcome, CompleteOutcome, FailOutcome, RejectReason, RenewOutcome, RunStatus, SkipReason,

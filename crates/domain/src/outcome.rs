@@ -60,6 +60,17 @@ pub enum SkipReason {
     AlreadySucceeded { run_id: RunId },
     /// Another worker holds a live lease on it.
     InFlight { lease_expires_at: DateTime<Utc> },
+    /// The stage before this one has no current successful attempt (it has not
+    /// run, is running for the first time, failed or died): this stage has nothing
+    /// to read yet and is not run. Deferred, never failed: the upstream's success
+    /// sends this stage's job.
+    UpstreamNotDone {
+        upstream: crate::StageName,
+        /// The upstream's status, `None` if it has no run yet.
+        status: Option<RunStatus>,
+        /// The upstream's lease end while it is `running`.
+        lease_expires_at: Option<DateTime<Utc>>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -68,6 +79,13 @@ pub enum RejectReason {
     InputChanged {
         stored_hash: String,
         new_hash: String,
+    },
+    /// The job's `input_hash` is not the anfrage's stored input hash (a crafted or
+    /// outdated job): nothing was bound. The claim binds only hashes the database
+    /// computed.
+    InputMismatch {
+        job_hash: String,
+        stored_hash: String,
     },
 }
 
@@ -79,6 +97,13 @@ pub enum ClaimOutcome {
         run_id: RunId,
         attempt: i32,
         lease_expires_at: DateTime<Utc>,
+        /// The input hash this attempt is bound to, as the database has it: the
+        /// anfrage's stored input for the first stage, the upstream's successful
+        /// attempt's for the others.
+        input_hash: String,
+        /// The upstream's successful attempt this attempt reads (`None` for the
+        /// first stage); its fenced commit checks it is still current.
+        upstream_attempt: Option<i32>,
     },
     Skipped(SkipReason),
     Rejected(RejectReason),
@@ -95,6 +120,11 @@ pub enum CompleteOutcome {
     Committed,
     /// The lease was taken over (`attempts` moved on): nothing was written.
     Fenced,
+    /// The upstream attempt this one read is no longer the upstream's current
+    /// success (or, for the first stage, the anfrage's stored input changed):
+    /// nothing of the stage was written, the run is `stale` and runs again on the
+    /// new upstream.
+    UpstreamChanged,
 }
 
 /// The result of recording a failed attempt.

@@ -20,9 +20,15 @@ pub struct ClaimRequest {
     pub tenant: TenantId,
     pub anfrage: AnfrageId,
     pub stage: StageName,
+    /// The job's input hash. For the first stage it must equal the anfrage's
+    /// stored input hash (else `Rejected(InputMismatch)`); later stages bind their
+    /// upstream's hash and ignore it.
     pub input_hash: String,
     pub worker: WorkerId,
     pub policy: StagePolicy,
+    /// The stage before this one (`None` for the first stage): this stage runs only
+    /// on its current successful attempt.
+    pub upstream: Option<StageName>,
 }
 
 /// Proof of a claim: the run and the fencing token (`attempt`).
@@ -51,6 +57,12 @@ pub struct RunRecord {
     pub lease_expires_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
+    /// The attempt whose results are current, if any succeeded.
+    pub success_attempt: Option<i32>,
+    /// The stage the current attempt read from (`None` for a first stage).
+    pub upstream_stage: Option<StageName>,
+    /// That stage's successful attempt the current attempt read.
+    pub upstream_attempt: Option<i32>,
 }
 
 /// One row of the attempt history.
@@ -64,6 +76,8 @@ pub struct AttemptRecord {
     /// `running`, `success`, `failed`, `abandoned` or `fenced`.
     pub outcome: String,
     pub error: Option<String>,
+    /// The upstream's successful attempt this attempt read.
+    pub upstream_attempt: Option<i32>,
 }
 
 /// One extracted position (a child row of an anfrage).
@@ -180,8 +194,9 @@ pub trait RunRepository: Send + Sync {
         retryable: bool,
     ) -> Result<FailOutcome, RepoError>;
 
-    /// Gives the lease back without counting a failure (graceful shutdown).
-    async fn release(&self, token: &ClaimToken) -> Result<RenewOutcome, RepoError>;
+    /// Gives the lease back without counting the attempt (a shutdown, a database
+    /// error that interrupted the attempt); `reason` is recorded as `last_error`.
+    async fn release(&self, token: &ClaimToken, reason: &str) -> Result<RenewOutcome, RepoError>;
 
     /// Marks the token's attempt `fenced` in the history (it lost its lease).
     async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError>;

@@ -1,8 +1,12 @@
 //! Registering an anfrage and its input.
 
 use diesel::prelude::*;
+use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{input_hash_of, AnfrageId, DomainError, RepoError, TenantId};
+use idemstage_domain::{
+    input_hash_of, AnfrageId, DomainError, InputChangePolicy, JobToSend, RepoError, SendResult,
+    TenantId,
+};
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
@@ -21,13 +25,20 @@ pub enum RegisterOutcome {
         input_sha256: String,
         same_input: bool,
     },
+    /// The anfrage had another input, and its first stage's policy is `Rerun`: the
+    /// stored text and hash were replaced by the new ones.
+    Replaced {
+        previous_sha256: String,
+        input_sha256: String,
+    },
 }
 
 impl RegisterOutcome {
     pub fn input_sha256(&self) -> &str {
         match self {
             RegisterOutcome::Created { input_sha256 }
-            | RegisterOutcome::AlreadyRegistered { input_sha256, .. } => input_sha256,
+            | RegisterOutcome::AlreadyRegistered { input_sha256, .. }
+            | RegisterOutcome::Replaced { input_sha256, .. } => input_sha256,
         }
     }
 }
@@ -108,3 +119,106 @@ pub async fn register_anfrage(
         }),
     }
 }
+
+/// Registers an anfrage with its input under the first stage's input policy: a new
+/// anfrage is created; the same input again is fine; another input is refused with
+/// `InputChanged` under `Reject` (nothing changes) and replaces the stored text and
+/// hash under `Rerun`. Run it inside the transaction that sends the first job.
+pub async fn register_input(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    input_text: &str,
+    policy: InputChangePolicy,
+) -> Result<RegisterOutcome, RepoError> {
+    use anfragen::dsl as a;
+    let registered = register_anfrage(conn, tenant, anfrage, input_text).await?;
+    let RegisterOutcome::AlreadyRegistered {
+        input_sha256: stored,
+        same_input: false,
+    } = registered
+    else {
+        return Ok(registered);
+    };
+    let new = input_hash_of(input_text.as_bytes());
+    if policy == InputChangePolicy::Reject {
+        return Err(RepoError::InputChanged {
+            tenant: tenant.to_string(),
+            anfrage: anfrage.to_string(),
+            stored_hash: stored,
+            new_hash: new,
+        });
+    }
+    // Conditional on the hash just read: a concurrent replacement wins, and this
+    // one is refused rather than silently overwriting it.
+    let replaced = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            crate::tenant::scope(conn, tenant).await?;
+            diesel::update(
+                a::anfragen
+                    .filter(a::tenant_id.eq(tenant.as_str()))
+                    .filter(a::id.eq(anfrage.to_string()))
+                    .filter(a::input_sha256.eq(&stored)),
+            )
+            .set((a::input_text.eq(input_text), a::input_sha256.eq(&new)))
+            .execute(conn)
+            .await
+        })
+        .await
+        .map_err(map_diesel_error)?;
+    if replaced != 1 {
+        return Err(RepoError::Conflict(format!(
+            "the input of anfrage {anfrage} changed concurrently"
+        )));
+    }
+    Ok(RegisterOutcome::Replaced {
+        previous_sha256: stored,
+        input_sha256: new,
+    })
+}
+
+/// What `start_in` did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StartOutcome {
+    pub registered: RegisterOutcome,
+    pub sent: SendResult,
+}
+
+/// Registers the anfrage's input (`register_input`) and sends its first stage's
+/// job, in the caller's transaction: both commit together or not at all. `job`
+/// builds the job from the stored input's hash. When the input was replaced and a
+/// job for the stage is still live (the send is a duplicate), that job is pointed
+/// at the new input (payload, and a fresh retry budget), so that no send of a new
+/// input is swallowed by an older job.
+pub async fn start_in(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    input_text: &str,
+    policy: InputChangePolicy,
+    job: impl FnOnce(&str) -> JobToSend,
+) -> Result<StartOutcome, RepoError> {
+    let registered = register_input(conn, tenant, anfrage, input_text, policy).await?;
+    let job = job(registered.input_sha256());
+    let sent = crate::queue::send_in(conn, &job).await?;
+    if let (RegisterOutcome::Replaced { .. }, SendResult::Duplicate, Some(key)) =
+        (&registered, &sent, &job.options.singleton_key)
+    {
+        diesel::sql_query(REPOINT_LIVE_JOB_SQL)
+            .bind::<Text, _>(&job.queue)
+            .bind::<Text, _>(key)
+            .bind::<Jsonb, _>(&job.payload)
+            .execute(conn)
+            .await
+            .map_err(map_diesel_error)?;
+    }
+    Ok(StartOutcome { registered, sent })
+}
+
+/// Points the live job of a singleton key at a new payload. A worker that holds it
+/// already reads the old payload: its claim is then refused (`InputMismatch`, the
+/// hash is not the stored one) or its commit fenced (the input changed), and the
+/// job comes back with this payload.
+const REPOINT_LIVE_JOB_SQL: &str = "\
+UPDATE jobs SET payload = $3, retry_count = 0
+ WHERE queue = $1 AND singleton_key = $2 AND state IN ('created', 'retry', 'active')";

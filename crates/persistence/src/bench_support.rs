@@ -100,7 +100,7 @@ pub async fn insert_succeeded_runs(
     .await
     .map_err(map_diesel_error)?;
     diesel::sql_query(
-        "UPDATE pipeline_runs SET status = 'success', finished_at = now()
+        "UPDATE pipeline_runs SET status = 'success', success_attempt = attempts, finished_at = now()
           WHERE worker_id = 'bench-fixture' AND status = 'running'",
     )
     .execute(conn)

@@ -10,21 +10,62 @@ pub fn map_diesel_error(e: DieselError) -> RepoError {
             DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand => {
                 RepoError::Unavailable(info.message().into())
             }
-            // Diesel has no kind for 40P01; the server's message is fixed text.
-            _ if info.message().contains("deadlock detected") => {
-                RepoError::Conflict(info.message().into())
-            }
-            // 57P01 admin_shutdown / 57P03 cannot_connect_now during a restart.
-            _ if info.message().contains("terminating connection")
-                || info.message().contains("the database system is") =>
-            {
-                RepoError::Unavailable(info.message().into())
-            }
-            _ => RepoError::Database(describe(&e)),
+            _ => match transient_class(info.message()) {
+                Some(Transient::Conflict) => RepoError::Conflict(info.message().into()),
+                Some(Transient::Timeout) => RepoError::Timeout(info.message().into()),
+                Some(Transient::Resources) => RepoError::Resources(info.message().into()),
+                Some(Transient::Unavailable) => RepoError::Unavailable(info.message().into()),
+                None => RepoError::Database(describe(&e)),
+            },
         },
         DieselError::BrokenTransactionManager => RepoError::Unavailable(e.to_string()),
         _ => RepoError::Database(describe(&e)),
     }
+}
+
+/// The classes of server errors that say "not now" rather than "never".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Transient {
+    /// 40P01 deadlock_detected (40001 has a Diesel kind of its own).
+    Conflict,
+    /// 55P03 lock_not_available, 57014 query_canceled (statement or lock timeout,
+    /// a cancel).
+    Timeout,
+    /// 53xxx insufficient_resources.
+    Resources,
+    /// 57P0x operator intervention (shutdown, restart, database dropped), 25P03
+    /// idle-in-transaction timeout: the session is gone or going.
+    Unavailable,
+}
+
+/// Classifies a server error by its message. diesel-async keeps the SQLSTATE only
+/// for the kinds Diesel names (unique, foreign key, check, not null, 40001, …) and
+/// drops it for the rest, so the server's fixed message texts are matched instead.
+/// They are PostgreSQL's English texts: a server with a translated `lc_messages`
+/// would make these errors look permanent (the job is then still retried, see
+/// `PipelineWorker`).
+fn transient_class(message: &str) -> Option<Transient> {
+    const CLASSES: &[(&str, Transient)] = &[
+        ("deadlock detected", Transient::Conflict),
+        ("canceling statement due to", Transient::Timeout),
+        ("could not obtain lock", Transient::Timeout),
+        ("lock timeout", Transient::Timeout),
+        ("out of memory", Transient::Resources),
+        ("could not extend file", Transient::Resources),
+        ("no space left on device", Transient::Resources),
+        ("too many clients", Transient::Resources),
+        ("connection slots are reserved", Transient::Resources),
+        ("out of shared memory", Transient::Resources),
+        ("terminating connection", Transient::Unavailable),
+        ("the database system is", Transient::Unavailable),
+        ("cannot connect now", Transient::Unavailable),
+        ("idle-in-transaction timeout", Transient::Unavailable),
+    ];
+    let lower = message.to_ascii_lowercase();
+    CLASSES
+        .iter()
+        .find(|(text, _)| lower.contains(text))
+        .map(|&(_, class)| class)
 }
 
 fn describe(e: &DieselError) -> String {
@@ -82,5 +123,53 @@ impl TxError {
             StageError::Repo(e) => e,
             other => RepoError::Database(other.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_messages_of_transient_errors_are_classified() {
+        for (message, class) in [
+            (
+                "canceling statement due to lock timeout",
+                Transient::Timeout,
+            ),
+            (
+                "canceling statement due to statement timeout",
+                Transient::Timeout,
+            ),
+            (
+                "canceling statement due to user request",
+                Transient::Timeout,
+            ),
+            (
+                "could not obtain lock on row in relation \"pipeline_runs\"",
+                Transient::Timeout,
+            ),
+            ("deadlock detected", Transient::Conflict),
+            ("out of memory", Transient::Resources),
+            ("sorry, too many clients already", Transient::Resources),
+            (
+                "terminating connection due to administrator command",
+                Transient::Unavailable,
+            ),
+            (
+                "the database system is shutting down",
+                Transient::Unavailable,
+            ),
+        ] {
+            assert_eq!(transient_class(message), Some(class), "{message}");
+        }
+        assert_eq!(
+            transient_class("duplicate key value violates unique constraint"),
+            None
+        );
+        assert_eq!(
+            transient_class("invalid byte sequence for encoding \"UTF8\": 0x00"),
+            None
+        );
     }
 }

@@ -58,16 +58,24 @@ pub struct PipelineCheck {
     pub retries: i64,
     /// Attempts that lost their lease and were refused at commit.
     pub fenced: i64,
-    /// Runs with more than one successful attempt (must be 0).
+    /// Successful attempts of a run that computed the same thing as the run's
+    /// previous success: same input hash and same upstream attempt (must be 0). A
+    /// rerun on new input, or on a new upstream success, is not a double execution.
     pub double_executions: i64,
-    /// Rows written by an attempt other than the run's successful one (must be 0).
+    /// Successful runs not computed from their upstream's current successful attempt
+    /// (or, for the first stage, from the anfrage's stored input), or from another
+    /// stage than the one before them (must be 0).
+    pub stale_lineage: i64,
+    /// Child rows and results written by an attempt other than the run's current
+    /// success, and audit entries written by an attempt that did not succeed
+    /// (must be 0).
     pub foreign_writes: i64,
     /// Expected stages that are neither `success` nor `dead` (must be 0 at the end).
     pub lost_stages: i64,
     /// Audit entries naming a file id that does not exist (must be 0).
     pub dangling_audit: i64,
-    /// Files (`dateien`) that no successful attempt created or reused, i.e. written by
-    /// an attempt that did not succeed (must be 0).
+    /// Files (`dateien`) that no successful attempt (of any lineage) created or
+    /// reused, i.e. written by an attempt that did not succeed (must be 0).
     pub orphan_files: i64,
     /// Successful runs of intake, extract or calculate without their audit entry from
     /// the successful attempt (must be 0).
@@ -92,18 +100,26 @@ struct Kv {
     v: Option<i64>,
 }
 
-/// Lost stages of the example pipeline: intake, extract and feasibility are always
-/// expected; calculate only for a feasible anfrage.
+/// Lost stages of the example pipeline: intake is always expected; extract and
+/// feasibility once the stage before has a current success; calculate once a
+/// current feasibility result says feasible. (A stage whose upstream's rerun died
+/// after invalidating it is blocked, not lost: nothing can be computed for it.)
 const CHECK_SQL: &str = "
-WITH expected AS (
-    SELECT a.tenant_id, a.id AS anfrage_id, s.stage
-      FROM anfragen a
-     CROSS JOIN (VALUES ('intake'), ('extract'), ('feasibility')) AS s(stage)
+WITH stage_order(stage, upstream) AS (
+    VALUES ('intake', NULL), ('extract', 'intake'), ('feasibility', 'extract'),
+           ('calculate', 'feasibility')
+),
+expected AS (
+    SELECT a.tenant_id, a.id AS anfrage_id, 'intake' AS stage FROM anfragen a
+    UNION ALL
+    SELECT u.tenant_id, u.anfrage_id, o.stage
+      FROM pipeline_runs u JOIN stage_order o ON o.upstream = u.stage
+     WHERE u.success_attempt IS NOT NULL AND o.stage <> 'calculate'
     UNION ALL
     SELECT f.tenant_id, f.anfrage_id, 'calculate'
       FROM feasibility_results f
       JOIN pipeline_runs r ON r.tenant_id = f.tenant_id AND r.anfrage_id = f.anfrage_id
-                          AND r.stage = 'feasibility' AND r.status = 'success'
+                          AND r.stage = 'feasibility' AND r.success_attempt = f.attempt
      WHERE f.feasible
 ),
 open_stages AS (
@@ -111,8 +127,19 @@ open_stages AS (
       LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
      WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead')
 ),
+-- The attempt whose writes stand: the current success, or for a run invalidated
+-- since (stale, and blocked if its upstream's rerun died), its last success.
 success_attempt AS (
-    SELECT id AS run_id, attempts AS attempt FROM pipeline_runs WHERE status = 'success'
+    SELECT r.id AS run_id,
+           coalesce(r.success_attempt,
+                    (SELECT max(a.attempt) FROM pipeline_run_attempts a
+                      WHERE a.run_id = r.id AND a.outcome = 'success')) AS attempt
+      FROM pipeline_runs r
+),
+-- Every attempt that succeeded: the audit log is append-only, so the entries (and
+-- files) of an earlier lineage's success stay, and are no foreign writes.
+succeeded AS (
+    SELECT run_id, attempt FROM pipeline_run_attempts WHERE outcome = 'success'
 )
 SELECT 'anfragen' AS k, (SELECT count(*) FROM anfragen) AS v
 UNION ALL SELECT 'anfragen_final',
@@ -126,8 +153,26 @@ UNION ALL SELECT 'retries',
       WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
 UNION ALL SELECT 'fenced', (SELECT count(*) FROM pipeline_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
-    (SELECT count(*) FROM (SELECT run_id FROM pipeline_run_attempts WHERE outcome = 'success'
-                            GROUP BY run_id HAVING count(*) > 1) d)
+    (SELECT count(*) FROM (
+        SELECT input_hash, upstream_attempt,
+               lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
+               row_number() OVER w AS n
+          FROM pipeline_run_attempts WHERE outcome = 'success'
+        WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
+      WHERE n > 1 AND prev_hash = input_hash
+        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
+UNION ALL SELECT 'stale_lineage',
+    (SELECT count(*) FROM pipeline_runs d JOIN stage_order o ON o.stage = d.stage
+      WHERE d.status = 'success'
+        AND (d.upstream_stage IS DISTINCT FROM o.upstream
+             OR (d.upstream_stage IS NULL AND NOT EXISTS (
+                    SELECT 1 FROM anfragen a
+                     WHERE a.tenant_id = d.tenant_id AND a.id = d.anfrage_id
+                       AND a.input_sha256 = d.input_hash))
+             OR (d.upstream_stage IS NOT NULL AND NOT EXISTS (
+                    SELECT 1 FROM pipeline_runs u
+                     WHERE u.tenant_id = d.tenant_id AND u.anfrage_id = d.anfrage_id
+                       AND u.stage = d.upstream_stage AND u.success_attempt = d.upstream_attempt))))
 UNION ALL SELECT 'foreign_writes',
     (SELECT count(*) FROM anfrage_extraktionen x
       WHERE NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
@@ -136,13 +181,13 @@ UNION ALL SELECT 'foreign_writes',
   + (SELECT count(*) FROM calculation_results x
       WHERE NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
   + (SELECT count(*) FROM audit_log x WHERE x.run_id IS NOT NULL
-        AND NOT EXISTS (SELECT 1 FROM success_attempt s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
+        AND NOT EXISTS (SELECT 1 FROM succeeded s WHERE s.run_id = x.run_id AND s.attempt = x.attempt))
 UNION ALL SELECT 'dangling_audit',
     (SELECT count(*) FROM audit_log l WHERE l.action LIKE 'datei.%'
         AND NOT EXISTS (SELECT 1 FROM dateien d WHERE d.id = l.entity_id))
 UNION ALL SELECT 'orphan_files',
     (SELECT count(*) FROM dateien d WHERE NOT EXISTS (
-        SELECT 1 FROM audit_log l JOIN success_attempt s ON s.run_id = l.run_id AND s.attempt = l.attempt
+        SELECT 1 FROM audit_log l JOIN succeeded s ON s.run_id = l.run_id AND s.attempt = l.attempt
          WHERE l.entity_id = d.id AND l.action IN ('datei.created', 'datei.reused')))
 UNION ALL SELECT 'missing_audit',
     (SELECT count(*) FROM pipeline_runs r
@@ -187,6 +232,7 @@ pub async fn check_example_pipeline(
             "retries" => check.retries = v,
             "fenced" => check.fenced = v,
             "double_executions" => check.double_executions = v,
+            "stale_lineage" => check.stale_lineage = v,
             "foreign_writes" => check.foreign_writes = v,
             "dangling_audit" => check.dangling_audit = v,
             "orphan_files" => check.orphan_files = v,
@@ -211,6 +257,12 @@ impl PipelineCheck {
         let mut v = Vec::new();
         if self.double_executions != 0 {
             v.push(format!("{} double executions", self.double_executions));
+        }
+        if self.stale_lineage != 0 {
+            v.push(format!(
+                "{} successes not computed from their upstream's current success",
+                self.stale_lineage
+            ));
         }
         if self.foreign_writes != 0 {
             v.push(format!(

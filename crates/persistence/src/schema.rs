@@ -114,6 +114,7 @@ diesel::table! {
         finished_at -> Nullable<Timestamptz>,
         outcome -> Text,
         error -> Nullable<Text>,
+        upstream_attempt -> Nullable<Int4>,
     }
 }
 
@@ -133,6 +134,9 @@ diesel::table! {
         finished_at -> Nullable<Timestamptz>,
         last_error -> Nullable<Text>,
         created_at -> Timestamptz,
+        success_attempt -> Nullable<Int4>,
+        upstream_stage -> Nullable<Text>,
+        upstream_attempt -> Nullable<Int4>,
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idemstage_domain::{FetchedJob, SkipReason, WorkerId};
+use idemstage_domain::{FetchedJob, RejectReason, RunStatus, SkipReason, WorkerId};
 use idemstage_persistence::{PgPool, PgRunRepository};
 use idemstage_stage::{ExecutionOutcome, Executor, JobLease, Pipeline, StageJob};
 use serde::Serialize;
@@ -32,6 +32,8 @@ pub struct Counters {
     pub deferred: AtomicU64,
     pub rejected: AtomicU64,
     pub fenced: AtomicU64,
+    /// Attempts interrupted by a database error (released, not counted).
+    pub interrupted: AtomicU64,
     pub failed: AtomicU64,
     pub dead: AtomicU64,
     pub exhausted: AtomicU64,
@@ -48,6 +50,7 @@ pub struct CountersSnapshot {
     pub deferred: u64,
     pub rejected: u64,
     pub fenced: u64,
+    pub interrupted: u64,
     pub failed: u64,
     pub dead: u64,
     pub exhausted: u64,
@@ -62,6 +65,7 @@ impl Counters {
             deferred: g(&self.deferred),
             rejected: g(&self.rejected),
             fenced: g(&self.fenced),
+            interrupted: g(&self.interrupted),
             failed: g(&self.failed),
             dead: g(&self.dead),
             exhausted: g(&self.exhausted),
@@ -144,17 +148,24 @@ impl JobHandler for PipelineHandler {
             id: job.id,
             attempt: job.attempt,
         };
-        let outcome = self
+        let outcome = match self
             .executor
             .run_leased(&self.pipeline, stage, &stage_job, lease)
             .await
-            .map_err(|e| {
-                if e.is_retryable() {
-                    HandlerError::retryable(e)
-                } else {
-                    HandlerError::permanent(e)
-                }
-            })?;
+        {
+            Ok(outcome) => outcome,
+            // Nothing was claimed for a job that names no such anfrage, another
+            // tenant's, or bad ids: the job is wrong, and fails for good.
+            Err(e) if e.is_bad_request() => return Err(HandlerError::permanent(e)),
+            // Anything else is the database's: the stage may be claimed and not
+            // final, so the job must live on. Wait with backoff, count nothing.
+            Err(e) => {
+                return Err(HandlerError::DeferFor {
+                    after: backoff(job.attempt),
+                    reason: format!("database error: {e}"),
+                })
+            }
+        };
         let c = &self.counters;
         match outcome {
             ExecutionOutcome::Succeeded { job_completed, .. } => {
@@ -185,14 +196,54 @@ impl JobHandler for PipelineHandler {
                     reason: "another worker holds this stage".into(),
                 })
             }
-            ExecutionOutcome::Fenced { .. } => {
-                // Someone took the stage over; look again shortly rather than trust
-                // that their job outlives them.
+            ExecutionOutcome::Skipped(SkipReason::UpstreamNotDone {
+                upstream,
+                status,
+                lease_expires_at,
+            }) => {
+                Counters::bump(&c.deferred);
+                match (status, lease_expires_at) {
+                    // Final without a success: nothing will ever be computed from it
+                    // (its success, should it come, sends this stage's job anew).
+                    (Some(RunStatus::Dead), _) => Ok(Handled::Complete),
+                    (_, Some(lease)) => Err(HandlerError::Defer {
+                        until: Some(lease + DEFER_SLACK),
+                        reason: format!("upstream stage {upstream} is running"),
+                    }),
+                    // Not started, failed (retrying) or stale: look again later. Its
+                    // success would find this job live (a duplicate send), so this
+                    // job must stay live until then.
+                    _ => Err(HandlerError::DeferFor {
+                        after: backoff(job.attempt),
+                        reason: format!("upstream stage {upstream} has no success yet"),
+                    }),
+                }
+            }
+            ExecutionOutcome::Fenced { .. } | ExecutionOutcome::UpstreamChanged { .. } => {
+                // Someone took the stage over, or it must run again on a new
+                // upstream: look again shortly rather than trust that another job
+                // outlives this one.
                 Counters::bump(&c.fenced);
                 Err(HandlerError::Defer {
                     until: None,
-                    reason: "lease lost to another worker".into(),
+                    reason: "lease lost, or the upstream changed".into(),
                 })
+            }
+            ExecutionOutcome::Interrupted { error, .. } => {
+                Counters::bump(&c.interrupted);
+                Err(HandlerError::DeferFor {
+                    after: backoff(job.attempt),
+                    reason: error,
+                })
+            }
+            ExecutionOutcome::Rejected(reason @ RejectReason::InputMismatch { .. }) => {
+                // A newer send may have replaced the payload (an input replaced under
+                // `Rerun`): retried with the job's budget, nothing bound meanwhile.
+                Counters::bump(&c.rejected);
+                Err(HandlerError::Retryable(format!(
+                    "stage {} refused the job: {reason:?}",
+                    stage.name()
+                )))
             }
             ExecutionOutcome::Rejected(reason) => {
                 Counters::bump(&c.rejected);
@@ -219,6 +270,15 @@ impl JobHandler for PipelineHandler {
             }
         }
     }
+}
+
+/// How long a job waits after its `attempt`-th delivery ended in a database
+/// problem or an unfinished upstream: doubling from 100 ms, at most 30 s, with
+/// jitter so that jobs deferred together do not come back together.
+fn backoff(attempt: i32) -> Duration {
+    let exp = u32::try_from(attempt.clamp(1, 9) - 1).unwrap_or(0);
+    let full = Duration::from_millis(100 << exp).min(Duration::from_secs(30));
+    full.mul_f64(0.5 + rand::random::<f64>() / 2.0)
 }
 
 /// A worker for the stage queues of one pipeline.

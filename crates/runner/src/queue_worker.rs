@@ -37,6 +37,10 @@ pub enum HandlerError {
         until: Option<chrono::DateTime<chrono::Utc>>,
         reason: String,
     },
+    /// Not now: fetch the job again `after` this long (measured by the database),
+    /// without counting a failure. For waiting out a database problem with backoff.
+    #[error("deferred for {after:?}: {reason}")]
+    DeferFor { after: Duration, reason: String },
 }
 
 impl HandlerError {
@@ -394,6 +398,8 @@ enum Finish {
     Release,
     /// Give the job back to be fetched after this time.
     Defer(Option<chrono::DateTime<chrono::Utc>>),
+    /// Give the job back to be fetched after this long.
+    DeferFor(Duration),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -463,6 +469,7 @@ fn finish_of(joined: Result<Result<Handled, HandlerError>, tokio::task::JoinErro
         Ok(Err(HandlerError::Retryable(m))) => Finish::Fail(m, FailKind::Retryable),
         Ok(Err(HandlerError::Permanent(m))) => Finish::Fail(m, FailKind::Permanent),
         Ok(Err(HandlerError::Defer { until, .. })) => Finish::Defer(until),
+        Ok(Err(HandlerError::DeferFor { after, .. })) => Finish::DeferFor(after),
         Err(e) if e.is_panic() => Finish::Fail(
             format!("handler panicked: {}", panic_message(e.into_panic())),
             FailKind::Retryable,
@@ -589,7 +596,10 @@ async fn record(
                 },
                 Finish::Fail(msg, kind) => {
                     let mut conn = idemstage_persistence::get(pool).await?;
-                    match queue::fail(&mut conn, job.id, job.attempt, msg, *kind).await? {
+                    // Sanitised: a NUL or a huge message must not make the failure
+                    // itself fail (and leave the job active until its lease ends).
+                    let text = idemstage_domain::sanitize_error_text(msg);
+                    match queue::fail(&mut conn, job.id, job.attempt, &text, *kind).await? {
                         JobFailOutcome::Retrying { .. } | JobFailOutcome::Failed { .. } => {
                             tracing::info!(job = %job.id, queue = %job.queue, error = %msg, "job failed");
                             (&stats.failed, "failed")
@@ -607,6 +617,13 @@ async fn record(
                 Finish::Defer(until) => {
                     let mut conn = idemstage_persistence::get(pool).await?;
                     match queue::retry_at(&mut conn, job.id, job.attempt, *until).await? {
+                        JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
+                        JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                    }
+                }
+                Finish::DeferFor(after) => {
+                    let mut conn = idemstage_persistence::get(pool).await?;
+                    match queue::retry_after(&mut conn, job.id, job.attempt, *after).await? {
                         JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
                     }

@@ -33,6 +33,20 @@ pub enum ExecutionOutcome {
     Fenced {
         attempt: i32,
     },
+    /// The upstream attempt this one read stopped being current before it could
+    /// commit (the upstream succeeded again; for the first stage, the anfrage's
+    /// input was replaced): nothing was written, the run is `stale` and runs again
+    /// on the new upstream.
+    UpstreamChanged {
+        attempt: i32,
+    },
+    /// A database error (timeout, lost connection, conflict, out of resources)
+    /// interrupted the attempt before it committed. Not the stage's failure: the
+    /// claim was given back and the attempt does not count against `max_attempts`.
+    Interrupted {
+        attempt: i32,
+        error: String,
+    },
     /// The body failed; the run is `failed` (claimable again) or, if `dead`, final.
     Failed {
         attempt: i32,
@@ -137,11 +151,23 @@ impl Executor {
             input_hash: job.input_hash.clone(),
             worker: self.worker.clone(),
             policy: policy.clone(),
+            upstream: pipeline.upstream_of(stage.name()).map(|s| s.name().clone()),
         };
-        let (run_id, attempt) = match self.repo.claim(&req).await? {
+        let (run_id, attempt, job) = match self.repo.claim(&req).await? {
             ClaimOutcome::Claimed {
-                run_id, attempt, ..
-            } => (run_id, attempt),
+                run_id,
+                attempt,
+                input_hash,
+                ..
+            } => {
+                // The body and the next stage's job see the hash the database bound
+                // (a later stage's job may carry an older one: it is a wake-up).
+                let bound = StageJob {
+                    input_hash,
+                    ..job.clone()
+                };
+                (run_id, attempt, bound)
+            }
             ClaimOutcome::Skipped(reason) => return Ok(ExecutionOutcome::Skipped(reason)),
             ClaimOutcome::Rejected(reason) => return Ok(ExecutionOutcome::Rejected(reason)),
             ClaimOutcome::Exhausted { attempts } => {
@@ -201,11 +227,11 @@ impl Executor {
             })
         });
         let body = async {
-            let prepared = AssertUnwindSafe(stage.prepare(job))
+            let prepared = AssertUnwindSafe(stage.prepare(&job))
                 .catch_unwind()
                 .await
                 .map_err(panic_message)??;
-            self.commit(pipeline, stage, job, &token, prepared, lease)
+            self.commit(pipeline, stage, &job, &token, prepared, lease)
                 .await
         };
         let result = tokio::select! {
@@ -235,6 +261,20 @@ impl Executor {
             Ok(Completion::Fenced) => {
                 self.repo.record_fenced(&token).await?;
                 Ok(ExecutionOutcome::Fenced { attempt })
+            }
+            Ok(Completion::UpstreamChanged) => Ok(ExecutionOutcome::UpstreamChanged { attempt }),
+            Err(error) if is_infrastructure(&error) => {
+                // The database, not the stage: give the claim back uncounted, so
+                // that an outage or a lock timeout cannot use up the stage's budget.
+                let message = error.to_string();
+                tracing::warn!(error = %message, "stage attempt interrupted by the database; released");
+                self.repo
+                    .release(&token, &format!("interrupted, not counted: {message}"))
+                    .await?;
+                Ok(ExecutionOutcome::Interrupted {
+                    attempt,
+                    error: message,
+                })
             }
             Err(error) => {
                 let message = error.to_string();
@@ -333,6 +373,7 @@ impl Executor {
                 }
             }
             idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
+            idemstage_domain::CompleteOutcome::UpstreamChanged => Completion::UpstreamChanged,
         })
     }
 }
@@ -365,7 +406,7 @@ impl Drop for ReleaseOnDrop {
         let repo = self.repo.clone();
         self.tracker.spawn_on(
             async move {
-                match repo.release(&token).await {
+                match repo.release(&token, "released by a worker shutting down").await {
                     Ok(_) => tracing::info!(stage = %token.stage, anfrage = %token.anfrage, "abandoned stage released"),
                     Err(e) => tracing::warn!(error = %e, "releasing an abandoned stage failed; its lease will run out"),
                 }
@@ -389,6 +430,14 @@ impl Drop for AbortOnDrop {
 enum Completion {
     Committed { flow: Flow, job_completed: bool },
     Fenced,
+    UpstreamChanged,
+}
+
+/// A failure of the database rather than of the stage body: retryable repository
+/// errors (timeouts, lost connections, conflicts that outlived their retries,
+/// resources).
+fn is_infrastructure(error: &StageError) -> bool {
+    matches!(error, StageError::Repo(e) if e.is_retryable())
 }
 
 /// Pins the closure to the higher-ranked signature `FencedWrite` needs (closure

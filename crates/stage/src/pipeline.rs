@@ -27,9 +27,16 @@ impl StageJob {
     pub fn from_payload(queue: &str, payload: &serde_json::Value) -> Result<Self, DomainError> {
         let job: StageJob = serde_json::from_value(payload.clone())
             .map_err(|e| DomainError::InvalidPayload(format!("queue {queue}: {e}")))?;
-        if job.input_hash.len() != 64 || !job.input_hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        // One canonical form (lower-case hex, as `input_hash_of` writes it): an
+        // upper-case hash of the same input is another string to the claim.
+        if job.input_hash.len() != 64
+            || !job
+                .input_hash
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
             return Err(DomainError::InvalidPayload(format!(
-                "queue {queue}: input_hash must be 64 hex characters"
+                "queue {queue}: input_hash must be 64 lower-case hex characters"
             )));
         }
         Ok(job)
@@ -42,6 +49,17 @@ pub enum PipelineError {
     Empty,
     #[error("stage {0} appears twice in the pipeline")]
     DuplicateStage(StageName),
+    /// A stage job that gives up before its stage does would leave the stage with
+    /// no live job: lost.
+    #[error(
+        "the jobs' retry_limit {retry_limit} is below stage {stage}'s max_attempts {max_attempts}: \
+         a job must outlive its stage's attempts"
+    )]
+    RetryBudgetTooSmall {
+        stage: StageName,
+        retry_limit: i32,
+        max_attempts: i32,
+    },
     #[error(transparent)]
     Invalid(#[from] DomainError),
 }
@@ -67,11 +85,12 @@ impl Pipeline {
                 return Err(PipelineError::DuplicateStage(stage.name().clone()));
             }
         }
-        Ok(Self {
+        Self {
             stages,
             index,
-            send_options: Self::default_send_options(),
-        })
+            send_options: SendOptions::default(),
+        }
+        .with_send_options(Self::default_send_options())
     }
 
     /// Stage jobs retry generously with capped backoff: the stage's `max_attempts`
@@ -91,10 +110,22 @@ impl Pipeline {
     }
 
     /// Options for the jobs this pipeline sends (retries, job lease); the singleton
-    /// key is always set per job.
-    pub fn with_send_options(mut self, options: SendOptions) -> Self {
+    /// key is always set per job. Refused if a job would give up before its stage:
+    /// `retry_limit` must be at least every stage's `max_attempts`.
+    pub fn with_send_options(mut self, options: SendOptions) -> Result<Self, PipelineError> {
+        let retry_limit = options.retry_limit;
+        for stage in &self.stages {
+            let max_attempts = stage.policy().max_attempts;
+            if retry_limit < max_attempts {
+                return Err(PipelineError::RetryBudgetTooSmall {
+                    stage: stage.name().clone(),
+                    retry_limit,
+                    max_attempts,
+                });
+            }
+        }
         self.send_options = options;
-        self
+        Ok(self)
     }
 
     pub fn stages(&self) -> &[Arc<dyn Stage>] {
@@ -111,6 +142,15 @@ impl Pipeline {
             .and_then(|n| self.index.get(&n))
             .map(|&i| &self.stages[i])
             .ok_or_else(|| DomainError::UnknownStage(name.to_owned()))
+    }
+
+    /// The stage before `stage`, whose current success `stage` runs on (`None` for
+    /// the first stage, which runs on the anfrage's stored input).
+    pub fn upstream_of(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {
+        match self.index.get(stage) {
+            Some(&i) if i > 0 => Some(&self.stages[i - 1]),
+            _ => None,
+        }
     }
 
     pub fn next(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {

@@ -8,12 +8,14 @@
 //!
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
+mod defer;
 mod fetch;
 mod finish;
 mod listen;
 mod maintenance;
 mod send;
 
+pub use defer::retry_after;
 pub use fetch::fetch;
 pub use finish::{
     cancel, complete, complete_many, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome,

@@ -471,8 +471,9 @@ async fn input_binding_rejects_or_reruns_by_policy() {
     let t = tenant("t1");
     let anfrage = new_anfrage(&mut conn, &t).await;
     let write = write_fn(noop);
-    for name in ["intake", "extract"] {
-        let req = request(&t, anfrage, name);
+    for (name, upstream) in [("intake", None), ("extract", Some(stage("intake")))] {
+        let mut req = request(&t, anfrage, name);
+        req.upstream = upstream;
         let token = token_of(&req, &repo.claim(&req).await.unwrap());
         repo.complete(&token, &write).await.unwrap();
     }
@@ -483,31 +484,37 @@ async fn input_binding_rejects_or_reruns_by_policy() {
         repo.claim(&changed).await.unwrap(),
         ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
     ));
-    changed.input_hash = HASH_B.to_owned();
+    replace_input(&mut conn, anfrage, TEXT_B).await;
+    changed.input_hash = hash_b();
     assert_eq!(
         repo.claim(&changed).await.unwrap(),
         ClaimOutcome::Rejected(RejectReason::InputChanged {
-            stored_hash: HASH_A.to_owned(),
-            new_hash: HASH_B.to_owned(),
+            stored_hash: hash_a(),
+            new_hash: hash_b(),
         })
     );
 
-    // Rerun policy: the stage is claimed again and its downstream marked stale.
+    // Rerun policy: the stage is claimed again; its downstream stays as it is until
+    // the rerun succeeds (a failed rerun invalidates nothing), then it is stale.
     changed.policy.on_input_change = InputChangePolicy::Rerun;
-    changed.policy.downstream = vec![stage("extract")];
     let rerun = token_of(&changed, &repo.claim(&changed).await.unwrap());
     assert_eq!(rerun.attempt, 2);
-    let extract = repo
-        .read_run(&t, &anfrage, &stage("extract"))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(extract.status, RunStatus::Stale);
+    let extract_status = async || {
+        repo.read_run(&t, &anfrage, &stage("extract"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status
+    };
+    assert_eq!(extract_status().await, RunStatus::Success);
+    repo.complete(&rerun, &write).await.unwrap();
+    assert_eq!(extract_status().await, RunStatus::Stale);
     let mut extract_req = request(&t, anfrage, "extract");
-    extract_req.input_hash = HASH_B.to_owned();
+    extract_req.upstream = Some(stage("intake"));
     assert!(matches!(
         repo.claim(&extract_req).await.unwrap(),
-        ClaimOutcome::Claimed { attempt: 2, .. }
+        ClaimOutcome::Claimed { attempt: 2, upstream_attempt: Some(2), ref input_hash, .. }
+            if *input_hash == hash_b()
     ));
 }
 
@@ -833,4 +840,101 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
     let mut conn = db.conn().await;
     assert_eq!(count(&mut conn, "SELECT * FROM anfragen").await, 10);
     assert_eq!(count(&mut conn, "SELECT * FROM jobs").await, 10);
+}
+
+/// Item 7: a job whose hash is not the anfrage's stored input hash (crafted, or the
+/// same hash in upper case) used to be claimed and bind that hash; the genuine job
+/// was then refused with `InputChanged` for good. Now it binds nothing.
+#[tokio::test]
+async fn a_job_hash_that_is_not_the_stored_input_binds_nothing() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 2).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let anfrage = new_anfrage(&mut conn, &t).await;
+    for crafted in [hash_b(), hash_a().to_uppercase()] {
+        let mut req = request(&t, anfrage, "intake");
+        req.input_hash = crafted.clone();
+        let outcome = repo.claim(&req).await.unwrap();
+        assert!(
+            format!("{outcome:?}").contains("InputMismatch"),
+            "{crafted}: {outcome:?}"
+        );
+        assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 0);
+    }
+    let genuine = request(&t, anfrage, "intake");
+    let token = token_of(&genuine, &repo.claim(&genuine).await.unwrap());
+    repo.complete(&token, &write_fn(noop)).await.unwrap();
+    let run = repo
+        .read_run(&t, &anfrage, &stage("intake"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((run.status, run.input_hash), (RunStatus::Success, hash_a()));
+}
+
+/// Item 9: leases come from the statement's clock. A claim that waited on a row
+/// lock for longer than its lease used to return a lease measured from its
+/// transaction's start: already expired when it was handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_on_a_row_lock_gets_a_lease_from_after_the_wait() {
+    use diesel::sql_types::Timestamptz;
+    use diesel_async::RunQueryDsl;
+    let db = TestDb::new().await;
+    let repo = Arc::new(repo(&db, 2).await);
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let anfrage = new_anfrage(&mut conn, &t).await;
+    let req = short_lease(request(&t, anfrage, "intake"), 1000);
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    repo.fail(&token, "first attempt failed", true)
+        .await
+        .unwrap();
+    // Another session holds the run's row lock while the next claim comes in.
+    let mut holder = db.conn().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; UPDATE pipeline_runs SET last_error = 'held' WHERE id = '{}'",
+            token.run_id
+        ))
+        .await
+        .unwrap();
+    let claim = tokio::spawn({
+        let (repo, req) = (repo.clone(), req.clone());
+        async move { repo.claim(&req).await.unwrap() }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(
+        &mut conn,
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()",
+    )
+    .await
+        == 0
+    {
+        assert!(tokio::time::Instant::now() < deadline, "the claim never waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The wait itself, longer than the 1 s lease, is what is under test.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    #[derive(diesel::QueryableByName)]
+    struct At {
+        #[diesel(sql_type = Timestamptz)]
+        at: chrono::DateTime<chrono::Utc>,
+    }
+    let released: At = diesel::sql_query("SELECT clock_timestamp() AS at")
+        .get_result(&mut holder)
+        .await
+        .unwrap();
+    holder.batch_execute("COMMIT").await.unwrap();
+    let ClaimOutcome::Claimed {
+        lease_expires_at, ..
+    } = claim.await.unwrap()
+    else {
+        panic!("the claim after the lock was released must claim");
+    };
+    assert!(
+        lease_expires_at > released.at,
+        "lease {lease_expires_at} ended before the claim got it ({})",
+        released.at
+    );
 }

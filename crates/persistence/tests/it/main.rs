@@ -5,5 +5,6 @@ mod claim;
 mod claim_cost;
 mod foundation;
 mod queue;
+mod start;
 mod support;
 mod tenant_isolation;

@@ -11,8 +11,31 @@ use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::PgRunRepository;
 use idemstage_testkit::TestDb;
 
-pub const HASH_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
-pub const HASH_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+/// The input `new_anfrage` registers, and another one to replace it with.
+pub const TEXT_A: &str = "10 Stk Schrauben M8";
+pub const TEXT_B: &str = "20 m Kabel NYM";
+
+pub fn hash_a() -> String {
+    idemstage_domain::input_hash_of(TEXT_A.as_bytes())
+}
+
+pub fn hash_b() -> String {
+    idemstage_domain::input_hash_of(TEXT_B.as_bytes())
+}
+
+/// Replaces an anfrage's stored input by hand (as the connecting user), as a
+/// rerun with new input does.
+pub async fn replace_input(conn: &mut AsyncPgConnection, anfrage: AnfrageId, text: &str) {
+    use diesel::sql_types::Text;
+    use diesel_async::RunQueryDsl;
+    diesel::sql_query("UPDATE anfragen SET input_text = $2, input_sha256 = $3 WHERE id = $1")
+        .bind::<Text, _>(anfrage.to_string())
+        .bind::<Text, _>(text)
+        .bind::<Text, _>(idemstage_domain::input_hash_of(text.as_bytes()))
+        .execute(conn)
+        .await
+        .unwrap();
+}
 
 pub fn tenant(s: &str) -> TenantId {
     TenantId::parse(s).unwrap()
@@ -24,9 +47,7 @@ pub fn stage(s: &str) -> StageName {
 
 pub async fn new_anfrage(conn: &mut AsyncPgConnection, tenant: &TenantId) -> AnfrageId {
     let id = AnfrageId::new();
-    register_anfrage(conn, tenant, &id, "10 Stk Schrauben M8")
-        .await
-        .unwrap();
+    register_anfrage(conn, tenant, &id, TEXT_A).await.unwrap();
     id
 }
 
@@ -35,9 +56,10 @@ pub fn request(tenant: &TenantId, anfrage: AnfrageId, stage_name: &str) -> Claim
         tenant: tenant.clone(),
         anfrage,
         stage: stage(stage_name),
-        input_hash: HASH_A.to_owned(),
+        input_hash: hash_a(),
         worker: WorkerId::generate(),
         policy: StagePolicy::default(),
+        upstream: None,
     }
 }
 

@@ -229,6 +229,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             input_hash: input_hash.clone(),
             worker: worker.clone(),
             policy: StagePolicy::default(),
+            upstream: None,
         })
     };
 

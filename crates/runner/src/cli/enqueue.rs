@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
-use idemstage_persistence::anfragen::{register_anfrage, validate_input, MAX_INPUT_BYTES};
+use idemstage_persistence::anfragen::{start_in, validate_input, MAX_INPUT_BYTES};
 use idemstage_persistence::TxError;
 use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::first_job;
@@ -61,20 +61,21 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     let text = read_input(&args)?;
     validate_input(&text)?;
     let pipeline = example::pipeline(Chaos::default());
+    let policy = pipeline.first_stage().policy().on_input_change;
     let mut conn = idemstage_persistence::connect(url).await?;
-    let sent = conn
+    let started = conn
         .transaction::<_, TxError, _>(async |conn| {
-            register_anfrage(conn, &tenant, &anfrage, &text).await?;
-            // The job carries the hash of *this* input: a changed input reaches the
-            // claim, which decides by policy (default: reject).
-            let hash = idemstage_domain::input_hash_of(text.as_bytes());
-            let job = first_job(&pipeline, tenant.clone(), anfrage, hash);
-            Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+            // Another input than the stored one is refused under `Reject` (the
+            // default) and replaces it under `Rerun`, with the send, atomically.
+            Ok(start_in(conn, &tenant, &anfrage, &text, policy, |hash| {
+                first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned())
+            })
+            .await?)
         })
         .await
         .map_err(|e| e.into_repo())
         .context("enqueue failed; nothing was written")?;
-    match sent {
+    match started.sent {
         SendResult::Sent(id) => println!("{id}"),
         SendResult::Duplicate => println!("duplicate"),
     }

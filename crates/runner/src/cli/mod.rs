@@ -32,7 +32,8 @@ pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
             return match repo {
                 RepoError::Invalid(_)
                 | RepoError::AnfrageNotFound { .. }
-                | RepoError::TenantMismatch { .. } => ExitCode::from(2),
+                | RepoError::TenantMismatch { .. }
+                | RepoError::InputChanged { .. } => ExitCode::from(2),
                 RepoError::Unavailable(_) => ExitCode::from(3),
                 _ => ExitCode::from(1),
             };

@@ -70,8 +70,8 @@ impl Args {
             },
             policy,
         )
-        .map_err(|e| BadInput(e.to_string()))?
-        .with_send_options(send))
+        .and_then(|p| p.with_send_options(send))
+        .map_err(|e| BadInput(e.to_string()))?)
     }
 
     pub fn worker_config(&self) -> PipelineWorkerConfig {

@@ -130,7 +130,7 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
                 json!(foreign.to_string()),
                 json!("f".repeat(2 << 20)),
             ),
-            "input_hash must be 64 hex characters",
+            "input_hash must be 64 lower-case hex characters",
         ),
         (
             "deeply nested",
@@ -341,7 +341,8 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         retry_delay: Duration::from_millis(10),
         expire_in: Duration::from_secs(3),
         ..SendOptions::default()
-    });
+    })
+    .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let mut anfragen = Vec::new();
     for text in ["boom", "hang", "hangtx", "fine"] {

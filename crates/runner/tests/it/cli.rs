@@ -207,3 +207,45 @@ fn ulid_like() -> String {
             .as_nanos()
     )
 }
+
+/// Item 8: `enqueue` of a registered anfrage with *other* text used to exit 0 and
+/// send a job carrying the new hash while the stored text stayed the old one. The
+/// example's first stage rejects input changes: exit 2, and nothing changes.
+#[tokio::test]
+async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
+    let db = TestDb::new().await;
+    let first = enqueue(&db, "t1");
+    assert!(first.status.success(), "{first:?}");
+    let before = rows(&db).await;
+    let again = enqueue(&db, "t1");
+    assert!(
+        again.status.success(),
+        "the same text again is normal: {again:?}"
+    );
+    let changed = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "t1",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "2 Stk",
+        ],
+    );
+    assert_eq!(changed.status.code(), Some(2), "{changed:?}");
+    let stderr = String::from_utf8_lossy(&changed.stderr);
+    assert!(stderr.contains("registered with another input"), "{stderr}");
+    assert_eq!(rows(&db).await, before, "nothing was written");
+    #[derive(diesel::QueryableByName)]
+    struct Text {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        input_text: String,
+    }
+    let stored: Text = diesel::sql_query("SELECT input_text FROM anfragen")
+        .get_result(&mut db.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(stored.input_text, "1 Stk");
+}

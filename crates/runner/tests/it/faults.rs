@@ -314,7 +314,8 @@ fn start_worker(
     send.expire_in = Duration::from_millis(JOB_LEASE_MS);
     let pipeline = example::pipeline_with(chaos, policy)
         .unwrap()
-        .with_send_options(send);
+        .with_send_options(send)
+        .unwrap();
     support::start_pipeline_worker(pool, url, pipeline, concurrency, counters)
 }
 

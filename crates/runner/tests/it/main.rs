@@ -4,6 +4,7 @@
 
 mod bad_input;
 mod cli;
+mod db_errors;
 mod faults;
 mod processes;
 mod queue_worker;

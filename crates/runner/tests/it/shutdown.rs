@@ -129,6 +129,7 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
             input_hash,
             worker: WorkerId::generate(),
             policy,
+            upstream: None,
         })
         .await
         .unwrap();

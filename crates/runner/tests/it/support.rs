@@ -105,7 +105,9 @@ pub fn worker(url: &str, extra: &[&str]) -> Child {
 pub fn pipeline() -> idemstage_stage::Pipeline {
     let mut options = idemstage_stage::Pipeline::default_send_options();
     options.expire_in = Duration::from_millis(JOB_LEASE_MS);
-    example::pipeline(Chaos::default()).with_send_options(options)
+    example::pipeline(Chaos::default())
+        .with_send_options(options)
+        .unwrap()
 }
 
 /// A feasible text (every position has a quantity and a known unit).

@@ -1,22 +1,23 @@
-//! Layer 1: the claim repository on `pipeline_runs`.
+//! Layer 1: the claim repository on `pipeline_runs`. The statements are in `sql`.
+
+pub mod sql;
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use diesel::dsl::{now, IntervalDsl};
-use diesel::pg::data_types::PgInterval;
+use diesel::dsl::now;
 use diesel::prelude::*;
-use diesel::sql_types::{Bool, Text, Timestamptz};
-use diesel::upsert::excluded;
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    AnfrageId, AttemptRecord, ClaimOutcome, ClaimRequest, ClaimToken, CompleteOutcome, FailOutcome,
-    FencedWrite, InputChangePolicy, RejectReason, RenewOutcome, RepoError, RunId, RunRecord,
-    RunRepository, RunStatus, SkipReason, StageError, StageName, TenantId,
+    sanitize_error_text, AnfrageId, AttemptRecord, ClaimOutcome, ClaimRequest, ClaimToken,
+    CompleteOutcome, FailOutcome, FencedWrite, InputChangePolicy, RejectReason, RenewOutcome,
+    RepoError, RunId, RunRecord, RunRepository, RunStatus, SkipReason, StageError, StageName,
+    TenantId,
 };
 
-use crate::cached::Cached;
+use crate::cached::CachedExt;
 use crate::error::{map_diesel_error, TxError};
 use crate::fenced::PgFencedTx;
 use crate::schema::{pipeline_run_attempts, pipeline_runs};
@@ -44,20 +45,6 @@ impl PgRunRepository {
     }
 }
 
-#[derive(Insertable)]
-#[diesel(table_name = pipeline_runs)]
-struct NewRun<'a> {
-    id: String,
-    tenant_id: &'a str,
-    anfrage_id: String,
-    stage: &'a str,
-    status: &'a str,
-    attempts: i32,
-    max_attempts: i32,
-    input_hash: &'a str,
-    worker_id: &'a str,
-}
-
 #[derive(Queryable, Selectable)]
 #[diesel(table_name = pipeline_runs)]
 struct RunRow {
@@ -74,6 +61,9 @@ struct RunRow {
     lease_expires_at: DateTime<Utc>,
     finished_at: Option<DateTime<Utc>>,
     last_error: Option<String>,
+    success_attempt: Option<i32>,
+    upstream_stage: Option<String>,
+    upstream_attempt: Option<i32>,
 }
 
 impl RunRow {
@@ -92,107 +82,57 @@ impl RunRow {
             lease_expires_at: self.lease_expires_at,
             finished_at: self.finished_at,
             last_error: self.last_error,
+            success_attempt: self.success_attempt,
+            upstream_stage: self
+                .upstream_stage
+                .as_deref()
+                .map(StageName::parse)
+                .transpose()?,
+            upstream_attempt: self.upstream_attempt,
         })
     }
 }
 
-pub(crate) fn interval(d: Duration) -> PgInterval {
-    i64::try_from(d.as_micros())
-        .unwrap_or(i64::MAX)
-        .microseconds()
+/// A duration in microseconds, the unit the statements take leases in.
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
-/// The claim statement. `DO UPDATE … WHERE` (the `.filter` after `.set`) is the guard.
-/// A predicate on the conflict target (`ON CONFLICT (…) WHERE`) would only pick the
-/// arbiter index and filter nothing: a finished stage would be claimed again.
+#[derive(QueryableByName)]
+struct ClaimedRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    input_hash: String,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_attempt: Option<i32>,
+}
+
+/// The claim statement (`sql::CLAIM`).
 async fn claim_statement(
     conn: &mut AsyncPgConnection,
     req: &ClaimRequest,
-) -> Result<Option<(String, i32, DateTime<Utc>)>, diesel::result::Error> {
-    use pipeline_runs::dsl as pr;
-    let lease = interval(req.policy.lease);
-    let run_id = RunId::new().to_string();
-    let row = NewRun {
-        id: run_id,
-        tenant_id: req.tenant.as_str(),
-        anfrage_id: req.anfrage.to_string(),
-        stage: req.stage.as_str(),
-        status: RunStatus::Running.as_str(),
-        attempts: 1,
-        max_attempts: req.policy.max_attempts,
-        input_hash: &req.input_hash,
-        worker_id: req.worker.as_str(),
-    };
-    let db_now = now.into_sql::<Timestamptz>();
-    let reclaimable = pr::status.eq_any(["failed", "stale"]).or(pr::status
-        .eq("running")
-        .and(pr::lease_expires_at.lt(db_now)));
-    let within_budget = pr::attempts.lt(pr::max_attempts);
-    let rerun_on_new_input = pr::status
-        .eq("success")
-        .and(pr::input_hash.ne(excluded(pr::input_hash)))
-        // A bound parameter, not SQL text: the statement stays the same for both
-        // policies, so Diesel can cache its prepared form.
-        .and((req.policy.on_input_change == InputChangePolicy::Rerun).into_sql::<Bool>());
-    let guard = reclaimable.and(within_budget).or(rerun_on_new_input);
-    // A rerun of a finished stage gets a fresh attempt budget on top of the used one;
-    // attempts itself only ever grows, because it is the fencing token.
-    let max_attempts = diesel::dsl::case_when(
-        pr::status.eq("success"),
-        pr::attempts + excluded(pr::max_attempts),
-    )
-    .otherwise(pr::max_attempts);
-    Cached(
-        diesel::query_dsl::methods::FilterDsl::filter(
-            diesel::insert_into(pipeline_runs::table)
-                .values((
-                    &row,
-                    pr::started_at.eq(db_now),
-                    pr::lease_expires_at.eq(db_now + lease),
-                ))
-                .on_conflict((pr::tenant_id, pr::anfrage_id, pr::stage))
-                .do_update()
-                .set((
-                    pr::status.eq("running"),
-                    pr::attempts.eq(pr::attempts + 1),
-                    pr::max_attempts.eq(max_attempts),
-                    pr::input_hash.eq(excluded(pr::input_hash)),
-                    pr::worker_id.eq(excluded(pr::worker_id)),
-                    pr::started_at.eq(db_now),
-                    pr::lease_expires_at.eq(db_now + lease),
-                    pr::finished_at.eq(None::<DateTime<Utc>>),
-                    pr::last_error.eq(None::<String>),
-                )),
-            guard,
-        )
-        .returning((pr::id, pr::attempts, pr::lease_expires_at)),
-    )
-    .get_result(conn)
-    .await
-    .optional()
-}
-
-/// Marks the downstream stages of a rerun `stale` so they are claimable again. A
-/// running downstream attempt is fenced by this: its completion expects `running`.
-async fn mark_downstream_stale(
-    conn: &mut AsyncPgConnection,
-    req: &ClaimRequest,
-) -> Result<usize, diesel::result::Error> {
-    use pipeline_runs::dsl as pr;
-    let names: Vec<&str> = req.policy.downstream.iter().map(|s| s.as_str()).collect();
-    diesel::update(
-        pr::pipeline_runs
-            .filter(pr::tenant_id.eq(req.tenant.as_str()))
-            .filter(pr::anfrage_id.eq(req.anfrage.to_string()))
-            .filter(pr::stage.eq_any(names))
-            .filter(pr::status.ne("dead")),
-    )
-    .set((
-        pr::status.eq("stale"),
-        pr::last_error.eq("upstream stage re-ran with new input"),
-    ))
-    .execute(conn)
-    .await
+) -> Result<Option<ClaimedRow>, diesel::result::Error> {
+    diesel::sql_query(sql::CLAIM)
+        .bind::<Text, _>(RunId::new().to_string())
+        .bind::<Text, _>(req.tenant.as_str())
+        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.stage.as_str())
+        .bind::<Integer, _>(req.policy.max_attempts)
+        .bind::<Text, _>(&req.input_hash)
+        .bind::<Text, _>(req.worker.as_str())
+        .bind::<BigInt, _>(micros(req.policy.lease))
+        // A bound flag, not SQL text: one prepared statement serves both policies.
+        .bind::<Bool, _>(req.policy.on_input_change == InputChangePolicy::Rerun)
+        .bind::<Nullable<Text>, _>(req.upstream.as_ref().map(|s| s.as_str()))
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()
 }
 
 fn map_claim_error(e: diesel::result::Error, req: &ClaimRequest) -> RepoError {
@@ -217,22 +157,14 @@ async fn conflict_backoff(tries: u32, msg: &str) {
     tokio::time::sleep(Duration::from_millis(jitter)).await;
 }
 
-/// One claim, in a transaction scoped to the request's tenant (row-level
-/// security): the statement, plus, for a rerun policy with downstream stages, the
-/// invalidation of those stages.
+/// One claim, in a transaction scoped to the request's tenant (row-level security).
 async fn claim_once(
     conn: &mut AsyncPgConnection,
     req: &ClaimRequest,
-) -> Result<Option<(String, i32, DateTime<Utc>)>, RepoError> {
-    let rerun =
-        req.policy.on_input_change == InputChangePolicy::Rerun && !req.policy.downstream.is_empty();
+) -> Result<Option<ClaimedRow>, RepoError> {
     conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
         crate::tenant::scope(conn, &req.tenant).await?;
-        let claimed = claim_statement(conn, req).await?;
-        if rerun && claimed.as_ref().is_some_and(|(_, attempt, _)| *attempt > 1) {
-            mark_downstream_stale(conn, req).await?;
-        }
-        Ok(claimed)
+        claim_statement(conn, req).await
     })
     .await
     .map_err(|e| map_claim_error(e, req))
@@ -255,11 +187,13 @@ impl RunRepository for PgRunRepository {
                 }
                 other => other?,
             };
-            if let Some((run_id, attempt, lease_expires_at)) = claimed {
+            if let Some(row) = claimed {
                 return Ok(ClaimOutcome::Claimed {
-                    run_id: RunId::parse(&run_id)?,
-                    attempt,
-                    lease_expires_at,
+                    run_id: RunId::parse(&row.id)?,
+                    attempt: row.attempts,
+                    lease_expires_at: row.lease_expires_at,
+                    input_hash: row.input_hash,
+                    upstream_attempt: row.upstream_attempt,
                 });
             }
             let explained = conn
@@ -284,14 +218,15 @@ impl RunRepository for PgRunRepository {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<RenewOutcome, RepoError> {
-        use pipeline_runs::dsl as pr;
         let mut conn = self.conn().await?;
-        let renewed: Option<DateTime<Utc>> = conn
+        let renewed: Option<LeaseRow> = conn
             .transaction::<_, diesel::result::Error, _>(async |conn| {
                 crate::tenant::scope(conn, &token.tenant).await?;
-                diesel::update(fenced(token))
-                    .set(pr::lease_expires_at.eq(now.into_sql::<Timestamptz>() + interval(lease)))
-                    .returning(pr::lease_expires_at)
+                diesel::sql_query(sql::RENEW)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<BigInt, _>(micros(lease))
+                    .cached()
                     .get_result(conn)
                     .await
                     .optional()
@@ -299,7 +234,9 @@ impl RunRepository for PgRunRepository {
             .await
             .map_err(map_diesel_error)?;
         Ok(match renewed {
-            Some(lease_expires_at) => RenewOutcome::Renewed { lease_expires_at },
+            Some(row) => RenewOutcome::Renewed {
+                lease_expires_at: row.lease_expires_at,
+            },
             None => RenewOutcome::Fenced,
         })
     }
@@ -342,26 +279,25 @@ impl RunRepository for PgRunRepository {
         error: &str,
         retryable: bool,
     ) -> Result<FailOutcome, RepoError> {
-        use pipeline_runs::dsl as pr;
+        #[derive(QueryableByName)]
+        struct Failed {
+            #[diesel(sql_type = Text)]
+            status: String,
+            #[diesel(sql_type = Integer)]
+            attempts: i32,
+        }
         let mut conn = self.conn().await?;
-        // Cacheable: the permanent case is the same CASE with a bound flag.
-        let status = diesel::dsl::case_when(
-            pr::attempts
-                .ge(pr::max_attempts)
-                .or((!retryable).into_sql::<Bool>()),
-            "dead".into_sql::<Text>(),
-        )
-        .otherwise("failed".into_sql::<Text>());
-        let failed: Option<(String, i32)> = conn
+        // Sanitised: recording a failure must not fail on the failure's own text.
+        let error = sanitize_error_text(error);
+        let failed: Option<Failed> = conn
             .transaction::<_, diesel::result::Error, _>(async |conn| {
                 crate::tenant::scope(conn, &token.tenant).await?;
-                diesel::update(fenced(token))
-                    .set((
-                        pr::status.eq(status),
-                        pr::last_error.eq(truncate(error)),
-                        pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
-                    ))
-                    .returning((pr::status, pr::attempts))
+                diesel::sql_query(sql::FAIL)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<Text, _>(&error)
+                    .bind::<Bool, _>(retryable)
+                    .cached()
                     .get_result(conn)
                     .await
                     .optional()
@@ -369,27 +305,28 @@ impl RunRepository for PgRunRepository {
             .await
             .map_err(map_diesel_error)?;
         Ok(match failed {
-            Some((status, attempts)) if status == "dead" => FailOutcome::Exhausted { attempts },
-            Some((_, attempt)) => FailOutcome::WillRetry { attempt },
+            Some(f) if f.status == "dead" => FailOutcome::Exhausted {
+                attempts: f.attempts,
+            },
+            Some(f) => FailOutcome::WillRetry {
+                attempt: f.attempts,
+            },
             None => FailOutcome::Fenced,
         })
     }
 
-    async fn release(&self, token: &ClaimToken) -> Result<RenewOutcome, RepoError> {
-        use pipeline_runs::dsl as pr;
+    async fn release(&self, token: &ClaimToken, reason: &str) -> Result<RenewOutcome, RepoError> {
         let mut conn = self.conn().await?;
-        // Expire the lease now and give the attempt back to the budget: a shutdown is
-        // not the stage's failure. The attempt row says `abandoned`.
-        let released: Option<DateTime<Utc>> = conn
+        let reason = sanitize_error_text(reason);
+        // The attempt row says `abandoned`: the attempt did not fail, it was given up.
+        let released: Option<LeaseRow> = conn
             .transaction::<_, TxError, _>(async |conn| {
                 crate::tenant::scope(conn, &token.tenant).await?;
-                let released = diesel::update(fenced(token))
-                    .set((
-                        pr::lease_expires_at.eq(now.into_sql::<Timestamptz>()),
-                        pr::max_attempts.eq(pr::max_attempts + 1),
-                        pr::last_error.eq("released by a worker shutting down"),
-                    ))
-                    .returning(pr::lease_expires_at)
+                let released = diesel::sql_query(sql::RELEASE)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<Text, _>(&reason)
+                    .cached()
                     .get_result(conn)
                     .await
                     .optional()?;
@@ -399,7 +336,9 @@ impl RunRepository for PgRunRepository {
             .await
             .map_err(TxError::into_repo)?;
         Ok(match released {
-            Some(lease_expires_at) => RenewOutcome::Renewed { lease_expires_at },
+            Some(row) => RenewOutcome::Renewed {
+                lease_expires_at: row.lease_expires_at,
+            },
             None => RenewOutcome::Fenced,
         })
     }
@@ -433,8 +372,7 @@ impl RunRepository for PgRunRepository {
 
     async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
         use pipeline_run_attempts::dsl as pa;
-        let mut conn = self.conn().await?;
-        let rows: Vec<(
+        type Row = (
             i32,
             String,
             String,
@@ -442,7 +380,10 @@ impl RunRepository for PgRunRepository {
             Option<DateTime<Utc>>,
             String,
             Option<String>,
-        )> = pa::pipeline_run_attempts
+            Option<i32>,
+        );
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = pa::pipeline_run_attempts
             .filter(pa::run_id.eq(run_id.to_string()))
             .order(pa::attempt)
             .select((
@@ -453,6 +394,7 @@ impl RunRepository for PgRunRepository {
                 pa::finished_at,
                 pa::outcome,
                 pa::error,
+                pa::upstream_attempt,
             ))
             .load(&mut conn)
             .await
@@ -460,20 +402,34 @@ impl RunRepository for PgRunRepository {
         Ok(rows
             .into_iter()
             .map(
-                |(attempt, worker_id, input_hash, started_at, finished_at, outcome, error)| {
-                    AttemptRecord {
-                        attempt,
-                        worker_id,
-                        input_hash,
-                        started_at,
-                        finished_at,
-                        outcome,
-                        error,
-                    }
+                |(
+                    attempt,
+                    worker_id,
+                    input_hash,
+                    started_at,
+                    finished_at,
+                    outcome,
+                    error,
+                    upstream_attempt,
+                )| AttemptRecord {
+                    attempt,
+                    worker_id,
+                    input_hash,
+                    started_at,
+                    finished_at,
+                    outcome,
+                    error,
+                    upstream_attempt,
                 },
             )
             .collect())
     }
+}
+
+#[derive(QueryableByName)]
+struct LeaseRow {
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
 }
 
 enum Recheck {
@@ -482,34 +438,97 @@ enum Recheck {
     Fenced,
 }
 
+/// What the lineage check found.
+enum Lineage {
+    Current,
+    Changed,
+    /// The token no longer holds.
+    Fenced,
+}
+
+async fn check_lineage(
+    conn: &mut AsyncPgConnection,
+    token: &ClaimToken,
+) -> Result<Lineage, diesel::result::Error> {
+    #[derive(QueryableByName)]
+    struct Current {
+        #[diesel(sql_type = Bool)]
+        current: bool,
+    }
+    let found: Option<Current> = diesel::sql_query(sql::LINEAGE_CURRENT)
+        .bind::<Text, _>(token.run_id.to_string())
+        .bind::<Integer, _>(token.attempt)
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()?;
+    Ok(match found {
+        Some(Current { current: true }) => Lineage::Current,
+        Some(Current { current: false }) => Lineage::Changed,
+        None => Lineage::Fenced,
+    })
+}
+
 impl PgRunRepository {
     async fn complete_once(
         &self,
         token: &ClaimToken,
         write: &FencedWrite<'_>,
     ) -> Result<CompleteOutcome, StageError> {
-        use pipeline_runs::dsl as pr;
         let mut conn = self.conn().await?;
         let outcome = conn
             .transaction::<_, TxError, _>(async move |conn| {
-                {
-                    crate::tenant::scope(conn, &token.tenant).await?;
-                    // The fence first: it checks the token, marks success and locks the
-                    // row, so a concurrent claim waits for this transaction and then
-                    // sees `success`.
-                    let fenced_rows = Cached(diesel::update(fenced(token)).set((
-                        pr::status.eq("success"),
-                        pr::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
-                    )))
+                crate::tenant::scope(conn, &token.tenant).await?;
+                // Lineage first (it share-locks the upstream row or the anfrage):
+                // the input this attempt read must still be current.
+                match check_lineage(conn, token).await? {
+                    Lineage::Current => {}
+                    Lineage::Fenced => return Ok(CompleteOutcome::Fenced),
+                    Lineage::Changed => {
+                        // Nothing of the stage is written; the run becomes `stale`
+                        // (claimable again, on the new upstream) in this transaction.
+                        diesel::sql_query(sql::STALE_ON_LINEAGE)
+                            .bind::<Text, _>(token.run_id.to_string())
+                            .bind::<Integer, _>(token.attempt)
+                            .bind::<Text, _>(
+                                "the input this attempt read changed before it committed",
+                            )
+                            .cached()
+                            .execute(conn)
+                            .await?;
+                        return Ok(CompleteOutcome::UpstreamChanged);
+                    }
+                }
+                // The fence: it checks the token, marks success and locks the row,
+                // so a concurrent claim waits for this transaction and then sees
+                // `success`.
+                let fenced_rows = diesel::sql_query(sql::FENCE_SUCCESS)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .cached()
                     .execute(conn)
                     .await?;
-                    if fenced_rows == 0 {
-                        return Ok(CompleteOutcome::Fenced);
-                    }
-                    let mut tx = PgFencedTx::new(conn, token.clone());
-                    write(&mut tx).await.map_err(TxError::Stage)?;
-                    Ok(CompleteOutcome::Committed)
+                if fenced_rows == 0 {
+                    return Ok(CompleteOutcome::Fenced);
                 }
+                // A first attempt cannot have succeeded before, so nothing was
+                // computed from an earlier success of it.
+                if token.attempt > 1 {
+                    diesel::sql_query(sql::INVALIDATE_DOWNSTREAM)
+                        .bind::<Text, _>(token.tenant.as_str())
+                        .bind::<Text, _>(token.anfrage.to_string())
+                        .bind::<Text, _>(token.stage.as_str())
+                        .bind::<Text, _>(format!(
+                            "upstream stage {} succeeded again (attempt {})",
+                            token.stage, token.attempt
+                        ))
+                        .cached()
+                        .execute(conn)
+                        .await?;
+                }
+                let mut tx = PgFencedTx::new(conn, token.clone());
+                write(&mut tx).await.map_err(TxError::Stage)?;
+                Ok(CompleteOutcome::Committed)
             })
             .await;
         match outcome {
@@ -575,26 +594,6 @@ impl PgRunRepository {
     }
 }
 
-type FencedRows = diesel::helper_types::Filter<
-    diesel::helper_types::Filter<
-        diesel::helper_types::Filter<
-            pipeline_runs::table,
-            diesel::dsl::Eq<pipeline_runs::id, String>,
-        >,
-        diesel::dsl::Eq<pipeline_runs::attempts, i32>,
-    >,
-    diesel::dsl::Eq<pipeline_runs::status, &'static str>,
->;
-
-/// Rows of `pipeline_runs` that the token still holds.
-fn fenced(token: &ClaimToken) -> FencedRows {
-    use pipeline_runs::dsl as pr;
-    pr::pipeline_runs
-        .filter(pr::id.eq(token.run_id.to_string()))
-        .filter(pr::attempts.eq(token.attempt))
-        .filter(pr::status.eq("running"))
-}
-
 async fn read_run(
     conn: &mut AsyncPgConnection,
     tenant: &str,
@@ -636,80 +635,123 @@ async fn mark_attempt(
     Ok(())
 }
 
-/// The claim returned no row: read the run and say why, or `None` if its state moved
-/// on in between and the claim should be tried again.
+/// The row of `sql::EXPLAIN_SKIP`.
+#[derive(QueryableByName)]
+struct Explained {
+    #[diesel(sql_type = Timestamptz)]
+    db_now: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    stored_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    upstream_status: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_success: Option<i32>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    upstream_lease: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    upstream_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    run_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    status: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    attempts: Option<i32>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    max_attempts: Option<i32>,
+    #[diesel(sql_type = Nullable<Text>)]
+    input_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// The claim returned no row: read the source and the run and say why, or `None`
+/// if their state moved on in between and the claim should be tried again.
 async fn explain_skip(
     conn: &mut AsyncPgConnection,
     req: &ClaimRequest,
 ) -> Result<Option<ClaimOutcome>, RepoError> {
-    use pipeline_runs::dsl as pr;
-    // The run and the database clock in one round trip.
-    let found: Option<(RunRow, DateTime<Utc>)> = pr::pipeline_runs
-        .filter(pr::tenant_id.eq(req.tenant.as_str()))
-        .filter(pr::anfrage_id.eq(req.anfrage.to_string()))
-        .filter(pr::stage.eq(req.stage.as_str()))
-        .select((RunRow::as_select(), now.into_sql::<Timestamptz>()))
-        .first(conn)
+    let e: Explained = diesel::sql_query(sql::EXPLAIN_SKIP)
+        .bind::<Text, _>(req.tenant.as_str())
+        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.stage.as_str())
+        .bind::<Nullable<Text>, _>(req.upstream.as_ref().map(|s| s.as_str()))
+        .cached()
+        .get_result(conn)
         .await
-        .optional()
         .map_err(map_diesel_error)?;
-    let Some((run, db_now)) = found else {
+    // The source first: without it the claim inserted nothing and looked at no row.
+    let Some(stored_hash) = e.stored_hash else {
+        return Err(RepoError::AnfrageNotFound {
+            tenant: req.tenant.to_string(),
+            anfrage: req.anfrage.to_string(),
+        });
+    };
+    let bound_hash = match &req.upstream {
+        None if stored_hash != req.input_hash => {
+            return Ok(Some(ClaimOutcome::Rejected(RejectReason::InputMismatch {
+                job_hash: req.input_hash.clone(),
+                stored_hash,
+            })))
+        }
+        None => stored_hash,
+        Some(upstream) => match (e.upstream_success, e.upstream_hash) {
+            (Some(_), Some(hash)) => hash,
+            _ => {
+                let status = e.upstream_status.as_deref().map(str::parse).transpose()?;
+                return Ok(Some(ClaimOutcome::Skipped(SkipReason::UpstreamNotDone {
+                    upstream: upstream.clone(),
+                    lease_expires_at: match status {
+                        Some(RunStatus::Running) => e.upstream_lease,
+                        _ => None,
+                    },
+                    status,
+                })));
+            }
+        },
+    };
+    let (Some(run_id), Some(status), Some(attempts), Some(max_attempts), Some(hash), Some(lease)) = (
+        e.run_id,
+        e.status,
+        e.attempts,
+        e.max_attempts,
+        e.input_hash,
+        e.lease_expires_at,
+    ) else {
+        // The source is there but no run: it appeared (or the claim raced). Again.
         return Ok(None);
     };
-    let status: RunStatus = run.status.parse()?;
+    let status: RunStatus = status.parse()?;
     Ok(match status {
-        RunStatus::Success if run.input_hash == req.input_hash => {
+        RunStatus::Success if hash == bound_hash => {
             Some(ClaimOutcome::Skipped(SkipReason::AlreadySucceeded {
-                run_id: RunId::parse(&run.id)?,
+                run_id: RunId::parse(&run_id)?,
             }))
         }
         RunStatus::Success => match req.policy.on_input_change {
             InputChangePolicy::Reject => Some(ClaimOutcome::Rejected(RejectReason::InputChanged {
-                stored_hash: run.input_hash,
-                new_hash: req.input_hash.clone(),
+                stored_hash: hash,
+                new_hash: bound_hash,
             })),
             InputChangePolicy::Rerun => None,
         },
-        RunStatus::Running if run.lease_expires_at >= db_now => {
+        RunStatus::Running if lease >= e.db_now => {
             Some(ClaimOutcome::Skipped(SkipReason::InFlight {
-                lease_expires_at: run.lease_expires_at,
+                lease_expires_at: lease,
             }))
         }
-        RunStatus::Dead => Some(ClaimOutcome::Exhausted {
-            attempts: run.attempts,
-        }),
-        _ if run.attempts >= run.max_attempts => {
-            // Out of budget but not yet marked: mark it dead, conditionally on the
-            // state just read, so a concurrent change wins.
-            diesel::update(
-                pr::pipeline_runs
-                    .filter(pr::id.eq(&run.id))
-                    .filter(pr::attempts.eq(run.attempts))
-                    .filter(pr::status.eq(&run.status)),
-            )
-            .set((
-                pr::status.eq("dead"),
-                pr::last_error.eq("attempt budget used up (last lease expired)"),
-            ))
-            .execute(conn)
-            .await
-            .map_err(map_diesel_error)?;
-            Some(ClaimOutcome::Exhausted {
-                attempts: run.attempts,
-            })
+        RunStatus::Dead => Some(ClaimOutcome::Exhausted { attempts }),
+        RunStatus::Failed | RunStatus::Running if attempts >= max_attempts => {
+            // Out of budget but not yet marked: mark it dead, if it is still in a
+            // state the guard refused for that reason (a concurrent release or
+            // claim wins; then look again).
+            let marked = diesel::sql_query(sql::MARK_EXHAUSTED)
+                .bind::<Text, _>(&run_id)
+                .cached()
+                .execute(conn)
+                .await
+                .map_err(map_diesel_error)?;
+            (marked == 1).then_some(ClaimOutcome::Exhausted { attempts })
         }
         _ => None,
     })
-}
-
-fn truncate(error: &str) -> String {
-    const MAX: usize = 4000;
-    if error.len() <= MAX {
-        return error.to_owned();
-    }
-    let mut end = MAX;
-    while !error.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes)", &error[..end], error.len())
 }

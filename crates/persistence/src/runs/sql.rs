@@ -1,0 +1,175 @@
+//! The statements of layer 1, as the text the library sends (`$n` are bind
+//! parameters). They are plain SQL so that the isolation specs
+//! (`tests/isolation/`) run exactly these statements, and so that pgbench scripts
+//! can be checked against them.
+//!
+//! Every lease time is `clock_timestamp()`, the statement's clock, never `now()`:
+//! a claim that waited on a row lock must not hand out a lease that started before
+//! the wait (`now()` is the transaction's start).
+
+/// The claim: one `INSERT … SELECT … ON CONFLICT … DO UPDATE … WHERE <guard>`.
+///
+/// The inserted (or updated) values come from the claim's *source*: the anfrage's
+/// stored input for the first stage (`$10` NULL), only if the job's hash `$6` is
+/// that input's hash; the upstream stage's current successful attempt otherwise.
+/// No source row: nothing is inserted and no conflict is examined, so a stage whose
+/// upstream is not done, or a job with a hash the database did not compute, binds
+/// nothing. The guard is on the `DO UPDATE` (not on the conflict target, which
+/// would only pick the arbiter index): a finished stage is never claimed again,
+/// except `stale` (its upstream succeeded again) and, with the `Rerun` policy
+/// (`$9`), a success on another input. `stale` and rerun rows get a fresh attempt
+/// budget on top of the used one; `attempts` itself only grows (fencing token).
+///
+/// The update's lease is its own `clock_timestamp()`, not `EXCLUDED`'s: the
+/// inserted values are computed before the conflict's row lock is waited for.
+///
+/// `$1` new run id, `$2` tenant, `$3` anfrage, `$4` stage, `$5` max_attempts, `$6`
+/// the job's input hash, `$7` worker, `$8` lease in microseconds, `$9` rerun on new
+/// input, `$10` upstream stage or NULL.
+pub const CLAIM: &str = "\
+INSERT INTO pipeline_runs AS r
+    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+     worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
+SELECT $1, $2, $3, $4, 'running', 1, $5, src.input_hash, $7,
+       clock_timestamp(), clock_timestamp() + $8 * interval '1 microsecond',
+       src.upstream_stage, src.upstream_attempt
+  FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
+               NULL::integer AS upstream_attempt
+          FROM anfragen a
+         WHERE $10::text IS NULL AND a.tenant_id = $2 AND a.id = $3 AND a.input_sha256 = $6
+        UNION ALL
+        SELECT h.input_hash, u.stage, u.success_attempt
+          FROM pipeline_runs u
+          JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+         WHERE u.tenant_id = $2 AND u.anfrage_id = $3 AND u.stage = $10::text) AS src
+ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
+   SET status = 'running',
+       attempts = r.attempts + 1,
+       max_attempts = CASE WHEN r.status IN ('success', 'stale')
+                           THEN r.attempts + EXCLUDED.max_attempts
+                           ELSE r.max_attempts END,
+       input_hash = EXCLUDED.input_hash,
+       worker_id = EXCLUDED.worker_id,
+       started_at = clock_timestamp(),
+       lease_expires_at = clock_timestamp() + $8 * interval '1 microsecond',
+       finished_at = NULL,
+       last_error = NULL,
+       upstream_stage = EXCLUDED.upstream_stage,
+       upstream_attempt = EXCLUDED.upstream_attempt
+ WHERE r.status = 'stale'
+    OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
+        AND r.attempts < r.max_attempts)
+    OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND $9)
+RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt";
+
+/// Why a claim returned no row, in one round trip: the anfrage's stored hash, the
+/// upstream's state and its successful attempt's hash, the run, and the clock.
+/// `$1` tenant, `$2` anfrage, `$3` stage, `$4` upstream stage or NULL.
+pub const EXPLAIN_SKIP: &str = "\
+SELECT clock_timestamp() AS db_now,
+       a.input_sha256 AS stored_hash,
+       u.status AS upstream_status, u.success_attempt AS upstream_success,
+       u.lease_expires_at AS upstream_lease, h.input_hash AS upstream_hash,
+       r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
+       r.lease_expires_at
+  FROM (SELECT 1) AS one
+  LEFT JOIN anfragen a ON a.tenant_id = $1 AND a.id = $2
+  LEFT JOIN pipeline_runs u ON u.tenant_id = $1 AND u.anfrage_id = $2 AND u.stage = $4::text
+  LEFT JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+  LEFT JOIN pipeline_runs r ON r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3";
+
+/// Marks a run `dead` whose budget is used up, but only in a state the claim's
+/// guard refuses for that reason (failed, or running with an expired lease): a
+/// concurrent `release` (which raises `max_attempts`) or claim wins. `$1` run id.
+pub const MARK_EXHAUSTED: &str = "\
+UPDATE pipeline_runs
+   SET status = 'dead', finished_at = clock_timestamp(),
+       last_error = 'attempt budget used up (last lease expired)'
+ WHERE id = $1 AND attempts >= max_attempts
+   AND (status = 'failed' OR (status = 'running' AND lease_expires_at < clock_timestamp()))";
+
+/// The lineage check, the first statement of the fenced completion: is the input
+/// this attempt read still current? For the first stage, the anfrage's stored input
+/// hash must still be the run's; for the others, the upstream's `success_attempt`
+/// must still be the one the attempt was claimed on. The row read is share-locked,
+/// so the upstream cannot succeed again (and the input cannot be replaced) until
+/// this transaction ends; taking that lock before the run's own (the fence) keeps
+/// the lock order of every transaction upstream-first, so the two cannot deadlock.
+/// No row: the token no longer holds. `$1` run id, `$2` attempt.
+pub const LINEAGE_CURRENT: &str = "\
+SELECT CASE WHEN r.upstream_stage IS NULL
+            THEN EXISTS (SELECT 1 FROM anfragen a
+                          WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+                            AND a.input_sha256 = r.input_hash
+                            FOR SHARE)
+            ELSE EXISTS (SELECT 1 FROM pipeline_runs u
+                          WHERE u.tenant_id = r.tenant_id AND u.anfrage_id = r.anfrage_id
+                            AND u.stage = r.upstream_stage
+                            AND u.success_attempt = r.upstream_attempt
+                            FOR SHARE)
+       END AS current
+  FROM pipeline_runs r
+ WHERE r.id = $1 AND r.attempts = $2 AND r.status = 'running'";
+
+/// The fence: checks the token, marks success, locks the run's row. `$1` run id,
+/// `$2` attempt.
+pub const FENCE_SUCCESS: &str = "\
+UPDATE pipeline_runs
+   SET status = 'success', success_attempt = attempts, finished_at = now()
+ WHERE id = $1 AND attempts = $2 AND status = 'running'";
+
+/// In the success transaction of a stage that succeeded before: every stage
+/// computed from an earlier success of it (directly, or through a chain of
+/// `upstream_stage`) is `stale` and runs again, and its results are no longer
+/// current (`success_attempt` NULL), so nothing downstream is computed from them
+/// until it has run again. A running downstream attempt is fenced by this (its
+/// completion expects `running`). A failed or dead rerun never gets here, so it
+/// invalidates nothing. `$1` tenant, `$2` anfrage, `$3` stage,
+/// `$4` reason.
+pub const INVALIDATE_DOWNSTREAM: &str = "\
+WITH RECURSIVE downstream AS (
+    SELECT d.stage FROM pipeline_runs d
+     WHERE d.tenant_id = $1 AND d.anfrage_id = $2 AND d.upstream_stage = $3
+    UNION
+    SELECT d.stage FROM pipeline_runs d JOIN downstream ON d.upstream_stage = downstream.stage
+     WHERE d.tenant_id = $1 AND d.anfrage_id = $2
+)
+UPDATE pipeline_runs
+   SET status = 'stale', last_error = $4, success_attempt = NULL,
+       lease_expires_at = least(lease_expires_at, clock_timestamp())
+ WHERE tenant_id = $1 AND anfrage_id = $2 AND stage IN (SELECT stage FROM downstream)
+   AND status <> 'stale'";
+
+/// The run's attempt read an upstream that is no longer current: the attempt ends
+/// (`fenced` in the history) and the run is `stale`, claimable at once. Fenced on
+/// the token. `$1` run id, `$2` attempt, `$3` reason.
+pub const STALE_ON_LINEAGE: &str = "\
+UPDATE pipeline_runs
+   SET status = 'stale', lease_expires_at = clock_timestamp(), last_error = $3
+ WHERE id = $1 AND attempts = $2 AND status = 'running'";
+
+/// Records a failed attempt, fenced on the token: `dead` when the budget is used
+/// up or the failure is permanent (`$4` false), else `failed`. `$3` the sanitised
+/// error text.
+pub const FAIL: &str = "\
+UPDATE pipeline_runs
+   SET status = CASE WHEN attempts >= max_attempts OR NOT $4 THEN 'dead' ELSE 'failed' END,
+       last_error = $3, finished_at = clock_timestamp()
+ WHERE id = $1 AND attempts = $2 AND status = 'running'
+RETURNING status, attempts";
+
+/// Gives the lease back without counting the attempt (shutdown, an infrastructure
+/// error): the lease ends now and the budget grows by one. `$3` the reason.
+pub const RELEASE: &str = "\
+UPDATE pipeline_runs
+   SET lease_expires_at = clock_timestamp(), max_attempts = max_attempts + 1, last_error = $3
+ WHERE id = $1 AND attempts = $2 AND status = 'running'
+RETURNING lease_expires_at";
+
+/// Extends the lease from the statement's clock, fenced on the token. `$3` the
+/// lease in microseconds.
+pub const RENEW: &str = "\
+UPDATE pipeline_runs
+   SET lease_expires_at = clock_timestamp() + $3 * interval '1 microsecond'
+ WHERE id = $1 AND attempts = $2 AND status = 'running'
+RETURNING lease_expires_at";
