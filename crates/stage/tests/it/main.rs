@@ -21,6 +21,8 @@ use tokio::sync::Notify;
 
 use idemstage_testkit::count;
 
+mod quantities;
+
 struct Fixture {
     _db: TestDb,
     repo: Arc<PgRunRepository>,
