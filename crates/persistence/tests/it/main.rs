@@ -7,3 +7,4 @@ mod foundation;
 mod queue;
 mod support;
 mod tenant_isolation;
+mod tenant_run_fks;
