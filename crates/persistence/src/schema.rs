@@ -140,11 +140,6 @@ diesel::table! {
     }
 }
 
-diesel::joinable!(anfrage_extraktionen -> pipeline_runs (run_id));
-diesel::joinable!(calculation_results -> pipeline_runs (run_id));
-diesel::joinable!(feasibility_results -> pipeline_runs (run_id));
-diesel::joinable!(pipeline_run_attempts -> pipeline_runs (run_id));
-
 diesel::allow_tables_to_appear_in_same_query!(
     anfrage_extraktionen,
     anfragen,

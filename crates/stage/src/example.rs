@@ -73,16 +73,26 @@ fn price_of(unit: &str) -> Option<i64> {
     PRICES.iter().find(|(u, _)| *u == unit).map(|(_, p)| *p)
 }
 
+/// The largest quantity a position may have. With the highest price (10_000 cents)
+/// a position is then at most 1e13 cents, so the total of any input within the
+/// 1 MiB input limit (at most 2^18 priceable lines) stays inside i64 cents.
+pub const MAX_QUANTITY: f64 = 1e9;
+
 /// Parses positions, one per non-empty line: `[quantity] [unit] description`, e.g.
 /// `10 Stk Schrauben M8`, `2,5 m Kabel NYM`, `Montage vor Ort`.
+///
+/// A leading number written with digits is the quantity, whatever its size (`1e300`,
+/// `1e999` = infinity, `-5`): kept as written so that feasibility can name it
+/// (`feasibility_reasons`) rather than the position losing its quantity silently.
+/// `inf` or `NaN` are words, not quantities.
 pub fn extract_positions(text: &str) -> Vec<Extraktion> {
     let mut out = Vec::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
         let mut tokens = line.split_whitespace().peekable();
         let quantity = tokens
             .peek()
-            .and_then(|t| t.replace(',', ".").parse::<f64>().ok())
-            .filter(|q| q.is_finite() && *q >= 0.0);
+            .filter(|t| t.bytes().any(|b| b.is_ascii_digit()))
+            .and_then(|t| t.replace(',', ".").parse::<f64>().ok());
         if quantity.is_some() {
             tokens.next();
         }
@@ -217,6 +227,15 @@ impl Stage for Extract {
     }
 }
 
+/// A quantity as a reader would write it: `1e300` rather than 301 digits.
+fn show_quantity(q: f64) -> String {
+    if q.is_finite() && q.abs() < 1e15 {
+        q.to_string()
+    } else {
+        format!("{q:e}")
+    }
+}
+
 /// Why an anfrage cannot be priced, one reason per problem.
 pub fn feasibility_reasons(positions: &[Extraktion]) -> Vec<String> {
     if positions.is_empty() {
@@ -226,6 +245,13 @@ pub fn feasibility_reasons(positions: &[Extraktion]) -> Vec<String> {
     for p in positions {
         match (&p.quantity, &p.unit) {
             (None, _) => reasons.push(format!("position {}: quantity missing", p.position_index)),
+            // `contains` is false for NaN and infinities too.
+            (Some(q), _) if !(0.0..=MAX_QUANTITY).contains(q) => reasons.push(format!(
+                "position {}: quantity {} is out of range (0 to {})",
+                p.position_index,
+                show_quantity(*q),
+                show_quantity(MAX_QUANTITY)
+            )),
             (Some(_), None) => reasons.push(format!("position {}: unit missing", p.position_index)),
             (Some(_), Some(u)) if price_of(u).is_none() => {
                 reasons.push(format!("position {}: unknown unit {u:?}", p.position_index))
@@ -275,21 +301,9 @@ impl Stage for Calculate {
         tx: &mut dyn FencedTx,
     ) -> Result<StageFlow, StageError> {
         let positions = tx.extraktionen().await?;
-        let mut total = 0i64;
-        let mut lines = Vec::new();
-        for p in &positions {
-            let (Some(q), Some(unit)) = (p.quantity, p.unit.as_deref()) else {
-                return Err(StageError::Permanent(format!(
-                    "position {} cannot be priced; feasibility should have stopped this",
-                    p.position_index
-                )));
-            };
-            let price = price_of(unit)
-                .ok_or_else(|| StageError::Permanent(format!("no price for unit {unit:?}")))?;
-            let cents = (q * price as f64).round() as i64;
-            total += cents;
-            lines.push(json!({ "position": p.position_index, "cents": cents }));
-        }
+        // The same input fails the same way on every attempt: permanent.
+        let (total, lines) =
+            price_positions(&positions).map_err(|e| StageError::Permanent(e.to_string()))?;
         tx.put_calculation(total, json!(lines)).await?;
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("calculate")?;
@@ -301,6 +315,64 @@ impl Stage for Calculate {
         .await?;
         Ok(StageFlow::Continue)
     }
+}
+
+/// Why positions cannot be priced by `price_positions`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PriceError {
+    #[error("position {position} cannot be priced; feasibility should have stopped this")]
+    Unpriceable { position: i32 },
+    #[error("no price for unit {unit:?}")]
+    UnknownUnit { unit: String },
+    #[error("position {position}: {quantity} {unit} at {price} cents overflows i64 cents")]
+    PositionOverflow {
+        position: i32,
+        /// As `show_quantity` writes it.
+        quantity: String,
+        unit: String,
+        price: i64,
+    },
+    #[error("total overflows i64 cents at position {position}")]
+    TotalOverflow { position: i32 },
+}
+
+/// The total in cents and one `{position, cents}` line per position. Checked: a
+/// position whose cents are not an i64 (or not finite), or a total beyond i64, is an
+/// error, never a saturated, wrapped or panicking sum. Quantities may be fractional
+/// (`2,5 m`), so each position is priced in f64 and range-checked before it becomes
+/// integer cents; feasibility keeps quantities far below these limits.
+pub fn price_positions(
+    positions: &[Extraktion],
+) -> Result<(i64, Vec<serde_json::Value>), PriceError> {
+    // 2^63 exactly: every finite f64 in [-2^63, 2^63) converts to i64 without loss of range.
+    const I64_END: f64 = 9_223_372_036_854_775_808.0;
+    let mut total = 0i64;
+    let mut lines = Vec::with_capacity(positions.len());
+    for p in positions {
+        let (Some(q), Some(unit)) = (p.quantity, p.unit.as_deref()) else {
+            return Err(PriceError::Unpriceable {
+                position: p.position_index,
+            });
+        };
+        let price = price_of(unit).ok_or_else(|| PriceError::UnknownUnit {
+            unit: unit.to_owned(),
+        })?;
+        let cents = (q * price as f64).round();
+        if !(-I64_END..I64_END).contains(&cents) {
+            return Err(PriceError::PositionOverflow {
+                position: p.position_index,
+                quantity: show_quantity(q),
+                unit: unit.to_owned(),
+                price,
+            });
+        }
+        let cents = cents as i64;
+        total = total.checked_add(cents).ok_or(PriceError::TotalOverflow {
+            position: p.position_index,
+        })?;
+        lines.push(json!({ "position": p.position_index, "cents": cents }));
+    }
+    Ok((total, lines))
 }
 
 /// The seed's four stages as one pipeline.
@@ -347,5 +419,98 @@ mod tests {
             ]
         );
         assert!(feasibility_reasons(&p[..2]).is_empty());
+    }
+
+    #[test]
+    fn quantities_out_of_range_are_kept_and_refused_by_feasibility() {
+        let p = extract_positions(
+            "1e300 stk Schrauben\n1e999 Stk Muttern\n-5 m Kabel\n1000000001 kg Sand\n\
+             1e9 kg Kies\n0 h Pause",
+        );
+        let q: Vec<_> = p.iter().map(|p| p.quantity).collect();
+        assert_eq!(
+            q,
+            vec![
+                Some(1e300),
+                Some(f64::INFINITY),
+                Some(-5.0),
+                Some(1_000_000_001.0),
+                Some(1e9),
+                Some(0.0)
+            ]
+        );
+        assert_eq!(p[0].description, "Schrauben");
+        assert_eq!(
+            feasibility_reasons(&p),
+            vec![
+                "position 0: quantity 1e300 is out of range (0 to 1000000000)".to_owned(),
+                "position 1: quantity inf is out of range (0 to 1000000000)".to_owned(),
+                "position 2: quantity -5 is out of range (0 to 1000000000)".to_owned(),
+                "position 3: quantity 1000000001 is out of range (0 to 1000000000)".to_owned(),
+            ]
+        );
+        // The bound itself is fine, and priced exactly: 1e9 kg × 480 cents.
+        assert!(feasibility_reasons(&p[4..]).is_empty());
+        assert_eq!(price_positions(&p[4..]).unwrap().0, 480_000_000_000);
+    }
+
+    #[test]
+    fn words_that_parse_as_floats_are_not_quantities() {
+        for line in ["inf stk Schrauben", "NaN stk Schrauben", "Infinity Pool"] {
+            let p = extract_positions(line);
+            assert_eq!(
+                (p[0].quantity, p[0].unit.as_deref()),
+                (None, None),
+                "{line}"
+            );
+            assert_eq!(p[0].description, line);
+        }
+    }
+
+    fn position(i: i32, quantity: f64, unit: &str) -> Extraktion {
+        Extraktion {
+            position_index: i,
+            description: "x".into(),
+            quantity: Some(quantity),
+            unit: Some(unit.into()),
+        }
+    }
+
+    #[test]
+    fn pricing_is_checked_not_saturated_or_wrapped() {
+        let (total, lines) =
+            price_positions(&[position(0, 10.0, "Stk"), position(1, 2.5, "m")]).unwrap();
+        assert_eq!(total, 2_300);
+        assert_eq!(lines[1], json!({ "position": 1, "cents": 800 }));
+        for q in [1e300, f64::INFINITY, f64::NAN, 1e17] {
+            assert!(
+                matches!(
+                    price_positions(&[position(0, q, "stk")]),
+                    Err(PriceError::PositionOverflow { position: 0, .. })
+                ),
+                "{q}"
+            );
+        }
+        assert_eq!(
+            price_positions(&[position(0, 1e300, "stk")])
+                .unwrap_err()
+                .to_string(),
+            "position 0: 1e300 stk at 150 cents overflows i64 cents"
+        );
+        // 6e16 × 150 = 9e18 cents fits an i64 (max ≈ 9.22e18); two of them do not.
+        assert_eq!(
+            price_positions(&[position(0, 6e16, "stk")]).unwrap().0,
+            9_000_000_000_000_000_000
+        );
+        assert_eq!(
+            price_positions(&[position(0, 6e16, "stk"), position(1, 6e16, "stk")]),
+            Err(PriceError::TotalOverflow { position: 1 })
+        );
+        assert_eq!(
+            price_positions(&[position(0, 6e16, "stk"), position(1, -6e16, "stk")])
+                .unwrap()
+                .0,
+            0
+        );
     }
 }

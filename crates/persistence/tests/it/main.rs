@@ -8,3 +8,4 @@ mod queue;
 mod start;
 mod support;
 mod tenant_isolation;
+mod tenant_run_fks;

@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 use idemstage_testkit::count;
 
 mod lineage;
+mod quantities;
 
 pub(crate) struct Fixture {
     _db: TestDb,
