@@ -13,6 +13,7 @@ pub mod queue;
 pub mod report;
 pub mod runs;
 pub mod schema;
+pub mod statements;
 pub mod tenant;
 
 pub use db::{

@@ -19,6 +19,13 @@ pub const APP_ROLE: &str = "idemstage_app";
 /// outside the transaction, so a healthy transaction is never idle this long.
 pub const IDLE_IN_TRANSACTION_TIMEOUT_MS: u32 = 10_000;
 
+/// The scope statement: binds `$1` tenant (text), `$2` the idle-in-transaction
+/// timeout in ms (text). Transaction-local (`set_config(.., true)`).
+pub(crate) const SCOPE_SQL: &str = "\
+SELECT set_config('role', 'idemstage_app', true), \
+       set_config('app.tenant_id', $1, true), \
+       set_config('idle_in_transaction_session_timeout', $2, true)";
+
 /// Scopes the open transaction to `tenant`. Outside a transaction it would last for
 /// one statement only: call it first inside `conn.transaction(..)`.
 pub async fn scope(
@@ -26,13 +33,9 @@ pub async fn scope(
     tenant: &TenantId,
 ) -> Result<(), diesel::result::Error> {
     crate::cached::Cached(
-        diesel::sql_query(
-            "SELECT set_config('role', 'idemstage_app', true), \
-                    set_config('app.tenant_id', $1, true), \
-                    set_config('idle_in_transaction_session_timeout', $2, true)",
-        )
-        .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string()),
+        diesel::sql_query(SCOPE_SQL)
+            .bind::<Text, _>(tenant.as_str())
+            .bind::<Text, _>(IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string()),
     )
     .execute(conn)
     .await

@@ -68,9 +68,12 @@ WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
 RETURNING j.id, j.queue, j.payload::text AS payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
           j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
 
-static FETCH_ONE_QUEUE: LazyLock<String> =
+/// `fetch` of one queue: binds `$1` queue (text), `$2` limit (int8). Returns the
+/// leased rows (the columns of `FetchedRow`).
+pub(crate) static FETCH_ONE_QUEUE: LazyLock<String> =
     LazyLock::new(|| FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL));
-static FETCH_MANY_QUEUES: LazyLock<String> =
+/// `fetch` of several queues: binds `$1` queues (text[]), `$2` limit (int8).
+pub(crate) static FETCH_MANY_QUEUES: LazyLock<String> =
     LazyLock::new(|| FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL));
 
 #[derive(diesel::QueryableByName)]

@@ -5,6 +5,7 @@
 //! nobody else holds the job.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
@@ -25,6 +26,13 @@ struct IdRow {
     id: String,
 }
 
+/// `complete`: binds `$1` id (text), `$2` attempt (int4), `$3` output (jsonb, NULL
+/// for none). One row updated: completed; none: fenced.
+pub(crate) const COMPLETE_SQL: &str = "\
+UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
+                output = $3
+ WHERE id = $1 AND attempt = $2 AND state = 'active'";
+
 /// Marks the job completed (with an optional output).
 pub async fn complete(
     conn: &mut AsyncPgConnection,
@@ -32,24 +40,29 @@ pub async fn complete(
     attempt: i32,
     output: Option<&serde_json::Value>,
 ) -> Result<JobCompleteOutcome, RepoError> {
-    let n = diesel::sql_query(
-        "UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
-                         output = $3
-          WHERE id = $1 AND attempt = $2 AND state = 'active'",
-    )
-    .bind::<Text, _>(id.to_string())
-    .bind::<Integer, _>(attempt)
-    .bind::<Nullable<Jsonb>, _>(output)
-    .cached()
-    .execute(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    let n = diesel::sql_query(COMPLETE_SQL)
+        .bind::<Text, _>(id.to_string())
+        .bind::<Integer, _>(attempt)
+        .bind::<Nullable<Jsonb>, _>(output)
+        .cached()
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)?;
     Ok(if n == 1 {
         JobCompleteOutcome::Completed
     } else {
         JobCompleteOutcome::Fenced
     })
 }
+
+/// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
+/// Returns the `(id, attempt)` of every job it completed.
+pub(crate) const COMPLETE_MANY_SQL: &str = "\
+UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL
+ WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
+   AND j.state = 'active'
+   AND ($1 -> j.id::text) @> to_jsonb(j.attempt)
+RETURNING j.id, j.attempt";
 
 /// Completes many jobs in one statement; outcomes are in input order.
 ///
@@ -80,18 +93,12 @@ pub async fn complete_many(
     for (id, attempt) in jobs {
         tokens.entry(id.to_string()).or_default().push(*attempt);
     }
-    let rows: Vec<Done> = diesel::sql_query(
-        "UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL
-          WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
-            AND j.state = 'active'
-            AND ($1 -> j.id::text) @> to_jsonb(j.attempt)
-         RETURNING j.id, j.attempt",
-    )
-    .bind::<Jsonb, _>(serde_json::json!(tokens))
-    .cached()
-    .load(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    let rows: Vec<Done> = diesel::sql_query(COMPLETE_MANY_SQL)
+        .bind::<Jsonb, _>(serde_json::json!(tokens))
+        .cached()
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
     // Keyed by (id, attempt): an entry with a stale token is Fenced even when
     // another entry of the same job completed it.
     let done: HashSet<(String, i32)> = rows.into_iter().map(|r| (r.id, r.attempt)).collect();
@@ -146,19 +153,11 @@ struct FailRow {
     dead_letter_id: Option<String>,
 }
 
-/// Records a failure of the job's current attempt. With retries left (and a
-/// retryable failure) the job goes to `retry`, fetchable after its retry delay;
-/// otherwise it is `failed` and, with a dead-letter queue, a copy is sent there in
-/// the same statement. A retry due now wakes the listeners.
-pub async fn fail(
-    conn: &mut AsyncPgConnection,
-    id: JobId,
-    attempt: i32,
-    error: &str,
-    kind: FailKind,
-) -> Result<JobFailOutcome, RepoError> {
-    let retry = "($4 AND j.retry_count < j.retry_limit)";
-    let sql = format!(
+/// `fail`: binds `$1` id (text), `$2` attempt (int4), `$3` error (text), `$4`
+/// retryable (bool), `$5` the id of a dead-letter copy (text). Returns the new state,
+/// its `start_after` and the dead-letter copy's id; no row: fenced.
+pub(crate) static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
         "WITH failed AS (
              UPDATE jobs j SET {set}, last_error = $3
               WHERE j.id = $1 AND j.attempt = $2 AND j.state = 'active'
@@ -173,10 +172,23 @@ pub async fn fail(
          )
          SELECT failed.state, failed.start_after, dl.id AS dead_letter_id
            FROM failed LEFT JOIN dl ON true CROSS JOIN notified",
-        set = failure_set_sql(retry),
+        set = failure_set_sql("($4 AND j.retry_count < j.retry_limit)"),
         dl = dead_letter_insert_sql("$5", "failed", ""),
-    );
-    let row: Option<FailRow> = diesel::sql_query(sql)
+    )
+});
+
+/// Records a failure of the job's current attempt. With retries left (and a
+/// retryable failure) the job goes to `retry`, fetchable after its retry delay;
+/// otherwise it is `failed` and, with a dead-letter queue, a copy is sent there in
+/// the same statement. A retry due now wakes the listeners.
+pub async fn fail(
+    conn: &mut AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+    error: &str,
+    kind: FailKind,
+) -> Result<JobFailOutcome, RepoError> {
+    let row: Option<FailRow> = diesel::sql_query(FAIL_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Text, _>(error)
@@ -205,22 +217,24 @@ pub async fn fail(
     })
 }
 
+/// `cancel`: binds `$1` id (text), `$2` attempt (int4). No row updated: fenced.
+pub(crate) const CANCEL_SQL: &str = "\
+UPDATE jobs SET state = 'cancelled', completed_at = now(), lease_expires_at = NULL
+ WHERE id = $1 AND attempt = $2 AND state = 'active'";
+
 /// Cancels the job's current attempt for good (no retry, no dead letter).
 pub async fn cancel(
     conn: &mut AsyncPgConnection,
     id: JobId,
     attempt: i32,
 ) -> Result<JobCancelOutcome, RepoError> {
-    let n = diesel::sql_query(
-        "UPDATE jobs SET state = 'cancelled', completed_at = now(), lease_expires_at = NULL
-          WHERE id = $1 AND attempt = $2 AND state = 'active'",
-    )
-    .bind::<Text, _>(id.to_string())
-    .bind::<Integer, _>(attempt)
-    .cached()
-    .execute(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    let n = diesel::sql_query(CANCEL_SQL)
+        .bind::<Text, _>(id.to_string())
+        .bind::<Integer, _>(attempt)
+        .cached()
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)?;
     Ok(if n == 1 {
         JobCancelOutcome::Cancelled
     } else {
@@ -238,6 +252,17 @@ pub async fn retry_now(
     retry_at(conn, id, attempt, None).await
 }
 
+/// `retry_at`: binds `$1` id (text), `$2` attempt (int4), `$3` not before
+/// (timestamptz, NULL for now). Returns `(id, notified)`; no row: fenced.
+pub(crate) const RETRY_AT_SQL: &str = "\
+WITH released AS (
+    UPDATE jobs SET state = 'retry', start_after = greatest(now(), $3),
+                    lease_expires_at = NULL
+     WHERE id = $1 AND attempt = $2 AND state = 'active'
+    RETURNING id, queue
+)
+SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released";
+
 /// Gives the job back to be fetched again no earlier than `not_before` (or now),
 /// without counting a failure: for a job that must wait for something else, e.g.
 /// another worker's live claim on the same stage.
@@ -247,23 +272,15 @@ pub async fn retry_at(
     attempt: i32,
     not_before: Option<DateTime<Utc>>,
 ) -> Result<JobRetryOutcome, RepoError> {
-    let row: Option<IdRow> = diesel::sql_query(
-        "WITH released AS (
-             UPDATE jobs SET state = 'retry', start_after = greatest(now(), $3),
-                             lease_expires_at = NULL
-              WHERE id = $1 AND attempt = $2 AND state = 'active'
-             RETURNING id, queue
-         )
-         SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released",
-    )
-    .bind::<Text, _>(id.to_string())
-    .bind::<Integer, _>(attempt)
-    .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
-    .cached()
-    .get_result(conn)
-    .await
-    .optional()
-    .map_err(map_diesel_error)?;
+    let row: Option<IdRow> = diesel::sql_query(RETRY_AT_SQL)
+        .bind::<Text, _>(id.to_string())
+        .bind::<Integer, _>(attempt)
+        .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
     Ok(if row.is_some_and(|r| r.id == id.to_string()) {
         JobRetryOutcome::Requeued
     } else {
@@ -278,6 +295,13 @@ pub enum RenewLeaseOutcome {
     Fenced,
 }
 
+/// `renew_lease`: binds `$1` id (text), `$2` attempt (int4). Returns the new
+/// `lease_expires_at`; no row: fenced.
+pub(crate) const RENEW_LEASE_SQL: &str = "\
+UPDATE jobs SET lease_expires_at = now() + expire_in_ms * interval '1 millisecond'
+ WHERE id = $1 AND attempt = $2 AND state = 'active'
+RETURNING lease_expires_at";
+
 /// Extends the lease of a long-running job to `now() + expire_in` (database clock).
 pub async fn renew_lease(
     conn: &mut AsyncPgConnection,
@@ -289,18 +313,14 @@ pub async fn renew_lease(
         #[diesel(sql_type = Timestamptz)]
         lease_expires_at: DateTime<Utc>,
     }
-    let row: Option<Lease> = diesel::sql_query(
-        "UPDATE jobs SET lease_expires_at = now() + expire_in_ms * interval '1 millisecond'
-          WHERE id = $1 AND attempt = $2 AND state = 'active'
-         RETURNING lease_expires_at",
-    )
-    .bind::<Text, _>(id.to_string())
-    .bind::<Integer, _>(attempt)
-    .cached()
-    .get_result(conn)
-    .await
-    .optional()
-    .map_err(map_diesel_error)?;
+    let row: Option<Lease> = diesel::sql_query(RENEW_LEASE_SQL)
+        .bind::<Text, _>(id.to_string())
+        .bind::<Integer, _>(attempt)
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
     Ok(match row {
         Some(l) => RenewLeaseOutcome::Renewed {
             lease_expires_at: l.lease_expires_at,

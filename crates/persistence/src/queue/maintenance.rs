@@ -1,5 +1,6 @@
 //! Maintenance (lease expiry, retention) and queue statistics.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use diesel::sql_types::{Array, BigInt, Bool, Text};
@@ -72,6 +73,36 @@ struct Count {
     n: i64,
 }
 
+/// Lease expiry: binds `$1`, the most rows to expire (int8). Active jobs whose lease
+/// ran out are failed with the rules of `fail` (retry with the job's delay, or failed);
+/// returns `(id, state, dead_letter)` of each. SKIP LOCKED: a row locked right now is
+/// being completed or failed by its worker; the next run sees it again if it is still
+/// active.
+pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH expired AS (
+             UPDATE jobs j SET {set},
+                    last_error = format('job lease expired: attempt %s not finished within \
+                                         expire_in of %s ms', j.attempt, j.expire_in_ms)
+              WHERE j.state = 'active'
+                AND j.id IN (SELECT id FROM jobs
+                              WHERE state = 'active' AND lease_expires_at < now()
+                              ORDER BY lease_expires_at
+                              LIMIT $1
+                              FOR UPDATE SKIP LOCKED)
+             RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
+         ), notified AS (
+             SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
+                 SELECT DISTINCT queue FROM expired
+                  WHERE state = 'retry' AND start_after <= now()
+             ) q
+         )
+         SELECT expired.id, expired.state, expired.dead_letter IS NOT NULL AS dead_letter
+           FROM expired CROSS JOIN notified",
+        set = failure_set_sql("j.retry_count < j.retry_limit"),
+    )
+});
+
 /// One maintenance run in one transaction, under `pg_try_advisory_xact_lock` (a
 /// concurrent run is `Skipped`, not waited for): expired leases are failed with the
 /// rules of `fail` (retry with the job's delay, or failed and dead-lettered), then
@@ -101,31 +132,7 @@ pub async fn maintain(
         }
         let mut report = MaintenanceReport::default();
 
-        // SKIP LOCKED: a row locked right now is being completed or failed by its
-        // worker; the next run sees it again if it is still active.
-        let expire_sql = format!(
-            "WITH expired AS (
-                 UPDATE jobs j SET {set},
-                        last_error = format('job lease expired: attempt %s not finished within \
-                                             expire_in of %s ms', j.attempt, j.expire_in_ms)
-                  WHERE j.state = 'active'
-                    AND j.id IN (SELECT id FROM jobs
-                                  WHERE state = 'active' AND lease_expires_at < now()
-                                  ORDER BY lease_expires_at
-                                  LIMIT $1
-                                  FOR UPDATE SKIP LOCKED)
-                 RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
-             ), notified AS (
-                 SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
-                     SELECT DISTINCT queue FROM expired
-                      WHERE state = 'retry' AND start_after <= now()
-                 ) q
-             )
-             SELECT expired.id, expired.state, expired.dead_letter IS NOT NULL AS dead_letter
-               FROM expired CROSS JOIN notified",
-            set = failure_set_sql("j.retry_count < j.retry_limit"),
-        );
-        let expired: Vec<ExpiredRow> = diesel::sql_query(expire_sql)
+        let expired: Vec<ExpiredRow> = diesel::sql_query(EXPIRE_SQL.as_str())
             .bind::<BigInt, _>(limit)
             .load(conn)
             .await?;

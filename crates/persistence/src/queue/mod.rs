@@ -27,6 +27,14 @@ pub use maintenance::{
 };
 pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
 
+// The statement texts, for `crate::statements`.
+pub(crate) use fetch::{FETCH_MANY_QUEUES, FETCH_ONE_QUEUE};
+pub(crate) use finish::{
+    CANCEL_SQL, COMPLETE_MANY_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
+};
+pub(crate) use maintenance::EXPIRE_SQL;
+pub(crate) use send::{SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL, SEND_LIVE_SINGLETON_SQL};
+
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -42,9 +42,9 @@ const ANY_CONFLICT: &str = "ON CONFLICT DO NOTHING";
 
 /// Built once: the statement cache is keyed by the SQL text, so a text rebuilt per
 /// call costs an allocation and a hash of the whole statement every time.
-static SEND_LIVE_SINGLETON_SQL: LazyLock<String> =
+pub(crate) static SEND_LIVE_SINGLETON_SQL: LazyLock<String> =
     LazyLock::new(|| SEND_SQL.replace("{conflict}", LIVE_SINGLETON_CONFLICT));
-static SEND_ANY_CONFLICT_SQL: LazyLock<String> =
+pub(crate) static SEND_ANY_CONFLICT_SQL: LazyLock<String> =
     LazyLock::new(|| SEND_SQL.replace("{conflict}", ANY_CONFLICT));
 
 #[derive(diesel::QueryableByName)]
@@ -106,7 +106,7 @@ pub async fn send(pool: &PgPool, job: &JobToSend) -> Result<SendResult, RepoErro
 /// target because throttled and unthrottled jobs share the statement; that is the
 /// same arbitration as `send_in`, since the only other unique index is the primary
 /// key and the ids are fresh, distinct ULIDs.
-const SEND_BATCH_SQL: &str = "\
+pub(crate) const SEND_BATCH_SQL: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
                          $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],

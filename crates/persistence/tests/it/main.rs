@@ -4,6 +4,7 @@
 mod claim;
 mod claim_cost;
 mod foundation;
+mod isolation;
 mod queue;
 mod start;
 mod support;

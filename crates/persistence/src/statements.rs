@@ -1,0 +1,115 @@
+//! The SQL text of the library's statements, by name.
+//!
+//! Each entry is the very text the library sends (placeholders `$1..$n`, bound by
+//! the calling code): the executing function and this registry read the same
+//! `const` (or the same `LazyLock` built once), so there is no copy to drift. The
+//! isolation tests (`tests/isolation/`) render their specs from this registry:
+//! `{{job_complete}}` in a spec becomes the text of `job_complete`, so a spec always
+//! races the statements the library runs today.
+//!
+//! Adding a statement is one line in [`all`]: `s("name", path::TO_SQL)` for a text
+//! statement (`&str` const or `LazyLock<String>`), or
+//! `s("name", &sql_of(&query))` for one built with Diesel's DSL (its text as Diesel
+//! sends it; build `query` with any values of the right shape, since the values
+//! travel as binds, except where the DSL changes the text with the value, e.g.
+//! `None` in an insert becomes `DEFAULT`). Names are `<area>_<operation>`
+//! (`job_`, `tenant_`, ...) and unique.
+
+use diesel::pg::{Pg, PgQueryBuilder};
+use diesel::query_builder::{QueryBuilder, QueryFragment};
+
+use crate::{queue, tenant};
+
+/// One statement of the library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Statement {
+    /// Unique name, e.g. `job_complete`.
+    pub name: &'static str,
+    /// The exact text the library sends, with `$1..$n` placeholders.
+    pub sql: String,
+}
+
+/// Every registered statement, in a stable order. Bind types are documented at each
+/// statement's definition (the `const`/`static` named here).
+pub fn all() -> Vec<Statement> {
+    fn s(name: &'static str, sql: &str) -> Statement {
+        Statement {
+            name,
+            sql: sql.to_owned(),
+        }
+    }
+    vec![
+        s("tenant_scope", tenant::SCOPE_SQL),
+        s("job_send", &queue::SEND_LIVE_SINGLETON_SQL),
+        s("job_send_throttled", &queue::SEND_ANY_CONFLICT_SQL),
+        s("job_send_batch", queue::SEND_BATCH_SQL),
+        s("job_fetch", &queue::FETCH_ONE_QUEUE),
+        s("job_fetch_many", &queue::FETCH_MANY_QUEUES),
+        s("job_complete", queue::COMPLETE_SQL),
+        s("job_complete_many", queue::COMPLETE_MANY_SQL),
+        s("job_fail", &queue::FAIL_SQL),
+        s("job_cancel", queue::CANCEL_SQL),
+        s("job_retry_at", queue::RETRY_AT_SQL),
+        s("job_renew_lease", queue::RENEW_LEASE_SQL),
+        s("job_expire_leases", &queue::EXPIRE_SQL),
+    ]
+}
+
+/// The statement called `name`, if registered.
+pub fn get(name: &str) -> Option<Statement> {
+    all().into_iter().find(|s| s.name == name)
+}
+
+/// The SQL text Diesel sends for `query` (binds as `$1..$n`), for registering a
+/// statement built with the DSL.
+pub fn sql_of<Q: QueryFragment<Pg>>(query: &Q) -> String {
+    let mut out = PgQueryBuilder::default();
+    query
+        .to_sql(&mut out, &Pg)
+        .expect("a Diesel query renders to SQL");
+    out.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    /// `{name}`: a slot of the texts that are built from templates (`{lease}`, ...).
+    fn has_template_slot(sql: &str) -> bool {
+        sql.split('{').skip(1).any(|rest| {
+            rest.split_once('}').is_some_and(|(slot, _)| {
+                !slot.is_empty() && slot.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            })
+        })
+    }
+
+    #[test]
+    fn names_are_unique_and_texts_use_binds() {
+        let all = all();
+        let names: HashSet<_> = all.iter().map(|s| s.name).collect();
+        assert_eq!(names.len(), all.len(), "duplicate statement name");
+        for s in &all {
+            assert!(s.sql.contains("$1"), "{} has no $1: {}", s.name, s.sql);
+            assert!(
+                !has_template_slot(&s.sql),
+                "{} has an unfilled slot",
+                s.name
+            );
+        }
+        assert_eq!(get("job_complete").unwrap().sql, queue::COMPLETE_SQL);
+    }
+
+    #[test]
+    fn sql_of_renders_a_dsl_query_as_sent() {
+        use crate::schema::jobs;
+        use diesel::prelude::*;
+        let query =
+            diesel::update(jobs::table.filter(jobs::id.eq("x"))).set(jobs::state.eq("completed"));
+        assert_eq!(
+            sql_of(&query),
+            r#"UPDATE "jobs" SET "state" = $1 WHERE ("jobs"."id" = $2)"#
+        );
+    }
+}
