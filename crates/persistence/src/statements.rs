@@ -18,7 +18,7 @@
 use diesel::pg::{Pg, PgQueryBuilder};
 use diesel::query_builder::{QueryBuilder, QueryFragment};
 
-use crate::{queue, tenant};
+use crate::{queue, runs, tenant};
 
 /// One statement of the library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +52,20 @@ pub fn all() -> Vec<Statement> {
         s("job_retry_at", queue::RETRY_AT_SQL),
         s("job_renew_lease", queue::RENEW_LEASE_SQL),
         s("job_expire_leases", &queue::EXPIRE_SQL),
+        s("job_retry_after", queue::RETRY_AFTER_SQL),
+        s("run_claim", runs::sql::CLAIM),
+        s("run_explain_skip", runs::sql::EXPLAIN_SKIP),
+        s("run_mark_exhausted", runs::sql::MARK_EXHAUSTED),
+        s("run_lineage_current", runs::sql::LINEAGE_CURRENT),
+        s("run_fence_success", runs::sql::FENCE_SUCCESS),
+        s(
+            "run_invalidate_downstream",
+            runs::sql::INVALIDATE_DOWNSTREAM,
+        ),
+        s("run_stale_on_lineage", runs::sql::STALE_ON_LINEAGE),
+        s("run_fail", runs::sql::FAIL),
+        s("run_release", runs::sql::RELEASE),
+        s("run_renew", runs::sql::RENEW),
     ]
 }
 

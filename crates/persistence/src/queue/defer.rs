@@ -12,7 +12,7 @@ use crate::error::map_diesel_error;
 /// Gives the job back to be fetched again `delay` from now (database clock),
 /// without counting a failure: for a job that must wait for the database to
 /// recover, or for its upstream stage. Fenced on the job's token.
-pub const RETRY_AFTER_SQL: &str = "\
+pub(crate) const RETRY_AFTER_SQL: &str = "\
 UPDATE jobs SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
                 lease_expires_at = NULL
  WHERE id = $1 AND attempt = $2 AND state = 'active'";
