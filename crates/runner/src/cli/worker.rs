@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstage_domain::StagePolicy;
+use idemstage_domain::{InputChangePolicy, StagePolicy};
 use idemstage_persistence::PoolConfig;
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_stage::example::{self, Chaos};
@@ -33,6 +33,11 @@ pub struct Args {
     /// runs, so it bounds how long a dead worker's job waits to be retried
     #[arg(long, default_value_t = 60_000)]
     pub job_lease_ms: u64,
+    /// Re-run a finished stage when its anfrage is sent again with another input
+    /// (and invalidate the stages after it once the rerun succeeds); default: refuse
+    /// another input
+    #[arg(long)]
+    pub rerun_on_new_input: bool,
     /// Fault injection: probability that a stage body aborts mid-way
     #[arg(long, default_value_t = 0.0, hide = true)]
     pub crash_rate: f64,
@@ -57,6 +62,11 @@ impl Args {
         let stage_lease = Duration::from_millis(self.stage_lease_ms);
         let job_lease = Duration::from_millis(self.job_lease_ms);
         let policy = StagePolicy {
+            on_input_change: if self.rerun_on_new_input {
+                InputChangePolicy::Rerun
+            } else {
+                InputChangePolicy::Reject
+            },
             lease: stage_lease,
             heartbeat: stage_lease / 3,
             ..StagePolicy::default()

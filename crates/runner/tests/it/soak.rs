@@ -1,10 +1,14 @@
 //! Random faults for a while, then the invariants. In the default test run it lasts
 //! `IDEMSTAGE_SOAK_SECS` (default 15) seconds; `cargo xtask soak --minutes N` runs
-//! it in release for N minutes. Three `idemstage worker` processes work a stream of
-//! anfragen (each sent twice) while, at random moments, a worker is SIGKILLed and
-//! replaced, a worker is SIGSTOPped past its lease and continued, or worker
-//! connections are terminated mid-transaction. Then the faults stop and the
-//! database must show every anfrage final, nothing run twice, nothing foreign.
+//! it in release for N minutes. Three `idemstage worker` processes (stages re-run
+//! on new input) work a stream of anfragen (each sent twice; some sent again later
+//! with another text: a rerun) while, at random moments, a worker is SIGKILLed and
+//! replaced, a worker is SIGSTOPped past its lease and continued, worker
+//! connections are terminated mid-transaction, statements are cancelled, or a
+//! session holds row locks on runs and anfragen while the database's
+//! `lock_timeout` is 100 ms. Then the faults stop and the database must show every
+//! anfrage final, nothing run twice, nothing foreign, every success computed from
+//! its upstream's current success.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,7 +20,25 @@ use idemstage_testkit::TestDb;
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::{assert_quiet_and_sound, count, send, signal, text, Workers};
+use crate::support::{assert_quiet_and_sound, count, send_rerun, signal, text, Workers};
+
+/// Sends (under `Rerun`), retrying what the database refused for now (a lock
+/// timeout against a row the lock holder holds, say).
+async fn send_retrying(
+    conn: &mut diesel_async::AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+    text: &str,
+) {
+    for _ in 0..100 {
+        match send_rerun(conn, tenant, anfrage, text).await {
+            Ok(_) => return,
+            Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => panic!("send failed: {e}"),
+        }
+    }
+    panic!("send kept failing");
+}
 
 fn soak_secs() -> u64 {
     std::env::var("IDEMSTAGE_SOAK_SECS")
@@ -29,10 +51,29 @@ fn soak_secs() -> u64 {
 async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     let secs = soak_secs();
     let db = TestDb::new().await;
+    // Every connection made from now on waits at most 100 ms for a row lock: the
+    // lock holders below make the workers' statements time out (55P03).
+    {
+        use diesel_async::SimpleAsyncConnection;
+        db.conn()
+            .await
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET lock_timeout = '100ms'",
+                db.name()
+            ))
+            .await
+            .unwrap();
+    }
     let mut workers = Workers::start(
         db.url(),
         3,
-        &["--stage-delay-ms", "200", "--crash-rate", "0.02"],
+        &[
+            "--stage-delay-ms",
+            "200",
+            "--crash-rate",
+            "0.02",
+            "--rerun-on-new-input",
+        ],
     );
     let stop = CancellationToken::new();
     let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
@@ -47,12 +88,13 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 pid: i32,
             }
             let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            let mut keys = Vec::new();
             let pid: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
                 .get_result(&mut conn)
                 .await
                 .unwrap();
             pid_tx.send(pid.pid).unwrap();
-            let mut sent = 0usize;
+            let (mut sent, mut reruns) = (0usize, 0usize);
             while !stop.is_cancelled() {
                 let live = count(
                     &mut conn,
@@ -64,19 +106,29 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                         let tenant = TenantId::parse(&format!("t{}", sent % 4)).unwrap();
                         let anfrage = AnfrageId::new();
                         for _ in 0..2 {
-                            send(&mut conn, &tenant, anfrage, &text(sent)).await;
+                            send_retrying(&mut conn, &tenant, anfrage, &text(sent)).await;
                         }
+                        keys.push((tenant, anfrage));
                         sent += 1;
                     }
+                    // A rerun: an earlier anfrage sent again with another text.
+                    let (tenant, anfrage) = keys[rand::rng().random_range(0..keys.len())].clone();
+                    send_retrying(&mut conn, &tenant, anfrage, &text(10_000 + reruns)).await;
+                    reruns += 1;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            sent
+            (sent, reruns)
         })
     };
     // The sender's own connection is spared, so that it sends every anfrage it counts.
     let sender_pid = pid_rx.await.unwrap();
 
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
     let mut faults: BTreeMap<&str, u32> = BTreeMap::new();
     let mut conn = db.conn().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
@@ -84,7 +136,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         let pause = rand::rng().random_range(300..1500);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = rand::rng().random_range(0..workers.children.len());
-        match rand::rng().random_range(0..3) {
+        match rand::rng().random_range(0..5) {
             0 => {
                 workers.kill_and_replace(victim);
                 *faults.entry("sigkill").or_default() += 1;
@@ -97,12 +149,37 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 signal(&workers.children[victim], "-CONT");
                 *faults.entry("sigstop").or_default() += 1;
             }
-            _ => {
-                #[derive(diesel::QueryableByName)]
-                struct N {
-                    #[diesel(sql_type = BigInt)]
-                    n: i64,
+            3 => {
+                // Row locks on a few runs and anfragen, held past the workers'
+                // lock_timeout; a lock the holder cannot get in time is skipped.
+                let held = rand::rng().random_range(300..1200);
+                let locked = diesel::sql_query(format!(
+                    "WITH r AS (SELECT id FROM pipeline_runs ORDER BY random() LIMIT 3 FOR UPDATE SKIP LOCKED),
+                          a AS (SELECT id FROM anfragen ORDER BY random() LIMIT 2 FOR UPDATE SKIP LOCKED)
+                     SELECT count(*) AS n, pg_sleep({held} / 1000.0) IS NULL AS slept
+                       FROM (SELECT id FROM r UNION ALL SELECT id FROM a) x"
+                ))
+                .execute(&mut conn)
+                .await;
+                if locked.is_ok() {
+                    *faults.entry("row locks held").or_default() += 1;
                 }
+            }
+            4 => {
+                let n: N = diesel::sql_query(format!(
+                    "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) AS n FROM (
+                         SELECT pid FROM pg_stat_activity
+                          WHERE datname = current_database() AND pid <> pg_backend_pid()
+                            AND pid <> {sender_pid} AND backend_type = 'client backend'
+                            AND state = 'active'
+                          ORDER BY random() LIMIT 3) p"
+                ))
+                .get_result(&mut conn)
+                .await
+                .unwrap();
+                *faults.entry("cancelled statements").or_default() += n.n as u32;
+            }
+            _ => {
                 let n: N = diesel::sql_query(format!(
                     "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS n FROM (
                          SELECT pid FROM pg_stat_activity
@@ -119,11 +196,14 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         }
     }
     stop.cancel();
-    let sent = sender.await.unwrap();
+    let (sent, reruns) = sender.await.unwrap();
     let check = assert_quiet_and_sound(db.url(), 300).await;
     workers.assert_all_alive();
     workers.stop_all();
-    eprintln!("soak: {secs} s of faults {faults:?}; {sent} anfragen sent twice each; {check:?}");
+    eprintln!(
+        "soak: {secs} s of faults {faults:?}; {sent} anfragen sent twice each, {reruns} reruns with new input; {check:?}"
+    );
+    assert_eq!(check.stale_lineage, 0, "{check:?}");
     assert_eq!(check.anfragen, sent as i64);
     assert!(sent > 0);
     assert!(!faults.is_empty(), "no fault was injected");

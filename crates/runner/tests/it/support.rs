@@ -138,6 +138,33 @@ pub async fn send(
     .unwrap()
 }
 
+/// Sends an anfrage as `send` does, under the `Rerun` policy: another text for a
+/// registered anfrage replaces its input (and re-points a live job at it). Returns
+/// the error of a transaction that failed (a lock timeout, say) so callers can
+/// retry.
+pub async fn send_rerun(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+    text: &str,
+) -> Result<SendResult, idemstage_domain::RepoError> {
+    let pipeline = pipeline();
+    conn.transaction::<_, TxError, _>(async |conn| {
+        let started = idemstage_persistence::anfragen::start_in(
+            conn,
+            tenant,
+            &anfrage,
+            text,
+            idemstage_domain::InputChangePolicy::Rerun,
+            |hash| first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned()),
+        )
+        .await?;
+        Ok(started.sent)
+    })
+    .await
+    .map_err(TxError::into_repo)
+}
+
 /// Sends `n` anfragen over 3 tenants, each twice. Returns their keys.
 pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
     let mut conn = idemstage_persistence::connect(url).await.unwrap();

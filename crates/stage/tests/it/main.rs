@@ -528,3 +528,36 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         1
     );
 }
+
+/// Item 1: a stage job that gives up before its stage (retry_limit 2 against
+/// max_attempts 5) would leave the stage with no live job. Refused at construction.
+#[test]
+fn a_job_retry_budget_below_a_stages_attempts_is_refused() {
+    let pipeline = example::pipeline(Chaos::default());
+    let options = idemstage_domain::SendOptions {
+        retry_limit: 2,
+        ..Pipeline::default_send_options()
+    };
+    let Err(err) = pipeline.clone().with_send_options(options) else {
+        panic!("a retry_limit below max_attempts was accepted");
+    };
+    assert!(
+        matches!(
+            err,
+            idemstage_stage::PipelineError::RetryBudgetTooSmall {
+                retry_limit: 2,
+                max_attempts: 5,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err
+        .to_string()
+        .contains("below stage intake's max_attempts 5"));
+    let enough = idemstage_domain::SendOptions {
+        retry_limit: 5,
+        ..Pipeline::default_send_options()
+    };
+    assert!(pipeline.with_send_options(enough).is_ok());
+}
