@@ -233,12 +233,7 @@ impl RunRepository for PgRunRepository {
             })
             .await
             .map_err(map_diesel_error)?;
-        Ok(match renewed {
-            Some(row) => RenewOutcome::Renewed {
-                lease_expires_at: row.lease_expires_at,
-            },
-            None => RenewOutcome::Fenced,
-        })
+        Ok(lease_outcome(renewed))
     }
 
     async fn complete(
@@ -335,12 +330,7 @@ impl RunRepository for PgRunRepository {
             })
             .await
             .map_err(TxError::into_repo)?;
-        Ok(match released {
-            Some(row) => RenewOutcome::Renewed {
-                lease_expires_at: row.lease_expires_at,
-            },
-            None => RenewOutcome::Fenced,
-        })
+        Ok(lease_outcome(released))
     }
 
     async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
@@ -430,6 +420,16 @@ impl RunRepository for PgRunRepository {
 struct LeaseRow {
     #[diesel(sql_type = Timestamptz)]
     lease_expires_at: DateTime<Utc>,
+}
+
+/// A fenced lease statement's row (the new lease end), or none: the token lost.
+fn lease_outcome(row: Option<LeaseRow>) -> RenewOutcome {
+    match row {
+        Some(row) => RenewOutcome::Renewed {
+            lease_expires_at: row.lease_expires_at,
+        },
+        None => RenewOutcome::Fenced,
+    }
 }
 
 enum Recheck {
