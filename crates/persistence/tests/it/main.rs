@@ -8,5 +8,6 @@ mod isolation;
 mod queue;
 mod start;
 mod support;
+mod team_tables;
 mod tenant_isolation;
 mod tenant_run_fks;

@@ -1,0 +1,302 @@
+//! A team's own table under the same tenant isolation as ours by one line of its
+//! migration, `SELECT idemstage_tenant_table('ocr_pages')` (migration `000060`):
+//! a transaction scoped to one tenant (`tenant::scope`) can neither read, update,
+//! delete nor insert another tenant's rows, and one without a tenant sees nothing.
+
+use diesel::sql_types::{Bool, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_domain::TenantId;
+use idemstage_persistence::tenant::scope;
+use idemstage_testkit::TestDb;
+
+use crate::support::*;
+
+/// The team's table, as its migration would create it.
+const OCR_PAGES: &str = "CREATE TABLE ocr_pages (id text PRIMARY KEY, \
+     tenant_id text NOT NULL, anfrage_id text NOT NULL, page int NOT NULL, text text NOT NULL)";
+
+/// The one line of the team's migration.
+const PROTECT: &str = "SELECT idemstage_tenant_table('ocr_pages')";
+
+async fn team_table(conn: &mut AsyncPgConnection) {
+    conn.batch_execute(OCR_PAGES).await.unwrap();
+    conn.batch_execute(PROTECT).await.unwrap();
+}
+
+async fn insert_page(
+    conn: &mut AsyncPgConnection,
+    id: &str,
+    tenant: &str,
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(
+        "INSERT INTO ocr_pages (id, tenant_id, anfrage_id, page, text) \
+         VALUES ($1, $2, '01JDQ3W5AAAAAAAAAAAAAAAAAA', 1, 'Seite 1')",
+    )
+    .bind::<Text, _>(id)
+    .bind::<Text, _>(tenant)
+    .execute(conn)
+    .await
+}
+
+/// Inserts `id` for `tenant` in a transaction scoped to `scoped_to`.
+async fn insert_scoped(
+    conn: &mut AsyncPgConnection,
+    scoped_to: &TenantId,
+    id: &str,
+    tenant: &str,
+) -> Result<usize, diesel::result::Error> {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        scope(conn, scoped_to).await?;
+        insert_page(conn, id, tenant).await
+    })
+    .await
+}
+
+#[derive(diesel::QueryableByName, Debug, PartialEq)]
+struct Flags {
+    #[diesel(sql_type = Bool)]
+    enabled: bool,
+    #[diesel(sql_type = Bool)]
+    forced: bool,
+    #[diesel(sql_type = Bool)]
+    granted: bool,
+}
+
+/// RLS enabled, forced, and SELECT/INSERT/UPDATE/DELETE granted to idemstage_app.
+async fn flags(conn: &mut AsyncPgConnection, table: &str) -> Flags {
+    diesel::sql_query(
+        "SELECT relrowsecurity AS enabled, relforcerowsecurity AS forced, \
+                has_table_privilege('idemstage_app', oid, 'SELECT, INSERT, UPDATE, DELETE') \
+                AS granted \
+         FROM pg_class WHERE oid = $1::regclass",
+    )
+    .bind::<Text, _>(table)
+    .get_result(conn)
+    .await
+    .unwrap()
+}
+
+#[derive(diesel::QueryableByName, Debug, PartialEq)]
+struct Policy {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Text)]
+    shape: String,
+    #[diesel(sql_type = Text)]
+    qual: String,
+    #[diesel(sql_type = Text)]
+    with_check: String,
+}
+
+/// Every policy of `table`, with its roles, command and permissiveness as `shape`.
+async fn policies(conn: &mut AsyncPgConnection, table: &str) -> Vec<Policy> {
+    diesel::sql_query(
+        "SELECT policyname::text AS name, \
+                array_to_string(roles, ',') || ' ' || cmd || ' ' || permissive AS shape, \
+                coalesce(qual, '') AS qual, coalesce(with_check, '') AS with_check \
+         FROM pg_policies WHERE schemaname = 'public' AND tablename = $1 ORDER BY 1",
+    )
+    .bind::<Text, _>(table)
+    .load(conn)
+    .await
+    .unwrap()
+}
+
+async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    count(conn, sql).await
+}
+
+/// Tenant `t1`'s scope sees, changes and deletes only its own rows of the table.
+async fn assert_isolated(conn: &mut AsyncPgConnection, t1: &TenantId) {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        scope(conn, t1).await?;
+        assert!(
+            n(conn, "SELECT 1 FROM ocr_pages").await > 0,
+            "t1 sees its rows"
+        );
+        assert_eq!(
+            n(conn, "SELECT 1 FROM ocr_pages WHERE tenant_id <> 't1'").await,
+            0,
+            "t1 sees another tenant's rows"
+        );
+        let touched =
+            diesel::sql_query("UPDATE ocr_pages SET text = 'overwritten' WHERE tenant_id = 't2'")
+                .execute(conn)
+                .await?;
+        assert_eq!(touched, 0, "t1 updated t2's rows");
+        let deleted = diesel::sql_query("DELETE FROM ocr_pages WHERE tenant_id = 't2'")
+            .execute(conn)
+            .await?;
+        assert_eq!(deleted, 0, "t1 deleted t2's rows");
+        Ok(())
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_team_table_put_under_isolation_by_one_call_is_isolated_like_ours() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    team_table(&mut conn).await;
+    let (t1, t2) = (tenant("t1"), tenant("t2"));
+
+    // Each tenant writes its own rows in its own scope.
+    assert_eq!(insert_scoped(&mut conn, &t1, "p1", "t1").await.unwrap(), 1);
+    assert_eq!(insert_scoped(&mut conn, &t2, "p2", "t2").await.unwrap(), 1);
+    // A row for t2 written from t1's scope is refused by the policy's WITH CHECK.
+    let err = insert_scoped(&mut conn, &t1, "p3", "t2").await.unwrap_err();
+    assert!(err.to_string().contains("row-level security"), "{err}");
+
+    // t2's rows are invisible to t1 for SELECT, UPDATE and DELETE.
+    assert_isolated(&mut conn, &t1).await;
+    // Moving t1's row to t2 is refused too.
+    let err = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            scope(conn, &t1).await?;
+            diesel::sql_query("UPDATE ocr_pages SET tenant_id = 't2'")
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("row-level security"), "{err}");
+
+    // The role alone, without a tenant, sees nothing and writes nothing.
+    conn.batch_execute("BEGIN; SET LOCAL ROLE idemstage_app")
+        .await
+        .unwrap();
+    assert_eq!(n(&mut conn, "SELECT 1 FROM ocr_pages").await, 0);
+    conn.batch_execute("ROLLBACK").await.unwrap();
+    let err = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            conn.batch_execute("SET LOCAL ROLE idemstage_app").await?;
+            insert_page(conn, "p4", "t1").await
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("row-level security"), "{err}");
+
+    // The connecting superuser sees both tenants' rows, untouched.
+    assert_eq!(
+        n(
+            &mut conn,
+            "SELECT 1 FROM ocr_pages WHERE (id, tenant_id, text) IN \
+             (('p1', 't1', 'Seite 1'), ('p2', 't2', 'Seite 1'))"
+        )
+        .await,
+        2
+    );
+    assert_eq!(n(&mut conn, "SELECT 1 FROM ocr_pages").await, 2);
+
+    // Enabled and forced, granted, and the one policy shaped exactly like ours.
+    assert_eq!(
+        flags(&mut conn, "ocr_pages").await,
+        Flags {
+            enabled: true,
+            forced: true,
+            granted: true
+        }
+    );
+    let ours = policies(&mut conn, "anfragen").await;
+    let theirs = policies(&mut conn, "ocr_pages").await;
+    assert_eq!(theirs.len(), 1, "{theirs:?}");
+    let (ours, theirs) = (&ours[0], &theirs[0]);
+    assert_eq!(
+        (theirs.name.as_str(), theirs.shape.as_str()),
+        ("tenant_isolation", "idemstage_app ALL PERMISSIVE")
+    );
+    assert_eq!((&theirs.name, &theirs.shape), (&ours.name, &ours.shape));
+    // Ours compares a tenant_slug domain (deparsed with a cast), theirs plain text.
+    let expr = "(tenant_id = current_setting('app.tenant_id'::text, true))";
+    assert_eq!(
+        (theirs.qual.as_str(), theirs.with_check.as_str()),
+        (expr, expr)
+    );
+}
+
+#[tokio::test]
+async fn calling_it_twice_is_harmless_and_restores_a_changed_policy() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    team_table(&mut conn).await;
+    let once = policies(&mut conn, "ocr_pages").await;
+    conn.batch_execute(PROTECT).await.unwrap();
+    assert_eq!(policies(&mut conn, "ocr_pages").await, once);
+
+    // A policy of the same name loosened by hand is replaced by the canonical one.
+    conn.batch_execute(
+        "DROP POLICY tenant_isolation ON ocr_pages; \
+         CREATE POLICY tenant_isolation ON ocr_pages TO idemstage_app USING (true)",
+    )
+    .await
+    .unwrap();
+    conn.batch_execute(PROTECT).await.unwrap();
+    assert_eq!(policies(&mut conn, "ocr_pages").await, once);
+    assert_eq!(
+        flags(&mut conn, "ocr_pages").await,
+        Flags {
+            enabled: true,
+            forced: true,
+            granted: true
+        }
+    );
+
+    let (t1, t2) = (tenant("t1"), tenant("t2"));
+    insert_scoped(&mut conn, &t1, "p1", "t1").await.unwrap();
+    insert_scoped(&mut conn, &t2, "p2", "t2").await.unwrap();
+    assert_isolated(&mut conn, &t1).await;
+    assert_eq!(n(&mut conn, "SELECT 1 FROM ocr_pages").await, 2);
+}
+
+#[tokio::test]
+async fn a_relation_without_a_text_tenant_id_is_refused_by_name_and_left_unchanged() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    conn.batch_execute(
+        "CREATE TABLE ocr_notes (id text PRIMARY KEY, tenant text NOT NULL); \
+         CREATE TABLE ocr_counts (id text PRIMARY KEY, tenant_id int NOT NULL); \
+         CREATE VIEW ocr_view AS SELECT 't1'::text AS tenant_id",
+    )
+    .await
+    .unwrap();
+    for (table, message) in [
+        (
+            "ocr_notes",
+            "table public.ocr_notes has no tenant_id column",
+        ),
+        (
+            "ocr_counts",
+            "tenant_id of table public.ocr_counts is not text",
+        ),
+        ("ocr_view", "public.ocr_view is not a table"),
+    ] {
+        let err = conn
+            .batch_execute(&format!("SELECT idemstage_tenant_table('{table}')"))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(message), "{table}: {err}");
+        assert!(policies(&mut conn, table).await.is_empty(), "{table}");
+        if table != "ocr_view" {
+            assert_eq!(
+                flags(&mut conn, table).await,
+                Flags {
+                    enabled: false,
+                    forced: false,
+                    granted: false
+                },
+                "{table}"
+            );
+        }
+    }
+    // An unknown table fails at the call, naming it.
+    let err = conn
+        .batch_execute("SELECT idemstage_tenant_table('ocr_missing')")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("\"ocr_missing\" does not exist"),
+        "{err}"
+    );
+}
