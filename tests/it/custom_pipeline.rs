@@ -1,13 +1,12 @@
 //! A product team's own pipeline, defined here, outside our crates: its own stage
 //! names, order and policies, without editing `idemstage-stage`.
 
+use idemstage_persistence::FencedTx;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemstage_domain::{
-    FencedTx, InputChangePolicy, StageError, StageName, StagePolicy, TenantId, WorkerId,
-};
+use idemstage_domain::{InputChangePolicy, StageError, StageName, StagePolicy, TenantId, WorkerId};
 use idemstage_persistence::PgRunRepository;
 use idemstage_stage::{ExecutionOutcome, Executor, Pipeline, Stage, StageFlow, StageJob};
 use idemstage_testkit::TestDb;
@@ -41,7 +40,7 @@ impl Stage for Recorder {
         &self,
         job: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         tx.audit(
             &job.anfrage_id.to_string(),

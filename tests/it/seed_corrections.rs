@@ -6,8 +6,7 @@ use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, RunRepository, SkipReason, StageName, StagePolicy, TenantId,
-    WorkerId,
+    ClaimOutcome, ClaimRequest, SkipReason, StageName, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_persistence::schema::pipeline_runs;
 use idemstage_persistence::PgRunRepository;

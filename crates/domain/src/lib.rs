@@ -20,7 +20,4 @@ pub use queue::{
     FailKind, FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
     JobState, JobToSend, PayloadError, QueueStats, SendOptions, SendResult, StateCounts,
 };
-pub use repo::{
-    AttemptRecord, ClaimRequest, ClaimToken, DateiRef, Extraktion, FencedTx, FencedWrite,
-    RunRecord, RunRepository,
-};
+pub use repo::{AttemptRecord, ClaimRequest, ClaimToken, DateiRef, Extraktion, RunRecord};

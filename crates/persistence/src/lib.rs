@@ -8,6 +8,7 @@ pub mod bench_support;
 pub mod cached;
 pub mod db;
 pub mod error;
+pub mod example;
 pub mod fenced;
 pub mod queue;
 pub mod report;
@@ -21,5 +22,5 @@ pub use db::{
     PooledConn, MIGRATIONS, MIGRATIONS_FINGERPRINT,
 };
 pub use error::{map_diesel_error, TxError};
-pub use fenced::PgFencedTx;
+pub use fenced::{FencedTx, FencedWrite, InsertOrGet, Replaced};
 pub use runs::PgRunRepository;

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idemstage_domain::{Extraktion, FencedTx, StageError, StageName, StagePolicy};
+use idemstage_domain::{Extraktion, StageError, StageName, StagePolicy};
+use idemstage_persistence::example::ExampleTables;
+use idemstage_persistence::FencedTx;
 use serde_json::json;
 
 use crate::{Pipeline, Stage, StageFlow, StageJob};
@@ -179,7 +181,7 @@ impl Stage for Intake {
         &self,
         job: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let text = tx.anfrage_text().await?;
         let sha = idemstage_domain::input_hash_of(text.as_bytes());
@@ -210,7 +212,7 @@ impl Stage for Extract {
         &self,
         job: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let text = tx.anfrage_text().await?;
         let positions = extract_positions(&text);
@@ -272,7 +274,7 @@ impl Stage for Feasibility {
         &self,
         _: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let positions = tx.extraktionen().await?;
         let reasons = feasibility_reasons(&positions);
@@ -298,7 +300,7 @@ impl Stage for Calculate {
         &self,
         job: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let positions = tx.extraktionen().await?;
         // The same input fails the same way on every attempt: permanent.

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, FencedTx, JobCompleteOutcome, JobId,
-    RejectReason, RenewOutcome, RepoError, RunId, RunRepository, SkipReason, StageError, WorkerId,
+    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobCompleteOutcome, JobId, RejectReason,
+    RenewOutcome, RepoError, RunId, SkipReason, StageError, WorkerId,
 };
+use idemstage_persistence::{FencedTx, PgRunRepository};
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
@@ -76,14 +77,14 @@ pub struct JobLease {
 /// Runs stage executions for one worker identity.
 #[derive(Clone)]
 pub struct Executor {
-    repo: Arc<dyn RunRepository>,
+    repo: Arc<PgRunRepository>,
     worker: WorkerId,
     /// Releases of executions dropped mid-way (see `ReleaseOnDrop`).
     releases: TaskTracker,
 }
 
 impl Executor {
-    pub fn new(repo: Arc<dyn RunRepository>, worker: WorkerId) -> Self {
+    pub fn new(repo: Arc<PgRunRepository>, worker: WorkerId) -> Self {
         Self {
             repo,
             worker,
@@ -378,12 +379,12 @@ impl Executor {
     }
 }
 
-/// Releases the claim (`RunRepository::release`: lease ended now, the attempt
+/// Releases the claim (`PgRunRepository::release`: lease ended now, the attempt
 /// `abandoned` and given back to the budget) if dropped while armed. The release
 /// is fenced on the token, so it changes nothing if the transaction had committed
 /// or someone had taken the stage over.
 struct ReleaseOnDrop {
-    repo: Arc<dyn RunRepository>,
+    repo: Arc<PgRunRepository>,
     token: Option<ClaimToken>,
     tracker: TaskTracker,
 }
@@ -444,7 +445,7 @@ fn is_infrastructure(error: &StageError) -> bool {
 /// signatures are not inferred as higher-ranked from a later use).
 fn fenced_write<F>(f: F) -> F
 where
-    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+    F: for<'t, 'c> Fn(&'t mut FencedTx<'c>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
 {
     f
 }

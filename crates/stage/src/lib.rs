@@ -2,17 +2,21 @@
 //! runs one stage execution: claim → skip or run → fenced commit (with the next
 //! stage's job) or fail, renewing the lease while the body runs.
 //!
-//! Invariant: this crate names no table and no SQL; it depends on `domain` traits.
+//! Invariant: this crate names no table and no SQL. A stage body writes through the
+//! fenced transaction handle (`FencedTx`) that `persistence` opens.
 
 pub mod example;
 mod executor;
 mod pipeline;
+mod start;
 
 pub use executor::{ExecutionOutcome, Executor, Flow, JobLease};
 pub use pipeline::{first_job, Pipeline, PipelineError, StageJob};
+pub use start::{start, start_in};
 
 use async_trait::async_trait;
-use idemstage_domain::{FencedTx, StageError, StageName, StagePolicy};
+use idemstage_domain::{StageError, StageName, StagePolicy};
+use idemstage_persistence::FencedTx;
 
 /// What the pipeline does after a stage succeeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +48,6 @@ pub trait Stage: Send + Sync + 'static {
         &self,
         job: &StageJob,
         prepared: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError>;
 }

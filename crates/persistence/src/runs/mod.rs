@@ -4,7 +4,6 @@ pub mod sql;
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::dsl::now;
 use diesel::prelude::*;
@@ -12,14 +11,13 @@ use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     sanitize_error_text, AnfrageId, AttemptRecord, ClaimOutcome, ClaimRequest, ClaimToken,
-    CompleteOutcome, FailOutcome, FencedWrite, InputChangePolicy, RejectReason, RenewOutcome,
-    RepoError, RunId, RunRecord, RunRepository, RunStatus, SkipReason, StageError, StageName,
-    TenantId,
+    CompleteOutcome, FailOutcome, InputChangePolicy, RejectReason, RenewOutcome, RepoError, RunId,
+    RunRecord, RunStatus, SkipReason, StageError, StageName, TenantId,
 };
 
 use crate::cached::CachedExt;
 use crate::error::{map_diesel_error, TxError};
-use crate::fenced::PgFencedTx;
+use crate::fenced::{FencedTx, FencedWrite};
 use crate::schema::{pipeline_run_attempts, pipeline_runs};
 use crate::PgPool;
 
@@ -170,9 +168,10 @@ async fn claim_once(
     .map_err(|e| map_claim_error(e, req))
 }
 
-#[async_trait]
-impl RunRepository for PgRunRepository {
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
+impl PgRunRepository {
+    /// The one atomic claim statement (plus a read when it returns no row, to say
+    /// why).
+    pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
         req.policy.validate()?;
         let mut conn = self.conn().await?;
         // The guard can say no because of a state that changes right after (a lease
@@ -213,7 +212,8 @@ impl RunRepository for PgRunRepository {
         )))
     }
 
-    async fn renew_lease(
+    /// Extends the lease from the database clock, if the token still holds.
+    pub async fn renew_lease(
         &self,
         token: &ClaimToken,
         lease: Duration,
@@ -236,7 +236,10 @@ impl RunRepository for PgRunRepository {
         Ok(lease_outcome(renewed))
     }
 
-    async fn complete(
+    /// Checks lineage and the token, marks the run `success`, runs `write`, commits:
+    /// all one transaction. Retries 40001/40P01; re-reads the run after an
+    /// ambiguous commit.
+    pub async fn complete(
         &self,
         token: &ClaimToken,
         write: &FencedWrite<'_>,
@@ -268,7 +271,9 @@ impl RunRepository for PgRunRepository {
         }
     }
 
-    async fn fail(
+    /// Records a failed attempt (fenced on the token). A permanent failure, or the
+    /// last attempt of the budget, makes the run `dead`.
+    pub async fn fail(
         &self,
         token: &ClaimToken,
         error: &str,
@@ -310,7 +315,13 @@ impl RunRepository for PgRunRepository {
         })
     }
 
-    async fn release(&self, token: &ClaimToken, reason: &str) -> Result<RenewOutcome, RepoError> {
+    /// Gives the lease back without counting the attempt (a shutdown, a database
+    /// error that interrupted the attempt); `reason` is recorded as `last_error`.
+    pub async fn release(
+        &self,
+        token: &ClaimToken,
+        reason: &str,
+    ) -> Result<RenewOutcome, RepoError> {
         let mut conn = self.conn().await?;
         let reason = sanitize_error_text(reason);
         // The attempt row says `abandoned`: the attempt did not fail, it was given up.
@@ -333,7 +344,8 @@ impl RunRepository for PgRunRepository {
         Ok(lease_outcome(released))
     }
 
-    async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
+    /// Marks the token's attempt `fenced` in the history (it lost its lease).
+    pub async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
         let mut conn = self.conn().await?;
         conn.transaction::<_, TxError, _>(async |conn| {
             crate::tenant::scope(conn, &token.tenant).await?;
@@ -343,7 +355,8 @@ impl RunRepository for PgRunRepository {
         .map_err(TxError::into_repo)
     }
 
-    async fn read_run(
+    /// The run of (tenant, anfrage, stage), if any.
+    pub async fn read_run(
         &self,
         tenant: &TenantId,
         anfrage: &AnfrageId,
@@ -360,7 +373,8 @@ impl RunRepository for PgRunRepository {
         .transpose()
     }
 
-    async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
+    /// Every attempt of a run, in order.
+    pub async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
         use pipeline_run_attempts::dsl as pa;
         type Row = (
             i32,
@@ -526,7 +540,7 @@ impl PgRunRepository {
                         .execute(conn)
                         .await?;
                 }
-                let mut tx = PgFencedTx::new(conn, token.clone());
+                let mut tx = FencedTx::new(conn, token.clone());
                 write(&mut tx).await.map_err(TxError::Stage)?;
                 Ok(CompleteOutcome::Committed)
             })

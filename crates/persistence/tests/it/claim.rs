@@ -1,6 +1,8 @@
 //! Layer 1: the claim, leases, fencing, the write helpers, and the corrections of
 //! DESIGN.md section 1. Separate connections, real commits.
 
+use idemstage_persistence::example::ExampleTables;
+use idemstage_persistence::FencedTx;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,24 +12,25 @@ use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, CompleteOutcome, Extraktion, FailOutcome, FencedTx, InputChangePolicy,
-    RejectReason, RenewOutcome, RunRepository, RunStatus, SkipReason, StageError,
+    ClaimOutcome, CompleteOutcome, Extraktion, FailOutcome, InputChangePolicy, RejectReason,
+    RenewOutcome, RunStatus, SkipReason, StageError,
 };
-use idemstage_persistence::fenced::{audit, insert_or_get_datei};
+use idemstage_persistence::example::insert_or_get_datei;
+use idemstage_persistence::fenced::audit;
 use idemstage_testkit::TestDb;
 use rand::{Rng, SeedableRng};
 use tokio::sync::Barrier;
 
 use crate::support::*;
 
-fn noop<'t>(_: &'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> {
+fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
     async { Ok(()) }.boxed()
 }
 
 /// Pins a closure to the higher-ranked `FencedWrite` signature.
 fn write_fn<F>(f: F) -> F
 where
-    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
 {
     f
 }

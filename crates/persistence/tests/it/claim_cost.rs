@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use idemstage_domain::{ClaimOutcome, RunRepository};
+use idemstage_domain::ClaimOutcome;
 use idemstage_testkit::TestDb;
 
 use crate::support::*;

@@ -8,10 +8,11 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, CompleteOutcome, Extraktion, FencedTx, RepoError, RunRepository, StageError,
-    TenantId,
+    ClaimOutcome, CompleteOutcome, Extraktion, RepoError, StageError, TenantId,
 };
+use idemstage_persistence::example::ExampleTables;
 use idemstage_persistence::tenant::scope;
+use idemstage_persistence::FencedTx;
 use idemstage_testkit::TestDb;
 
 use crate::support::*;
@@ -60,7 +61,7 @@ async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::AnfrageId {
 
 fn write_fn<F>(f: F) -> F
 where
-    F: for<'t> Fn(&'t mut dyn FencedTx) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
 {
     f
 }

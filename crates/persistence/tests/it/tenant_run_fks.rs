@@ -5,7 +5,7 @@
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, ClaimOutcome, RunRepository, TenantId};
+use idemstage_domain::{AnfrageId, ClaimOutcome, TenantId};
 use idemstage_testkit::TestDb;
 
 use crate::support::*;

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, JobId, JobToSend, RunRepository, SendOptions, SendResult,
-    SkipReason, StageName, StagePolicy, TenantId, WorkerId,
+    ClaimOutcome, ClaimRequest, JobId, JobToSend, SendOptions, SendResult, SkipReason, StageName,
+    StagePolicy, TenantId, WorkerId,
 };
 use idemstage_persistence::bench_support as fixtures;
 use idemstage_persistence::report::check_example_pipeline;

@@ -4,6 +4,7 @@
 //! in a clear error on a failed job (or run); the worker keeps running and the
 //! good work next to it is unaffected. (Bad CLI input is in `cli.rs`.)
 
+use idemstage_persistence::FencedTx;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +12,7 @@ use async_trait::async_trait;
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    input_hash_of, AnfrageId, FencedTx, JobId, SendOptions, StageError, StageName, StagePolicy,
-    TenantId,
+    input_hash_of, AnfrageId, JobId, SendOptions, StageError, StageName, StagePolicy, TenantId,
 };
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_runner::Counters;
@@ -304,7 +304,7 @@ impl Stage for Probe {
         &self,
         job: &StageJob,
         _: &Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let text = tx.anfrage_text().await?;
         tx.audit(&job.anfrage_id.to_string(), "probe.started", json!({}))

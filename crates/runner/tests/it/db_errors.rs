@@ -1,14 +1,13 @@
 //! Database errors after a claim: the stage is never left `running` with no live
 //! job, and the database's problems do not use up the stage's attempts.
 
+use idemstage_persistence::FencedTx;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{
-    input_hash_of, AnfrageId, FencedTx, StageError, StageName, StagePolicy, TenantId,
-};
+use idemstage_domain::{input_hash_of, AnfrageId, StageError, StageName, StagePolicy, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_runner::Counters;
 use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
@@ -120,7 +119,7 @@ impl Stage for NulOnce {
         &self,
         _: &StageJob,
         _: &Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         if tx.token().attempt == 1 {
             return Err(StageError::Transient("upstream said \0 and more".into()));

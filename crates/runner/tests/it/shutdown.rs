@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, FencedTx, RunRepository, StageError, StageName,
-    StagePolicy, TenantId, WorkerId,
+    AnfrageId, ClaimOutcome, ClaimRequest, StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::{queue, PgRunRepository};
+use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
 use idemstage_testkit::TestDb;
@@ -44,7 +43,7 @@ impl Stage for Stuck {
         &self,
         _job: &StageJob,
         _prepared: &Value,
-        _tx: &mut dyn FencedTx,
+        _tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         Ok(StageFlow::Continue)
     }

@@ -7,11 +7,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, FencedTx, RunRepository, SkipReason, StageError,
-    StageName, StagePolicy, TenantId, WorkerId,
+    AnfrageId, ClaimOutcome, ClaimRequest, SkipReason, StageError, StageName, StagePolicy,
+    TenantId, WorkerId,
 };
 use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::{queue, PgRunRepository};
+use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::{
     first_job, ExecutionOutcome, Executor, JobLease, Pipeline, Stage, StageFlow, StageJob,
@@ -274,7 +274,7 @@ impl Stage for Gate {
         &self,
         _: &StageJob,
         _: &serde_json::Value,
-        tx: &mut dyn FencedTx,
+        tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         tx.audit("gate", "gate.done", serde_json::json!({})).await?;
         Ok(StageFlow::Continue)

@@ -1,0 +1,294 @@
+//! The example pipeline's own tables (`dateien`, `anfrage_extraktionen`,
+//! `feasibility_results`, `calculation_results`), written the way a team writes
+//! its tables: an extension trait on [`FencedTx`] over the tenant-scoped
+//! connection and the generic helpers. Nothing in the core calls this.
+
+use async_trait::async_trait;
+use diesel::prelude::*;
+use diesel::upsert::excluded;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{ClaimToken, DateiRef, Extraktion, RepoError, RowId, TenantId};
+
+use crate::error::map_diesel_error;
+use crate::fenced::{insert_or_get, FencedTx, InsertOrGet, Replaced};
+use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibility_results};
+
+#[derive(Insertable)]
+#[diesel(table_name = anfrage_extraktionen)]
+struct NewExtraktion<'a> {
+    id: String,
+    tenant_id: &'a str,
+    anfrage_id: String,
+    position_index: i32,
+    description: &'a str,
+    quantity: Option<f64>,
+    unit: Option<&'a str>,
+    run_id: String,
+    attempt: i32,
+}
+
+fn extraktion_rows<'a>(token: &'a ClaimToken, rows: &'a [Extraktion]) -> Vec<NewExtraktion<'a>> {
+    rows.iter()
+        .map(|r| NewExtraktion {
+            id: RowId::new().to_string(),
+            tenant_id: token.tenant.as_str(),
+            anfrage_id: token.anfrage.to_string(),
+            position_index: r.position_index,
+            description: &r.description,
+            quantity: r.quantity,
+            unit: r.unit.as_deref(),
+            run_id: token.run_id.to_string(),
+            attempt: token.attempt,
+        })
+        .collect()
+}
+
+/// Insert-or-get of a `dateien` row by `(tenant_id, sha256, s3_key)` on any
+/// connection.
+pub async fn insert_or_get_datei(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage_id: &str,
+    sha256: &str,
+    s3_key: &str,
+    size_bytes: i64,
+) -> Result<DateiRef, RepoError> {
+    let found = insert_or_get(
+        conn,
+        &format!("dateien ({tenant}, {sha256}, {s3_key})"),
+        || insert_datei(tenant, anfrage_id, sha256, s3_key, size_bytes),
+        || select_datei(tenant, sha256, s3_key),
+    )
+    .await?;
+    datei_ref(found)
+}
+
+fn insert_datei<'a>(
+    tenant: &'a TenantId,
+    anfrage_id: &'a str,
+    sha256: &'a str,
+    s3_key: &'a str,
+    size_bytes: i64,
+) -> impl diesel_async::methods::LoadQuery<'a, AsyncPgConnection, String> + Send + 'a {
+    use dateien::dsl as d;
+    diesel::insert_into(d::dateien)
+        .values((
+            d::id.eq(RowId::new().to_string()),
+            d::tenant_id.eq(tenant.as_str()),
+            d::anfrage_id.eq(anfrage_id),
+            d::sha256.eq(sha256),
+            d::s3_key.eq(s3_key),
+            d::size_bytes.eq(size_bytes),
+        ))
+        .on_conflict((d::tenant_id, d::sha256, d::s3_key))
+        .do_nothing()
+        .returning(d::id)
+}
+
+fn select_datei<'a>(
+    tenant: &'a TenantId,
+    sha256: &'a str,
+    s3_key: &'a str,
+) -> impl diesel_async::methods::LoadQuery<'a, AsyncPgConnection, String> + Send + 'a {
+    use dateien::dsl as d;
+    d::dateien
+        .filter(d::tenant_id.eq(tenant.as_str()))
+        .filter(d::sha256.eq(sha256))
+        .filter(d::s3_key.eq(s3_key))
+        .select(d::id)
+        .limit(1)
+}
+
+fn datei_ref(found: InsertOrGet<String>) -> Result<DateiRef, RepoError> {
+    Ok(DateiRef {
+        id: RowId::parse(&found.id)?,
+        inserted: found.inserted,
+    })
+}
+
+/// The example's writes, on the fenced transaction of one of its stages.
+#[async_trait]
+pub trait ExampleTables {
+    /// DELETE-before-INSERT of the anfrage's `anfrage_extraktionen`.
+    async fn replace_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError>;
+
+    /// The per-row upsert variant: same end state as `replace_extraktionen`.
+    async fn upsert_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError>;
+
+    /// Insert-or-get of the anfrage's input file, with an audit entry naming the id
+    /// that exists (`datei.created` or `datei.reused`).
+    async fn insert_or_get_datei(
+        &mut self,
+        sha256: &str,
+        s3_key: &str,
+        size_bytes: i64,
+    ) -> Result<DateiRef, RepoError>;
+
+    async fn put_feasibility(
+        &mut self,
+        feasible: bool,
+        reasons: serde_json::Value,
+    ) -> Result<(), RepoError>;
+
+    async fn put_calculation(
+        &mut self,
+        total_cents: i64,
+        lines: serde_json::Value,
+    ) -> Result<(), RepoError>;
+
+    /// The anfrage's extracted positions, in order.
+    async fn extraktionen(&mut self) -> Result<Vec<Extraktion>, RepoError>;
+}
+
+#[async_trait]
+impl ExampleTables for FencedTx<'_> {
+    async fn replace_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError> {
+        use anfrage_extraktionen::dsl as ae;
+        let token = self.token().clone();
+        let delete = diesel::delete(
+            ae::anfrage_extraktionen
+                .filter(ae::tenant_id.eq(token.tenant.as_str()))
+                .filter(ae::anfrage_id.eq(token.anfrage.to_string())),
+        );
+        let insert =
+            diesel::insert_into(ae::anfrage_extraktionen).values(extraktion_rows(&token, rows));
+        self.replace_children(delete, insert).await
+    }
+
+    async fn upsert_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError> {
+        use anfrage_extraktionen::dsl as ae;
+        let token = self.token().clone();
+        let keep: Vec<i32> = rows.iter().map(|r| r.position_index).collect();
+        let upsert = diesel::insert_into(ae::anfrage_extraktionen)
+            .values(extraktion_rows(&token, rows))
+            .on_conflict((ae::tenant_id, ae::anfrage_id, ae::position_index))
+            .do_update()
+            .set((
+                ae::description.eq(excluded(ae::description)),
+                ae::quantity.eq(excluded(ae::quantity)),
+                ae::unit.eq(excluded(ae::unit)),
+                ae::run_id.eq(excluded(ae::run_id)),
+                ae::attempt.eq(excluded(ae::attempt)),
+            ));
+        let delete_rest = diesel::delete(
+            ae::anfrage_extraktionen
+                .filter(ae::tenant_id.eq(token.tenant.as_str()))
+                .filter(ae::anfrage_id.eq(token.anfrage.to_string()))
+                .filter(diesel::dsl::not(ae::position_index.eq_any(keep))),
+        );
+        if rows.is_empty() {
+            // An upsert of no rows is no statement; only the delete remains.
+            let deleted = delete_rest
+                .execute(self.conn())
+                .await
+                .map_err(map_diesel_error)?;
+            return Ok(Replaced {
+                deleted,
+                written: 0,
+            });
+        }
+        self.upsert_children(upsert, delete_rest).await
+    }
+
+    async fn insert_or_get_datei(
+        &mut self,
+        sha256: &str,
+        s3_key: &str,
+        size_bytes: i64,
+    ) -> Result<DateiRef, RepoError> {
+        let token = self.token().clone();
+        let anfrage_id = token.anfrage.to_string();
+        let found = self
+            .insert_or_get_audited(
+                &format!("dateien ({}, {sha256}, {s3_key})", token.tenant),
+                ("datei.created", "datei.reused"),
+                serde_json::json!({ "sha256": sha256, "s3_key": s3_key }),
+                || insert_datei(&token.tenant, &anfrage_id, sha256, s3_key, size_bytes),
+                || select_datei(&token.tenant, sha256, s3_key),
+            )
+            .await?;
+        datei_ref(found)
+    }
+
+    async fn put_feasibility(
+        &mut self,
+        feasible: bool,
+        reasons: serde_json::Value,
+    ) -> Result<(), RepoError> {
+        use feasibility_results::dsl as f;
+        let token = self.token().clone();
+        diesel::insert_into(f::feasibility_results)
+            .values((
+                f::tenant_id.eq(token.tenant.as_str()),
+                f::anfrage_id.eq(token.anfrage.to_string()),
+                f::feasible.eq(feasible),
+                f::reasons.eq(&reasons),
+                f::run_id.eq(token.run_id.to_string()),
+                f::attempt.eq(token.attempt),
+            ))
+            .on_conflict((f::tenant_id, f::anfrage_id))
+            .do_update()
+            .set((
+                f::feasible.eq(feasible),
+                f::reasons.eq(&reasons),
+                f::run_id.eq(token.run_id.to_string()),
+                f::attempt.eq(token.attempt),
+            ))
+            .execute(self.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(())
+    }
+
+    async fn put_calculation(
+        &mut self,
+        total_cents: i64,
+        lines: serde_json::Value,
+    ) -> Result<(), RepoError> {
+        use calculation_results::dsl as c;
+        let token = self.token().clone();
+        diesel::insert_into(c::calculation_results)
+            .values((
+                c::tenant_id.eq(token.tenant.as_str()),
+                c::anfrage_id.eq(token.anfrage.to_string()),
+                c::total_cents.eq(total_cents),
+                c::lines.eq(&lines),
+                c::run_id.eq(token.run_id.to_string()),
+                c::attempt.eq(token.attempt),
+            ))
+            .on_conflict((c::tenant_id, c::anfrage_id))
+            .do_update()
+            .set((
+                c::total_cents.eq(total_cents),
+                c::lines.eq(&lines),
+                c::run_id.eq(token.run_id.to_string()),
+                c::attempt.eq(token.attempt),
+            ))
+            .execute(self.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(())
+    }
+
+    async fn extraktionen(&mut self) -> Result<Vec<Extraktion>, RepoError> {
+        use anfrage_extraktionen::dsl as ae;
+        let token = self.token().clone();
+        let rows: Vec<(i32, String, Option<f64>, Option<String>)> = ae::anfrage_extraktionen
+            .filter(ae::tenant_id.eq(token.tenant.as_str()))
+            .filter(ae::anfrage_id.eq(token.anfrage.to_string()))
+            .order(ae::position_index)
+            .select((ae::position_index, ae::description, ae::quantity, ae::unit))
+            .load(self.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(position_index, description, quantity, unit)| Extraktion {
+                position_index,
+                description,
+                quantity,
+                unit,
+            })
+            .collect())
+    }
+}

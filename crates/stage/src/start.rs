@@ -1,0 +1,47 @@
+//! Starting a pipeline for an anfrage: its input registered and its first stage's
+//! job sent, in one transaction.
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use idemstage_domain::{AnfrageId, RepoError, TenantId};
+use idemstage_persistence::anfragen::{self, StartOutcome};
+use idemstage_persistence::{PgPool, TxError};
+
+use crate::{first_job, Pipeline};
+
+/// Registers `input` for the anfrage and sends the pipeline's first job, inside
+/// the caller's open transaction on `conn`: the caller's own writes and the start
+/// commit together, or not at all. The first stage's input policy decides about an
+/// anfrage registered with another input (`Reject`: `RepoError::InputChanged`,
+/// nothing changes; `Rerun`: the input is replaced). Sending again is normal: the
+/// outcome says `Duplicate` while a job is live, and a finished first stage skips
+/// at the claim.
+pub async fn start_in(
+    conn: &mut AsyncPgConnection,
+    pipeline: &Pipeline,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    input: &str,
+) -> Result<StartOutcome, RepoError> {
+    let policy = pipeline.first_stage().policy().on_input_change;
+    anfragen::start_in(conn, tenant, anfrage, input, policy, |hash| {
+        first_job(pipeline, tenant.clone(), *anfrage, hash.to_owned())
+    })
+    .await
+}
+
+/// [`start_in`] in a transaction of its own, on a pooled connection.
+pub async fn start(
+    pool: &PgPool,
+    pipeline: &Pipeline,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    input: &str,
+) -> Result<StartOutcome, RepoError> {
+    anfragen::validate_input(input)?;
+    let mut conn = idemstage_persistence::get(pool).await?;
+    conn.transaction::<_, TxError, _>(async |conn| {
+        Ok(start_in(conn, pipeline, tenant, anfrage, input).await?)
+    })
+    .await
+    .map_err(TxError::into_repo)
+}
