@@ -26,7 +26,7 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
             "build",
             "--release",
             "-p",
-            "idemstage-runner",
+            "idemstage-cli",
             "--bin",
             "idemstage",
         ])

@@ -64,7 +64,7 @@ fn run() -> Result<i32> {
         "migrate" => with_database("postgres", |url| {
             run_status(
                 cargo()
-                    .args(["run", "-p", "idemstage-runner", "--bin", "idemstage", "--"])
+                    .args(["run", "-p", "idemstage-cli", "--bin", "idemstage", "--"])
                     .arg("migrate")
                     .args(rest)
                     .env("DATABASE_URL", url),
@@ -110,14 +110,7 @@ fn run() -> Result<i32> {
             with_database("postgres", |url| {
                 run_status(
                     cargo()
-                        .args([
-                            "test",
-                            "--release",
-                            "-p",
-                            "idemstage-runner",
-                            "--test",
-                            "it",
-                        ])
+                        .args(["test", "--release", "-p", "idemstage-cli", "--test", "it"])
                         .args(["soak::", "--", "--nocapture"])
                         .env("IDEMSTAGE_SOAK_SECS", (minutes * 60).to_string())
                         .env("DATABASE_URL", url),
@@ -127,7 +120,7 @@ fn run() -> Result<i32> {
         "demo" => with_database(&format!("idemstage_{cmd}"), |url| {
             run_status(
                 cargo()
-                    .args(["run", "--release", "-p", "idemstage-runner"])
+                    .args(["run", "--release", "-p", "idemstage-cli"])
                     .args(["--bin", "idemstage", "--", cmd])
                     // `cargo xtask demo -- --anfragen 10` works like without `--`.
                     .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(rest))

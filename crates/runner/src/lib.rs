@@ -1,5 +1,6 @@
 //! The runner library: the generic queue worker loop, and the stage worker built on
-//! it. The `idemstage` binary in `main.rs` wires them to the CLI.
+//! it. The `idemstage` command line (crate `idemstage-cli`) wires them to its
+//! subcommands.
 
 pub mod pipeline_worker;
 pub mod queue_worker;

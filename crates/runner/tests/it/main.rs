@@ -1,13 +1,8 @@
-//! Integration tests of the runner crate (one binary): the queue worker loop,
-//! `idemstage worker` processes, fault injection and bad input against a real
-//! PostgreSQL.
+//! Integration tests of the runner crate (one binary): the queue worker loop and
+//! in-process stage workers (shutdown, database errors) against a real PostgreSQL.
+//! The tests that run `idemstage` processes are in `crates/cli/tests/it/`.
 
-mod bad_input;
-mod cli;
 mod db_errors;
-mod faults;
-mod processes;
 mod queue_worker;
 mod shutdown;
-mod soak;
 mod support;

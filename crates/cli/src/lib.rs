@@ -1,5 +1,8 @@
-//! The `idemstage` command line. Exit codes: 0 success, 1 failure (an invariant
-//! broken, an unexpected error), 2 bad input or usage, 3 database unavailable.
+//! The `idemstage` command line as a library function, so that a team's binary is
+//! one call: `fn main() -> ExitCode { idemstage_cli::run() }` (this crate's own
+//! `idemstage` binary is exactly that). It runs the example pipeline for now.
+//! Exit codes: 0 success, 1 failure (an invariant broken, an unexpected error), 2
+//! bad input or usage, 3 database unavailable.
 
 mod cli;
 
@@ -39,8 +42,24 @@ enum Command {
     Bench(cli::bench::Args),
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+/// Parses the process's arguments and runs the command on a multi-threaded tokio
+/// runtime of its own; returns the exit code (see the crate docs). Installs a
+/// global tracing subscriber (`RUST_LOG`, to stderr) and a panic hook that logs a
+/// panic as one line, so call it once, from `main`, outside any tokio runtime.
+pub fn run() -> ExitCode {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(run_async()),
+        Err(e) => {
+            eprintln!("idemstage: cannot start the tokio runtime: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run_async() -> ExitCode {
     let cli = Cli::parse();
     // The demo injects crashes on purpose: its warnings would drown the report.
     let default_filter = match cli.command {

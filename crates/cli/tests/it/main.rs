@@ -1,0 +1,10 @@
+//! Integration tests of the CLI crate (one binary): `idemstage` and `idemstage
+//! worker` processes, fault injection, bad input and the soak against a real
+//! PostgreSQL.
+
+mod bad_input;
+mod cli;
+mod faults;
+mod processes;
+mod soak;
+mod support;

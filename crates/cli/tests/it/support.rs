@@ -1,0 +1,285 @@
+//! Helpers shared by the process and fault tests: `idemstage worker` processes,
+//! sending anfragen the way `idemstage enqueue` does, signals, and waiting on the
+//! database (polling with a deadline; never a sleep as synchronisation).
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::report::{check_example_pipeline, PipelineCheck};
+use idemstage_persistence::TxError;
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::first_job;
+
+/// Stage lease and job lease of the worker processes: short, so that a killed or
+/// stopped worker's claims and jobs come back within seconds.
+pub const STAGE_LEASE_MS: u64 = 1500;
+pub const JOB_LEASE_MS: u64 = 3000;
+
+/// Worker processes, killed (SIGKILL) and reaped when dropped, so that a failing
+/// test leaves none behind.
+pub struct Workers {
+    url: String,
+    extra: Vec<String>,
+    pub children: Vec<Child>,
+}
+
+impl Workers {
+    pub fn start(url: &str, n: usize, extra: &[&str]) -> Workers {
+        let mut w = Workers {
+            url: url.to_owned(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            children: Vec::new(),
+        };
+        for _ in 0..n {
+            let child = w.spawn();
+            w.children.push(child);
+        }
+        w
+    }
+
+    fn spawn(&self) -> Child {
+        worker(
+            &self.url,
+            &self.extra.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
+    }
+
+    /// SIGKILLs worker `i` and starts a replacement in its place.
+    pub fn kill_and_replace(&mut self, i: usize) {
+        self.children[i].kill().unwrap();
+        self.children[i].wait().unwrap();
+        self.children[i] = self.spawn();
+    }
+
+    /// Every worker is still running (none exited or crashed).
+    pub fn assert_all_alive(&mut self) {
+        for (i, c) in self.children.iter_mut().enumerate() {
+            assert!(
+                c.try_wait().unwrap().is_none(),
+                "worker {i} exited: {:?}",
+                c.try_wait()
+            );
+        }
+    }
+
+    /// SIGTERM to all; each must exit 0 (graceful shutdown).
+    pub fn stop_all(&mut self) {
+        for c in &self.children {
+            signal(c, "-TERM");
+        }
+        for c in &mut self.children {
+            let status = wait_exit(c, 60);
+            assert!(status.success(), "worker exit status {status:?}");
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn worker(url: &str, extra: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["worker", "--concurrency", "4"])
+        .args(["--stage-lease-ms", &STAGE_LEASE_MS.to_string()])
+        .args(["--job-lease-ms", &JOB_LEASE_MS.to_string()])
+        .args(extra)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start idemstage worker")
+}
+
+/// The example pipeline with the job lease of the worker processes.
+pub fn pipeline() -> idemstage_stage::Pipeline {
+    let mut options = idemstage_stage::Pipeline::default_send_options();
+    options.expire_in = Duration::from_millis(JOB_LEASE_MS);
+    example::pipeline(Chaos::default())
+        .with_send_options(options)
+        .unwrap()
+}
+
+/// A feasible text (every position has a quantity and a known unit).
+pub fn text(i: usize) -> String {
+    format!("{} Stk Schrauben\n{} m Kabel", i + 1, i % 7 + 1)
+}
+
+/// Registers an anfrage (if new) and sends its intake job in one transaction, as
+/// `idemstage enqueue` does.
+pub async fn send(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+    text: &str,
+) -> SendResult {
+    let pipeline = pipeline();
+    let job = first_job(
+        &pipeline,
+        tenant.clone(),
+        anfrage,
+        idemstage_domain::input_hash_of(text.as_bytes()),
+    );
+    conn.transaction::<_, TxError, _>(async |conn| {
+        register_anfrage(conn, tenant, &anfrage, text).await?;
+        Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+    })
+    .await
+    .unwrap()
+}
+
+/// Sends an anfrage as `send` does, under the `Rerun` policy: another text for a
+/// registered anfrage replaces its input (and re-points a live job at it). Returns
+/// the error of a transaction that failed (a lock timeout, say) so callers can
+/// retry.
+pub async fn send_rerun(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+    text: &str,
+) -> Result<SendResult, idemstage_domain::RepoError> {
+    let pipeline = pipeline();
+    conn.transaction::<_, TxError, _>(async |conn| {
+        let started = idemstage_persistence::anfragen::start_in(
+            conn,
+            tenant,
+            &anfrage,
+            text,
+            idemstage_domain::InputChangePolicy::Rerun,
+            |hash| first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned()),
+        )
+        .await?;
+        Ok(started.sent)
+    })
+    .await
+    .map_err(TxError::into_repo)
+}
+
+/// Sends `n` anfragen over 3 tenants, each twice. Returns their keys.
+pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
+    let mut conn = idemstage_persistence::connect(url).await.unwrap();
+    let mut keys = Vec::new();
+    for i in 0..n {
+        let tenant = TenantId::parse(&format!("t{}", i % 3)).unwrap();
+        let anfrage = AnfrageId::new();
+        for _ in 0..2 {
+            send(&mut conn, &tenant, anfrage, &text(i)).await;
+        }
+        keys.push((tenant, anfrage));
+    }
+    keys
+}
+
+/// Polls the checker until `done` holds; panics with the last check at the deadline.
+pub async fn wait_until(
+    url: &str,
+    what: &str,
+    secs: u64,
+    mut done: impl FnMut(&PipelineCheck) -> bool,
+) -> PipelineCheck {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let mut conn = None;
+    loop {
+        // Reconnect if the server went away (the restart test).
+        if conn.is_none() {
+            conn = idemstage_persistence::connect(url).await.ok();
+        }
+        if let Some(c) = conn.as_mut() {
+            match check_example_pipeline(c).await {
+                Ok(check) if done(&check) => return check,
+                Ok(check) => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "timed out waiting for {what}: {check:?}"
+                ),
+                Err(_) => conn = None,
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what} (database unreachable)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until every anfrage is final and no job is live, then checks every
+/// invariant and returns the check.
+pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
+    let check = wait_until(url, "every anfrage final, no live job", secs, |c| {
+        c.is_quiet()
+    })
+    .await;
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    check
+}
+
+pub use idemstage_testkit::count;
+
+pub fn signal(child: &Child, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+pub fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(std::time::Instant::now() < deadline, "worker did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An in-process stage worker over `pipeline`, polling and maintaining often.
+pub fn start_pipeline_worker(
+    pool: idemstage_persistence::PgPool,
+    url: &str,
+    pipeline: idemstage_stage::Pipeline,
+    concurrency: usize,
+    counters: std::sync::Arc<idemstage_runner::Counters>,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+) {
+    let mut config = idemstage_runner::PipelineWorkerConfig {
+        concurrency,
+        ..Default::default()
+    };
+    config.queue.poll_interval = Duration::from_millis(200);
+    config.queue.maintenance_interval = Duration::from_millis(1000);
+    config.queue.error_backoff_min = Duration::from_millis(20);
+    config.queue.error_backoff_max = Duration::from_millis(500);
+    let worker =
+        idemstage_runner::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone()));
+    (stop, handle)
+}
+
+/// Stops an in-process worker started by `start_pipeline_worker`.
+pub async fn stop_pipeline_worker(
+    (stop, handle): (
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+    ),
+) -> idemstage_runner::WorkerStatsSnapshot {
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("worker did not stop")
+        .expect("worker task panicked")
+}
