@@ -120,6 +120,25 @@ pub async fn migrate(url: &str) -> Result<usize, RepoError> {
     .await
 }
 
+/// Applies the core's pending migrations, then each of `team`'s in order (a team's
+/// migrations may use what the core's create, e.g. `idemstage_tenant_table`);
+/// returns how many ran in all. Versions are tracked in one table, so a team's
+/// migration directories need names (versions) of their own. Pass a team's
+/// `embed_migrations!` constant by value: `migrate_with(url, vec![MIGRATIONS])`.
+pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<usize, RepoError> {
+    with_sync_connection(url, move |conn| {
+        let mut applied = 0;
+        for source in std::iter::once(MIGRATIONS).chain(team) {
+            applied += conn
+                .run_pending_migrations(source)
+                .map(|done| done.len())
+                .map_err(|e| RepoError::Database(format!("migration failed: {e}")))?;
+        }
+        Ok(applied)
+    })
+    .await
+}
+
 /// Reverts every applied migration (used by the round-trip test).
 pub async fn revert_all_migrations(url: &str) -> Result<usize, RepoError> {
     with_sync_connection(url, |conn| {

@@ -73,6 +73,16 @@ impl TestDb {
         }
     }
 
+    /// A fresh database as [`TestDb::new`], with a team's migrations applied on top
+    /// of the core's (see `idemstage_persistence::migrate_with`).
+    pub async fn with_migrations(team: Vec<diesel_migrations::EmbeddedMigrations>) -> TestDb {
+        let db = TestDb::new().await;
+        idemstage_persistence::migrate_with(db.url(), team)
+            .await
+            .unwrap_or_else(|e| panic!("team migrations on {}: {e}", db.name));
+        db
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -7,10 +7,10 @@ use std::process::ExitCode;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
-use idemstage_persistence::anfragen::{start_in, validate_input, MAX_INPUT_BYTES};
+use idemstage_persistence::anfragen::{validate_input, MAX_INPUT_BYTES};
 use idemstage_persistence::TxError;
 use idemstage_stage::example::{self, Chaos};
-use idemstage_stage::first_job;
+use idemstage_stage::start_in;
 
 use super::BadInput;
 
@@ -61,16 +61,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     let text = read_input(&args)?;
     validate_input(&text)?;
     let pipeline = example::pipeline(Chaos::default());
-    let policy = pipeline.first_stage().policy().on_input_change;
     let mut conn = idemstage_persistence::connect(url).await?;
     let started = conn
         .transaction::<_, TxError, _>(async |conn| {
             // Another input than the stored one is refused under `Reject` (the
             // default) and replaces it under `Rerun`, with the send, atomically.
-            Ok(start_in(conn, &tenant, &anfrage, &text, policy, |hash| {
-                first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned())
-            })
-            .await?)
+            Ok(start_in(conn, &pipeline, &tenant, &anfrage, &text).await?)
         })
         .await
         .map_err(|e| e.into_repo())

@@ -1,0 +1,126 @@
+//! # idemstage
+//!
+//! Multi-stage, multi-tenant pipelines on PostgreSQL where every stage succeeds
+//! **at most once** per (tenant, anfrage, stage), is **never lost**, and is computed
+//! from the **current** success of the stage before it, with many workers on many
+//! machines, duplicate sends, crashes, retries, reruns and stale workers.
+//!
+//! This crate is the API boundary: a team depends on `idemstage` (and
+//! `idemstage-testkit` for its tests) and nothing else of ours. It re-exports
+//! Diesel, diesel-async, diesel_migrations and serde_json on purpose, so that a team's schema
+//! and ours use the same versions.
+//!
+//! ## A stage, a pipeline, a start and a worker
+//!
+//! A stage body writes the team's own tables through the fenced transaction
+//! ([`FencedTx`]): its writes commit together with the stage's success, or not at
+//! all, and never after another worker took the stage over.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use idemstage::{
+//!     async_trait, diesel, start, CancellationToken, Counters, FencedTx, Pipeline,
+//!     PipelineWorker, PipelineWorkerConfig, Stage, StageError, StageFlow, StageJob,
+//!     StageName, StagePolicy, TenantId, AnfrageId,
+//! };
+//! use idemstage::diesel_async::RunQueryDsl;
+//!
+//! struct Ocr {
+//!     name: StageName,
+//!     policy: StagePolicy,
+//! }
+//!
+//! #[async_trait]
+//! impl Stage for Ocr {
+//!     fn name(&self) -> &StageName {
+//!         &self.name
+//!     }
+//!     fn policy(&self) -> &StagePolicy {
+//!         &self.policy
+//!     }
+//!     async fn run(
+//!         &self,
+//!         _job: &StageJob,
+//!         _prepared: &idemstage::serde_json::Value,
+//!         tx: &mut FencedTx<'_>,
+//!     ) -> Result<StageFlow, StageError> {
+//!         let text = tx.anfrage_text().await?;
+//!         let (tenant, anfrage) = (tx.token().tenant.to_string(), tx.token().anfrage.to_string());
+//!         // The team's own table, on the tenant-scoped connection of the fenced
+//!         // transaction (its own Diesel schema works the same way).
+//!         diesel::sql_query("INSERT INTO ocr_pages (tenant_id, anfrage_id, text) VALUES ($1, $2, $3)")
+//!             .bind::<diesel::sql_types::Text, _>(tenant)
+//!             .bind::<diesel::sql_types::Text, _>(anfrage)
+//!             .bind::<diesel::sql_types::Text, _>(text.to_uppercase())
+//!             .execute(tx.conn())
+//!             .await
+//!             .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+//!         Ok(StageFlow::Continue)
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pipeline = Pipeline::new(vec![Arc::new(Ocr {
+//!     name: StageName::parse("ocr")?,
+//!     policy: StagePolicy::default(),
+//! })])?;
+//! let url = "postgres://localhost/app";
+//! idemstage::migrate(url).await?;
+//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//!
+//! // Register the input and send the first job, in one transaction.
+//! let anfrage = AnfrageId::new();
+//! start(&pool, &pipeline, &TenantId::parse("acme")?, &anfrage, "scan of page 1").await?;
+//!
+//! // Work the pipeline's queues until told to stop.
+//! let worker = PipelineWorker::new(
+//!     pool,
+//!     url,
+//!     pipeline,
+//!     PipelineWorkerConfig::default(),
+//!     Arc::new(Counters::default()),
+//! )?;
+//! let shutdown = CancellationToken::new();
+//! worker.run(shutdown).await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A team's migration puts its table under the same tenant isolation as ours with
+//! one line: `SELECT idemstage_tenant_table('ocr_pages');` (after the core's
+//! migrations: [`migrate_with`] runs both).
+#![warn(missing_docs)]
+
+pub use async_trait::async_trait;
+pub use tokio_util::sync::CancellationToken;
+pub use {diesel, diesel_async, diesel_migrations, serde_json};
+
+pub use idemstage_domain::{
+    input_hash_of, AnfrageId, ClaimToken, DomainError, InputChangePolicy, JobId, RejectReason,
+    RepoError, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason, StageError, StageName,
+    StagePolicy, TenantId, WorkerId,
+};
+pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
+pub use idemstage_persistence::{
+    connect, connect_pool, map_diesel_error, migrate, migrate_with, FencedTx, FencedWrite,
+    InsertOrGet, PgPool, PgRunRepository, PoolConfig, Replaced,
+};
+pub use idemstage_runner::{
+    handler_fn, Counters, CountersSnapshot, Handled, HandlerError, JobHandler, PipelineWorker,
+    PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
+};
+pub use idemstage_stage::{
+    first_job, start, start_in, ExecutionOutcome, Executor, Flow, Pipeline, PipelineError, Stage,
+    StageFlow, StageJob,
+};
+
+/// The job queue (layer 2): sending jobs (also inside a caller's transaction),
+/// and the outcome types of a job's lifecycle.
+pub mod queue {
+    pub use idemstage_domain::{
+        FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
+        JobState, JobToSend,
+    };
+    pub use idemstage_persistence::queue::{send, send_batch, send_in};
+}
