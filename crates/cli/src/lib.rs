@@ -1,12 +1,59 @@
 //! The `idemstage` command line as a library function, so that a team's binary is
-//! one call: `fn main() -> ExitCode { idemstage_cli::run() }` (this crate's own
-//! `idemstage` binary is exactly that). It runs the example pipeline for now.
-//! Exit codes: 0 success, 1 failure (an invariant broken, an unexpected error), 2
-//! bad input or usage, 3 database unavailable.
+//! one call for *its* pipeline and migrations:
+//!
+//! ```no_run
+//! # fn my_pipeline() -> idemstage::Pipeline { unimplemented!() }
+//! # const MIGRATIONS: idemstage::diesel_migrations::EmbeddedMigrations =
+//! #     idemstage::diesel_migrations::embed_migrations!("../../migrations");
+//! fn main() -> std::process::ExitCode {
+//!     idemstage_cli::run_app(idemstage_cli::App::new(my_pipeline()).with_migrations(vec![MIGRATIONS]))
+//! }
+//! ```
+//!
+//! That binary has `migrate` (the core's migrations, then the team's), `enqueue`,
+//! `worker` and `status`. This crate's own `idemstage` binary is [`run`]: the same
+//! for the built-in example pipeline, plus `demo` and `bench`. Exit codes: 0
+//! success, 1 failure (an invariant broken, an unexpected error), 2 bad input or
+//! usage, 3 database unavailable.
 
 mod cli;
 
 use std::process::ExitCode;
+
+use diesel_migrations::EmbeddedMigrations;
+use idemstage_stage::Pipeline;
+
+/// What the command line runs: a team's pipeline and its migrations, or the
+/// built-in example.
+pub struct App {
+    /// `None`: the built-in example pipeline (and its `demo` and `bench`).
+    pipeline: Option<Pipeline>,
+    migrations: Vec<EmbeddedMigrations>,
+}
+
+impl App {
+    /// The commands for a team's `pipeline` (its stages' policies as they are).
+    pub fn new(pipeline: Pipeline) -> Self {
+        Self {
+            pipeline: Some(pipeline),
+            migrations: Vec::new(),
+        }
+    }
+
+    /// The built-in example pipeline (intake → extract → feasibility → calculate).
+    pub fn example() -> Self {
+        Self {
+            pipeline: None,
+            migrations: Vec::new(),
+        }
+    }
+
+    /// The team's migrations, applied by `migrate` after the core's, in order.
+    pub fn with_migrations(mut self, migrations: Vec<EmbeddedMigrations>) -> Self {
+        self.migrations = migrations;
+        self
+    }
+}
 
 use clap::{Parser, Subcommand};
 
@@ -42,16 +89,22 @@ enum Command {
     Bench(cli::bench::Args),
 }
 
-/// Parses the process's arguments and runs the command on a multi-threaded tokio
-/// runtime of its own; returns the exit code (see the crate docs). Installs a
-/// global tracing subscriber (`RUST_LOG`, to stderr) and a panic hook that logs a
-/// panic as one line, so call it once, from `main`, outside any tokio runtime.
+/// The `idemstage` binary: [`run_app`] with the built-in example pipeline.
 pub fn run() -> ExitCode {
+    run_app(App::example())
+}
+
+/// Parses the process's arguments and runs the command for `app` on a
+/// multi-threaded tokio runtime of its own; returns the exit code (see the crate
+/// docs). Installs a tracing subscriber (`RUST_LOG`, to stderr) unless one is set,
+/// and a panic hook that logs a panic as one line, so call it once, from `main`,
+/// outside any tokio runtime.
+pub fn run_app(app: App) -> ExitCode {
     match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
-        Ok(runtime) => runtime.block_on(run_async()),
+        Ok(runtime) => runtime.block_on(run_async(app)),
         Err(e) => {
             eprintln!("idemstage: cannot start the tokio runtime: {e}");
             ExitCode::from(1)
@@ -59,7 +112,7 @@ pub fn run() -> ExitCode {
     }
 }
 
-async fn run_async() -> ExitCode {
+async fn run_async(mut app: App) -> ExitCode {
     let cli = Cli::parse();
     // The demo injects crashes on purpose: its warnings would drown the report.
     let default_filter = match cli.command {
@@ -72,7 +125,8 @@ async fn run_async() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
-        .init();
+        .try_init()
+        .ok();
     // A panicking stage body is a failed attempt, handled and recorded; log it as one
     // line instead of the default hook's dump.
     std::panic::set_hook(Box::new(|info| {
@@ -81,10 +135,14 @@ async fn run_async() -> ExitCode {
     let result = async {
         let url = cli::database_url(cli.database_url.as_deref())?;
         match cli.command {
-            Command::Migrate => cli::migrate(&url).await,
-            Command::Enqueue(args) => cli::enqueue::run(&url, args).await,
-            Command::Worker(args) => cli::worker::run(&url, args).await,
+            Command::Migrate => cli::migrate(&url, std::mem::take(&mut app.migrations)).await,
+            Command::Enqueue(args) => cli::enqueue::run(&url, args, app.pipeline).await,
+            Command::Worker(args) => cli::worker::run(&url, args, app.pipeline).await,
             Command::Status(args) => cli::status::run(&url, args).await,
+            Command::Demo(_) | Command::Bench(_) if app.pipeline.is_some() => Err(cli::BadInput(
+                "demo and bench run the built-in example pipeline only".into(),
+            )
+            .into()),
             Command::Demo(args) => cli::demo::run(&url, args).await,
             Command::Bench(args) => cli::bench::run(&url, args).await,
         }

@@ -10,7 +10,7 @@ use idemstage_domain::{AnfrageId, SendResult, TenantId};
 use idemstage_persistence::anfragen::{validate_input, MAX_INPUT_BYTES};
 use idemstage_persistence::TxError;
 use idemstage_stage::example::{self, Chaos};
-use idemstage_stage::start_in;
+use idemstage_stage::{start_in, Pipeline};
 
 use super::BadInput;
 
@@ -54,13 +54,13 @@ fn read_input(args: &Args) -> anyhow::Result<String> {
         .map_err(|_| BadInput(format!("{} is not UTF-8 text", path.display())).into())
 }
 
-pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
     // Everything is validated before the first connection: bad input writes nothing.
     let tenant = TenantId::parse(&args.tenant)?;
     let anfrage = AnfrageId::parse(&args.anfrage)?;
     let text = read_input(&args)?;
     validate_input(&text)?;
-    let pipeline = example::pipeline(Chaos::default());
+    let pipeline = team.unwrap_or_else(|| example::pipeline(Chaos::default()));
     let mut conn = idemstage_persistence::connect(url).await?;
     let started = conn
         .transaction::<_, TxError, _>(async |conn| {

@@ -42,8 +42,11 @@ pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     ExitCode::from(1)
 }
 
-pub async fn migrate(url: &str) -> anyhow::Result<ExitCode> {
-    let applied = idemstage_persistence::migrate(url).await?;
+pub async fn migrate(
+    url: &str,
+    team: Vec<diesel_migrations::EmbeddedMigrations>,
+) -> anyhow::Result<ExitCode> {
+    let applied = idemstage_persistence::migrate_with(url, team).await?;
     println!("applied {applied} migration(s)");
     Ok(ExitCode::SUCCESS)
 }

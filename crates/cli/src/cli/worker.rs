@@ -26,16 +26,17 @@ pub struct Args {
     /// Seconds in-flight stages may take to finish after SIGINT/SIGTERM
     #[arg(long, default_value_t = 20)]
     pub grace_s: u64,
-    /// Stage lease (claim) in milliseconds; renewed at a third of it
-    #[arg(long, default_value_t = 30_000)]
-    pub stage_lease_ms: u64,
+    /// Stage lease (claim) in milliseconds, renewed at a third of it (built-in
+    /// example only; a team's stages have their own policies) [default: 30000]
+    #[arg(long)]
+    pub stage_lease_ms: Option<u64>,
     /// Lease of the jobs this worker sends, in milliseconds; renewed while a job
     /// runs, so it bounds how long a dead worker's job waits to be retried
     #[arg(long, default_value_t = 60_000)]
     pub job_lease_ms: u64,
     /// Re-run a finished stage when its anfrage is sent again with another input
     /// (and invalidate the stages after it once the rerun succeeds); default: refuse
-    /// another input
+    /// another input (built-in example only)
     #[arg(long)]
     pub rerun_on_new_input: bool,
     /// Fault injection: probability that a stage body aborts mid-way
@@ -48,19 +49,39 @@ pub struct Args {
 }
 
 impl Args {
-    /// The example pipeline with these leases.
-    pub fn pipeline(&self) -> anyhow::Result<Pipeline> {
+    /// The pipeline to work: a team's as it is (with the job lease), or the example
+    /// with these leases and faults.
+    pub fn pipeline(&self, team: Option<Pipeline>) -> anyhow::Result<Pipeline> {
+        if self.job_lease_ms < 100 {
+            return Err(BadInput("--job-lease-ms must be >= 100".into()).into());
+        }
+        let mut send = Pipeline::default_send_options();
+        send.expire_in = Duration::from_millis(self.job_lease_ms);
+        if let Some(team) = team {
+            if self.stage_lease_ms.is_some()
+                || self.rerun_on_new_input
+                || self.crash_rate != 0.0
+                || self.stage_delay_ms != 0
+            {
+                return Err(BadInput(
+                    "--stage-lease-ms, --rerun-on-new-input and the fault flags apply to the \
+                     built-in example only: a team's stages carry their own policies"
+                        .into(),
+                )
+                .into());
+            }
+            return team
+                .with_send_options(send)
+                .map_err(|e| BadInput(e.to_string()).into());
+        }
         if !(0.0..1.0).contains(&self.crash_rate) {
             return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
         }
-        if self.stage_lease_ms < 30 || self.job_lease_ms < 100 {
-            return Err(BadInput(
-                "--stage-lease-ms must be >= 30 and --job-lease-ms >= 100".into(),
-            )
-            .into());
+        let stage_lease_ms = self.stage_lease_ms.unwrap_or(30_000);
+        if stage_lease_ms < 30 {
+            return Err(BadInput("--stage-lease-ms must be >= 30".into()).into());
         }
-        let stage_lease = Duration::from_millis(self.stage_lease_ms);
-        let job_lease = Duration::from_millis(self.job_lease_ms);
+        let stage_lease = Duration::from_millis(stage_lease_ms);
         let policy = StagePolicy {
             on_input_change: if self.rerun_on_new_input {
                 InputChangePolicy::Rerun
@@ -71,8 +92,6 @@ impl Args {
             heartbeat: stage_lease / 3,
             ..StagePolicy::default()
         };
-        let mut send = Pipeline::default_send_options();
-        send.expire_in = job_lease;
         Ok(example::pipeline_with(
             Chaos {
                 crash_rate: self.crash_rate,
@@ -109,11 +128,11 @@ impl Args {
     }
 }
 
-pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
     if args.concurrency == 0 {
         return Err(BadInput("--concurrency must be positive".into()).into());
     }
-    let pipeline = args.pipeline()?;
+    let pipeline = args.pipeline(team)?;
     // Bad input is refused before the first connection (exit 2, not 3).
     for q in &args.queues {
         pipeline.stage(q).map_err(|e| BadInput(e.to_string()))?;
