@@ -1,20 +1,25 @@
 //! One stage execution: claim → skip, or prepare and run → fenced commit or fail.
 
+mod commit;
+mod guards;
+
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobCompleteOutcome, JobId, RejectReason,
-    RenewOutcome, RepoError, RunId, SkipReason, StageError, WorkerId,
+    ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
+    RepoError, RunId, SkipReason, StageError, WorkerId,
 };
-use idemstage_persistence::{FencedTx, PgRunRepository};
+use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 
-use crate::{Pipeline, Stage, StageFlow, StageJob};
+use crate::{Pipeline, Stage, StageJob};
+
+use commit::Completion;
+use guards::{AbortOnDrop, ReleaseOnDrop};
 
 /// What one execution ended in. Every variant is a normal result; only a repository
 /// failure that left the outcome unknown is an `Err`.
@@ -302,136 +307,6 @@ impl Executor {
             }
         }
     }
-
-    /// The fenced transaction: the body's writes, then the next stage's job, then
-    /// the completion of this execution's own job.
-    async fn commit(
-        &self,
-        pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
-        job: &StageJob,
-        token: &ClaimToken,
-        prepared: serde_json::Value,
-        lease: Option<JobLease>,
-    ) -> Result<Completion, StageError> {
-        let next_job = pipeline
-            .next(stage.name())
-            .map(|next| pipeline.job_for(next.name(), job));
-        // `Fn`, because a conflict re-runs the transaction; what the attempt that
-        // committed did (its flow, whether it completed the job) is reported.
-        let committed = Arc::new(std::sync::Mutex::new((Flow::Continue, false)));
-        let write = {
-            let (stage, job, prepared, committed) = (
-                stage.clone(),
-                job.clone(),
-                Arc::new(prepared),
-                committed.clone(),
-            );
-            fenced_write(move |tx| {
-                let (stage, job, prepared, next_job, committed) = (
-                    stage.clone(),
-                    job.clone(),
-                    prepared.clone(),
-                    next_job.clone(),
-                    committed.clone(),
-                );
-                async move {
-                    let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
-                        .catch_unwind()
-                        .await
-                        .map_err(panic_message)??;
-                    let flow = match outcome {
-                        StageFlow::Continue => {
-                            if let Some(next_job) = &next_job {
-                                tx.send_job(next_job).await?;
-                            }
-                            Flow::Continue
-                        }
-                        StageFlow::Stop => Flow::Stop,
-                    };
-                    // Last, so that its row lock is held for the shortest time. A
-                    // job taken over (Fenced) is left to its new holder, who will
-                    // find the stage succeeded.
-                    let job_completed = match lease {
-                        Some(lease) => {
-                            tx.complete_job(lease.id, lease.attempt).await?
-                                == JobCompleteOutcome::Completed
-                        }
-                        None => false,
-                    };
-                    *committed.lock().unwrap() = (flow, job_completed);
-                    Ok(())
-                }
-                .boxed()
-            })
-        };
-        Ok(match self.repo.complete(token, &write).await? {
-            idemstage_domain::CompleteOutcome::Committed => {
-                let (flow, job_completed) = *committed.lock().unwrap();
-                Completion::Committed {
-                    flow,
-                    job_completed,
-                }
-            }
-            idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
-            idemstage_domain::CompleteOutcome::UpstreamChanged => Completion::UpstreamChanged,
-        })
-    }
-}
-
-/// Releases the claim (`PgRunRepository::release`: lease ended now, the attempt
-/// `abandoned` and given back to the budget) if dropped while armed. The release
-/// is fenced on the token, so it changes nothing if the transaction had committed
-/// or someone had taken the stage over.
-struct ReleaseOnDrop {
-    repo: Arc<PgRunRepository>,
-    token: Option<ClaimToken>,
-    tracker: TaskTracker,
-}
-
-impl ReleaseOnDrop {
-    fn disarm(&mut self) {
-        self.token = None;
-    }
-}
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        let Some(token) = self.token.take() else {
-            return;
-        };
-        // No runtime (it is shutting down): the lease runs out instead.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let repo = self.repo.clone();
-        self.tracker.spawn_on(
-            async move {
-                match repo.release(&token, "released by a worker shutting down").await {
-                    Ok(_) => tracing::info!(stage = %token.stage, anfrage = %token.anfrage, "abandoned stage released"),
-                    Err(e) => tracing::warn!(error = %e, "releasing an abandoned stage failed; its lease will run out"),
-                }
-            },
-            &runtime,
-        );
-    }
-}
-
-/// Aborts the task when dropped (a tokio `JoinHandle` only detaches).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// The completion as the executor sees it (carrying what the committed attempt of
-/// the transaction did).
-enum Completion {
-    Committed { flow: Flow, job_completed: bool },
-    Fenced,
-    UpstreamChanged,
 }
 
 /// A failure of the database rather than of the stage body: retryable repository
@@ -439,15 +314,6 @@ enum Completion {
 /// resources).
 fn is_infrastructure(error: &StageError) -> bool {
     matches!(error, StageError::Repo(e) if e.is_retryable())
-}
-
-/// Pins the closure to the higher-ranked signature `FencedWrite` needs (closure
-/// signatures are not inferred as higher-ranked from a later use).
-fn fenced_write<F>(f: F) -> F
-where
-    F: for<'t, 'c> Fn(&'t mut FencedTx<'c>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
-{
-    f
 }
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> StageError {

@@ -1,0 +1,246 @@
+//! The claim: one atomic statement, and when it returns no row, the read that says why.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{
+    ClaimOutcome, ClaimRequest, InputChangePolicy, RejectReason, RepoError, RunId, RunStatus,
+    SkipReason,
+};
+
+use crate::cached::CachedExt;
+use crate::error::{map_diesel_error, TxError};
+
+use super::{conflict_backoff, micros, sql, PgRunRepository, CONFLICT_RETRIES};
+
+#[derive(QueryableByName)]
+struct ClaimedRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    input_hash: String,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_attempt: Option<i32>,
+}
+
+/// The claim statement (`sql::CLAIM`).
+async fn claim_statement(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+) -> Result<Option<ClaimedRow>, diesel::result::Error> {
+    diesel::sql_query(sql::CLAIM)
+        .bind::<Text, _>(RunId::new().to_string())
+        .bind::<Text, _>(req.tenant.as_str())
+        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.stage.as_str())
+        .bind::<Integer, _>(req.policy.max_attempts)
+        .bind::<Text, _>(&req.input_hash)
+        .bind::<Text, _>(req.worker.as_str())
+        .bind::<BigInt, _>(micros(req.policy.lease))
+        // A bound flag, not SQL text: one prepared statement serves both policies.
+        .bind::<Bool, _>(req.policy.on_input_change == InputChangePolicy::Rerun)
+        .bind::<Nullable<Text>, _>(req.upstream.as_ref().map(|s| s.as_str()))
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()
+}
+
+fn map_claim_error(e: diesel::result::Error, req: &ClaimRequest) -> RepoError {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match &e {
+        Error::DatabaseError(DatabaseErrorKind::ForeignKeyViolation, info)
+            if info.constraint_name() == Some("pipeline_runs_anfrage_fk") =>
+        {
+            RepoError::AnfrageNotFound {
+                tenant: req.tenant.to_string(),
+                anfrage: req.anfrage.to_string(),
+            }
+        }
+        _ => map_diesel_error(e),
+    }
+}
+
+/// One claim, in a transaction scoped to the request's tenant (row-level security).
+async fn claim_once(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+) -> Result<Option<ClaimedRow>, RepoError> {
+    conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
+        crate::tenant::scope(conn, &req.tenant).await?;
+        claim_statement(conn, req).await
+    })
+    .await
+    .map_err(|e| map_claim_error(e, req))
+}
+
+impl PgRunRepository {
+    /// The one atomic claim statement (plus a read when it returns no row, to say
+    /// why).
+    pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
+        req.policy.validate()?;
+        let mut conn = self.conn().await?;
+        // The guard can say no because of a state that changes right after (a lease
+        // that just ran out); a few rounds of claim-then-explain settle it.
+        let mut conflicts = 0;
+        for _ in 0..3 {
+            let claimed = match claim_once(&mut conn, req).await {
+                Err(RepoError::Conflict(msg)) if conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    conflict_backoff(conflicts, &msg).await;
+                    continue;
+                }
+                other => other?,
+            };
+            if let Some(row) = claimed {
+                return Ok(ClaimOutcome::Claimed {
+                    run_id: RunId::parse(&row.id)?,
+                    attempt: row.attempts,
+                    lease_expires_at: row.lease_expires_at,
+                    input_hash: row.input_hash,
+                    upstream_attempt: row.upstream_attempt,
+                });
+            }
+            let explained = conn
+                .transaction::<_, TxError, _>(async |conn| {
+                    crate::tenant::scope(conn, &req.tenant).await?;
+                    Ok(explain_skip(conn, req).await?)
+                })
+                .await
+                .map_err(TxError::into_repo)?;
+            if let Some(outcome) = explained {
+                return Ok(outcome);
+            }
+        }
+        Err(RepoError::Conflict(format!(
+            "claim of {}/{}/{} kept changing state",
+            req.tenant, req.anfrage, req.stage
+        )))
+    }
+}
+
+/// The row of `sql::EXPLAIN_SKIP`.
+#[derive(QueryableByName)]
+struct Explained {
+    #[diesel(sql_type = Timestamptz)]
+    db_now: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    stored_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    upstream_status: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_success: Option<i32>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    upstream_lease: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    upstream_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    run_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    status: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    attempts: Option<i32>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    max_attempts: Option<i32>,
+    #[diesel(sql_type = Nullable<Text>)]
+    input_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// The claim returned no row: read the source and the run and say why, or `None`
+/// if their state moved on in between and the claim should be tried again.
+async fn explain_skip(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+) -> Result<Option<ClaimOutcome>, RepoError> {
+    let e: Explained = diesel::sql_query(sql::EXPLAIN_SKIP)
+        .bind::<Text, _>(req.tenant.as_str())
+        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.stage.as_str())
+        .bind::<Nullable<Text>, _>(req.upstream.as_ref().map(|s| s.as_str()))
+        .cached()
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    // The source first: without it the claim inserted nothing and looked at no row.
+    let Some(stored_hash) = e.stored_hash else {
+        return Err(RepoError::AnfrageNotFound {
+            tenant: req.tenant.to_string(),
+            anfrage: req.anfrage.to_string(),
+        });
+    };
+    let bound_hash = match &req.upstream {
+        None if stored_hash != req.input_hash => {
+            return Ok(Some(ClaimOutcome::Rejected(RejectReason::InputMismatch {
+                job_hash: req.input_hash.clone(),
+                stored_hash,
+            })))
+        }
+        None => stored_hash,
+        Some(upstream) => match (e.upstream_success, e.upstream_hash) {
+            (Some(_), Some(hash)) => hash,
+            _ => {
+                let status = e.upstream_status.as_deref().map(str::parse).transpose()?;
+                return Ok(Some(ClaimOutcome::Skipped(SkipReason::UpstreamNotDone {
+                    upstream: upstream.clone(),
+                    lease_expires_at: match status {
+                        Some(RunStatus::Running) => e.upstream_lease,
+                        _ => None,
+                    },
+                    status,
+                })));
+            }
+        },
+    };
+    let (Some(run_id), Some(status), Some(attempts), Some(max_attempts), Some(hash), Some(lease)) = (
+        e.run_id,
+        e.status,
+        e.attempts,
+        e.max_attempts,
+        e.input_hash,
+        e.lease_expires_at,
+    ) else {
+        // The source is there but no run: it appeared (or the claim raced). Again.
+        return Ok(None);
+    };
+    let status: RunStatus = status.parse()?;
+    Ok(match status {
+        RunStatus::Success if hash == bound_hash => {
+            Some(ClaimOutcome::Skipped(SkipReason::AlreadySucceeded {
+                run_id: RunId::parse(&run_id)?,
+            }))
+        }
+        RunStatus::Success => match req.policy.on_input_change {
+            InputChangePolicy::Reject => Some(ClaimOutcome::Rejected(RejectReason::InputChanged {
+                stored_hash: hash,
+                new_hash: bound_hash,
+            })),
+            InputChangePolicy::Rerun => None,
+        },
+        RunStatus::Running if lease >= e.db_now => {
+            Some(ClaimOutcome::Skipped(SkipReason::InFlight {
+                lease_expires_at: lease,
+            }))
+        }
+        RunStatus::Dead => Some(ClaimOutcome::Exhausted { attempts }),
+        RunStatus::Failed | RunStatus::Running if attempts >= max_attempts => {
+            // Out of budget but not yet marked: mark it dead, if it is still in a
+            // state the guard refused for that reason (a concurrent release or
+            // claim wins; then look again).
+            let marked = diesel::sql_query(sql::MARK_EXHAUSTED)
+                .bind::<Text, _>(&run_id)
+                .cached()
+                .execute(conn)
+                .await
+                .map_err(map_diesel_error)?;
+            (marked == 1).then_some(ClaimOutcome::Exhausted { attempts })
+        }
+        _ => None,
+    })
+}

@@ -1,0 +1,213 @@
+//! The fenced completion: lineage check, fence, downstream invalidation and the
+//! stage's writes in one transaction, and the re-check after a lost connection.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{Bool, Integer, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{ClaimToken, CompleteOutcome, RepoError, StageError};
+
+use crate::cached::CachedExt;
+use crate::error::TxError;
+use crate::fenced::{FencedTx, FencedWrite};
+
+use super::read::read_run_row;
+use super::{conflict_backoff, sql, PgRunRepository, CONFLICT_RETRIES};
+
+impl PgRunRepository {
+    /// Checks lineage and the token, marks the run `success`, runs `write`, commits:
+    /// all one transaction. Retries 40001/40P01; re-reads the run after an
+    /// ambiguous commit.
+    pub async fn complete(
+        &self,
+        token: &ClaimToken,
+        write: &FencedWrite<'_>,
+    ) -> Result<CompleteOutcome, StageError> {
+        let mut tries = 0;
+        loop {
+            let outcome = self.complete_once(token, write).await;
+            match outcome {
+                Ok(o) => return Ok(o),
+                Err(StageError::Repo(RepoError::Conflict(msg))) if tries < CONFLICT_RETRIES => {
+                    tries += 1;
+                    conflict_backoff(tries, &msg).await;
+                }
+                Err(StageError::Repo(RepoError::Unavailable(msg))) => {
+                    // The connection broke, perhaps during COMMIT: the outcome is
+                    // unknown until the run is read again.
+                    tracing::warn!(%msg, "connection lost during completion; re-checking");
+                    match self.recheck_after_lost_connection(token).await? {
+                        Recheck::Committed => return Ok(CompleteOutcome::Committed),
+                        Recheck::Fenced => return Ok(CompleteOutcome::Fenced),
+                        Recheck::NotCommitted if tries < CONFLICT_RETRIES => tries += 1,
+                        Recheck::NotCommitted => {
+                            return Err(StageError::Repo(RepoError::Unavailable(msg)))
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn complete_once(
+        &self,
+        token: &ClaimToken,
+        write: &FencedWrite<'_>,
+    ) -> Result<CompleteOutcome, StageError> {
+        let mut conn = self.conn().await?;
+        let outcome = conn
+            .transaction::<_, TxError, _>(async move |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                // Lineage first (it share-locks the upstream row or the anfrage):
+                // the input this attempt read must still be current.
+                match check_lineage(conn, token).await? {
+                    Lineage::Current => {}
+                    Lineage::Fenced => return Ok(CompleteOutcome::Fenced),
+                    Lineage::Changed => {
+                        // Nothing of the stage is written; the run becomes `stale`
+                        // (claimable again, on the new upstream) in this transaction.
+                        diesel::sql_query(sql::STALE_ON_LINEAGE)
+                            .bind::<Text, _>(token.run_id.to_string())
+                            .bind::<Integer, _>(token.attempt)
+                            .bind::<Text, _>(
+                                "the input this attempt read changed before it committed",
+                            )
+                            .cached()
+                            .execute(conn)
+                            .await?;
+                        return Ok(CompleteOutcome::UpstreamChanged);
+                    }
+                }
+                // The fence: it checks the token, marks success and locks the row,
+                // so a concurrent claim waits for this transaction and then sees
+                // `success`.
+                let fenced_rows = diesel::sql_query(sql::FENCE_SUCCESS)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .cached()
+                    .execute(conn)
+                    .await?;
+                if fenced_rows == 0 {
+                    return Ok(CompleteOutcome::Fenced);
+                }
+                // A first attempt cannot have succeeded before, so nothing was
+                // computed from an earlier success of it.
+                if token.attempt > 1 {
+                    diesel::sql_query(sql::INVALIDATE_DOWNSTREAM)
+                        .bind::<Text, _>(token.tenant.as_str())
+                        .bind::<Text, _>(token.anfrage.to_string())
+                        .bind::<Text, _>(token.stage.as_str())
+                        .bind::<Text, _>(format!(
+                            "upstream stage {} succeeded again (attempt {})",
+                            token.stage, token.attempt
+                        ))
+                        .cached()
+                        .execute(conn)
+                        .await?;
+                }
+                let mut tx = FencedTx::new(conn, token.clone());
+                write(&mut tx).await.map_err(TxError::Stage)?;
+                Ok(CompleteOutcome::Committed)
+            })
+            .await;
+        match outcome {
+            Ok(CompleteOutcome::Fenced) => {
+                drop(conn);
+                self.record_fenced(token).await?;
+                Ok(CompleteOutcome::Fenced)
+            }
+            Ok(o) => Ok(o),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn recheck_after_lost_connection(
+        &self,
+        token: &ClaimToken,
+    ) -> Result<Recheck, RepoError> {
+        // The server may be restarting: give it a few seconds.
+        let mut delay = Duration::from_millis(50);
+        let mut last = None;
+        for _ in 0..8 {
+            let read = match self.conn().await {
+                Ok(mut conn) => conn
+                    .transaction::<_, TxError, _>(async |conn| {
+                        crate::tenant::scope(conn, &token.tenant).await?;
+                        Ok(read_run_row(
+                            conn,
+                            token.tenant.as_str(),
+                            &token.anfrage.to_string(),
+                            token.stage.as_str(),
+                        )
+                        .await?)
+                    })
+                    .await
+                    .map_err(TxError::into_repo),
+                Err(e) => Err(e),
+            };
+            match read {
+                Ok(run) => {
+                    return Ok(match run {
+                        Some(r) if r.attempts == token.attempt && r.status == "success" => {
+                            Recheck::Committed
+                        }
+                        Some(r) if r.attempts == token.attempt && r.status == "running" => {
+                            Recheck::NotCommitted
+                        }
+                        _ => Recheck::Fenced,
+                    });
+                }
+                // The pool may hand out a connection that died with the lost one
+                // (a restart): it is dropped on return, and the next try gets another.
+                Err(e @ RepoError::Unavailable(_)) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+        Err(RepoError::AmbiguousCommit(format!(
+            "could not re-read run {} after a lost connection: {}",
+            token.run_id,
+            last.map(|e| e.to_string()).unwrap_or_default()
+        )))
+    }
+}
+
+enum Recheck {
+    Committed,
+    NotCommitted,
+    Fenced,
+}
+
+/// What the lineage check found.
+enum Lineage {
+    Current,
+    Changed,
+    /// The token no longer holds.
+    Fenced,
+}
+
+async fn check_lineage(
+    conn: &mut AsyncPgConnection,
+    token: &ClaimToken,
+) -> Result<Lineage, diesel::result::Error> {
+    #[derive(QueryableByName)]
+    struct Current {
+        #[diesel(sql_type = Bool)]
+        current: bool,
+    }
+    let found: Option<Current> = diesel::sql_query(sql::LINEAGE_CURRENT)
+        .bind::<Text, _>(token.run_id.to_string())
+        .bind::<Integer, _>(token.attempt)
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()?;
+    Ok(match found {
+        Some(Current { current: true }) => Lineage::Current,
+        Some(Current { current: false }) => Lineage::Changed,
+        None => Lineage::Fenced,
+    })
+}

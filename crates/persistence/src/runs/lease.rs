@@ -1,0 +1,166 @@
+//! The lease's other ends, fenced on the token: renew, fail, release, and the
+//! `fenced` mark in the attempt history.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::dsl::now;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Bool, Integer, Text, Timestamptz};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{sanitize_error_text, ClaimToken, FailOutcome, RenewOutcome, RepoError};
+
+use crate::cached::CachedExt;
+use crate::error::{map_diesel_error, TxError};
+use crate::schema::pipeline_run_attempts;
+
+use super::{micros, sql, PgRunRepository};
+
+impl PgRunRepository {
+    /// Extends the lease from the database clock, if the token still holds.
+    pub async fn renew_lease(
+        &self,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<RenewOutcome, RepoError> {
+        let mut conn = self.conn().await?;
+        let renewed: Option<LeaseRow> = conn
+            .transaction::<_, diesel::result::Error, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                diesel::sql_query(sql::RENEW)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<BigInt, _>(micros(lease))
+                    .cached()
+                    .get_result(conn)
+                    .await
+                    .optional()
+            })
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(lease_outcome(renewed))
+    }
+
+    /// Records a failed attempt (fenced on the token). A permanent failure, or the
+    /// last attempt of the budget, makes the run `dead`.
+    pub async fn fail(
+        &self,
+        token: &ClaimToken,
+        error: &str,
+        retryable: bool,
+    ) -> Result<FailOutcome, RepoError> {
+        #[derive(QueryableByName)]
+        struct Failed {
+            #[diesel(sql_type = Text)]
+            status: String,
+            #[diesel(sql_type = Integer)]
+            attempts: i32,
+        }
+        let mut conn = self.conn().await?;
+        // Sanitised: recording a failure must not fail on the failure's own text.
+        let error = sanitize_error_text(error);
+        let failed: Option<Failed> = conn
+            .transaction::<_, diesel::result::Error, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                diesel::sql_query(sql::FAIL)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<Text, _>(&error)
+                    .bind::<Bool, _>(retryable)
+                    .cached()
+                    .get_result(conn)
+                    .await
+                    .optional()
+            })
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(match failed {
+            Some(f) if f.status == "dead" => FailOutcome::Exhausted {
+                attempts: f.attempts,
+            },
+            Some(f) => FailOutcome::WillRetry {
+                attempt: f.attempts,
+            },
+            None => FailOutcome::Fenced,
+        })
+    }
+
+    /// Gives the lease back without counting the attempt (a shutdown, a database
+    /// error that interrupted the attempt); `reason` is recorded as `last_error`.
+    pub async fn release(
+        &self,
+        token: &ClaimToken,
+        reason: &str,
+    ) -> Result<RenewOutcome, RepoError> {
+        let mut conn = self.conn().await?;
+        let reason = sanitize_error_text(reason);
+        // The attempt row says `abandoned`: the attempt did not fail, it was given up.
+        let released: Option<LeaseRow> = conn
+            .transaction::<_, TxError, _>(async |conn| {
+                crate::tenant::scope(conn, &token.tenant).await?;
+                let released = diesel::sql_query(sql::RELEASE)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<Text, _>(&reason)
+                    .cached()
+                    .get_result(conn)
+                    .await
+                    .optional()?;
+                mark_attempt(conn, token, "abandoned").await?;
+                Ok(released)
+            })
+            .await
+            .map_err(TxError::into_repo)?;
+        Ok(lease_outcome(released))
+    }
+
+    /// Marks the token's attempt `fenced` in the history (it lost its lease).
+    pub async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
+        let mut conn = self.conn().await?;
+        conn.transaction::<_, TxError, _>(async |conn| {
+            crate::tenant::scope(conn, &token.tenant).await?;
+            Ok(mark_attempt(conn, token, "fenced").await?)
+        })
+        .await
+        .map_err(TxError::into_repo)
+    }
+}
+
+#[derive(QueryableByName)]
+struct LeaseRow {
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+}
+
+/// A fenced lease statement's row (the new lease end), or none: the token lost.
+fn lease_outcome(row: Option<LeaseRow>) -> RenewOutcome {
+    match row {
+        Some(row) => RenewOutcome::Renewed {
+            lease_expires_at: row.lease_expires_at,
+        },
+        None => RenewOutcome::Fenced,
+    }
+}
+
+/// Sets the outcome of the token's attempt row, if that attempt has not ended yet.
+async fn mark_attempt(
+    conn: &mut AsyncPgConnection,
+    token: &ClaimToken,
+    outcome: &str,
+) -> Result<(), RepoError> {
+    use pipeline_run_attempts::dsl as pa;
+    diesel::update(
+        pa::pipeline_run_attempts
+            .filter(pa::run_id.eq(token.run_id.to_string()))
+            .filter(pa::attempt.eq(token.attempt))
+            .filter(pa::outcome.eq_any(["running", "abandoned"])),
+    )
+    .set((
+        pa::outcome.eq(outcome),
+        pa::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
+    ))
+    .execute(conn)
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! Reads of a run and of its attempt history.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{
+    AnfrageId, AttemptRecord, RepoError, RunId, RunRecord, StageName, TenantId,
+};
+
+use crate::error::{map_diesel_error, TxError};
+use crate::schema::{pipeline_run_attempts, pipeline_runs};
+
+use super::{PgRunRepository, RunRow};
+
+impl PgRunRepository {
+    /// The run of (tenant, anfrage, stage), if any.
+    pub async fn read_run(
+        &self,
+        tenant: &TenantId,
+        anfrage: &AnfrageId,
+        stage: &StageName,
+    ) -> Result<Option<RunRecord>, RepoError> {
+        let mut conn = self.conn().await?;
+        conn.transaction::<_, TxError, _>(async |conn| {
+            crate::tenant::scope(conn, tenant).await?;
+            Ok(read_run_row(conn, tenant.as_str(), &anfrage.to_string(), stage.as_str()).await?)
+        })
+        .await
+        .map_err(TxError::into_repo)?
+        .map(RunRow::into_record)
+        .transpose()
+    }
+
+    /// Every attempt of a run, in order.
+    pub async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
+        use pipeline_run_attempts::dsl as pa;
+        type Row = (
+            i32,
+            String,
+            String,
+            DateTime<Utc>,
+            Option<DateTime<Utc>>,
+            String,
+            Option<String>,
+            Option<i32>,
+        );
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = pa::pipeline_run_attempts
+            .filter(pa::run_id.eq(run_id.to_string()))
+            .order(pa::attempt)
+            .select((
+                pa::attempt,
+                pa::worker_id,
+                pa::input_hash,
+                pa::started_at,
+                pa::finished_at,
+                pa::outcome,
+                pa::error,
+                pa::upstream_attempt,
+            ))
+            .load(&mut conn)
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(
+                    attempt,
+                    worker_id,
+                    input_hash,
+                    started_at,
+                    finished_at,
+                    outcome,
+                    error,
+                    upstream_attempt,
+                )| AttemptRecord {
+                    attempt,
+                    worker_id,
+                    input_hash,
+                    started_at,
+                    finished_at,
+                    outcome,
+                    error,
+                    upstream_attempt,
+                },
+            )
+            .collect())
+    }
+}
+
+/// The row of (tenant, anfrage, stage), if any, in the caller's transaction.
+pub(super) async fn read_run_row(
+    conn: &mut AsyncPgConnection,
+    tenant: &str,
+    anfrage: &str,
+    stage: &str,
+) -> Result<Option<RunRow>, RepoError> {
+    use pipeline_runs::dsl as pr;
+    pr::pipeline_runs
+        .filter(pr::tenant_id.eq(tenant))
+        .filter(pr::anfrage_id.eq(anfrage))
+        .filter(pr::stage.eq(stage))
+        .select(RunRow::as_select())
+        .first(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)
+}

@@ -1,0 +1,109 @@
+//! What a handler is: the trait the worker calls per job, its results, and
+//! `handler_fn` for closures.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use idemstage_domain::{FetchedJob, StageError};
+use serde::de::DeserializeOwned;
+
+/// What a handler reports when a job did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandlerError {
+    /// Retried while the job has retries left.
+    #[error("{0}")]
+    Retryable(String),
+    /// Retrying cannot help: the job fails now (and goes to its dead-letter queue).
+    #[error("{0}")]
+    Permanent(String),
+    /// Not now: fetch the job again after `until` (database clock; `None` = at
+    /// once), without counting a failure.
+    #[error("deferred: {reason}")]
+    Defer {
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        reason: String,
+    },
+    /// Not now: fetch the job again `after` this long (measured by the database),
+    /// without counting a failure. For waiting out a database problem with backoff.
+    #[error("deferred for {after:?}: {reason}")]
+    DeferFor { after: Duration, reason: String },
+}
+
+impl HandlerError {
+    pub fn retryable(e: impl std::fmt::Display) -> Self {
+        HandlerError::Retryable(e.to_string())
+    }
+    pub fn permanent(e: impl std::fmt::Display) -> Self {
+        HandlerError::Permanent(e.to_string())
+    }
+}
+
+impl From<StageError> for HandlerError {
+    fn from(e: StageError) -> Self {
+        if e.is_retryable() {
+            HandlerError::Retryable(e.to_string())
+        } else {
+            HandlerError::Permanent(e.to_string())
+        }
+    }
+}
+
+/// What a handler reports when a job succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handled {
+    /// The worker completes the job (fenced on its token).
+    Complete,
+    /// The handler already completed the job under its token, in the transaction
+    /// of its own writes (`FencedTx::complete_job`); the worker records it only.
+    AlreadyCompleted,
+}
+
+/// Handles the jobs of the worker's queues. The worker deserializes the payload
+/// first; a payload that does not fit `Payload` fails the job (permanently, with
+/// serde's reason) without calling the handler. Use `serde_json::Value` to take
+/// any payload.
+pub trait JobHandler: Send + Sync + 'static {
+    type Payload: DeserializeOwned + Send + 'static;
+    fn handle(
+        &self,
+        job: FetchedJob,
+        payload: Self::Payload,
+    ) -> impl Future<Output = Result<Handled, HandlerError>> + Send;
+}
+
+/// A closure as a handler: `handler_fn(|job, payload: MyPayload| async move { .. })`;
+/// `Ok(())` has the worker complete the job.
+pub struct FnHandler<P, F> {
+    f: F,
+    _payload: PhantomData<fn(P)>,
+}
+
+pub fn handler_fn<P, F, Fut>(f: F) -> FnHandler<P, F>
+where
+    P: DeserializeOwned + Send + 'static,
+    F: Fn(FetchedJob, P) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    FnHandler {
+        f,
+        _payload: PhantomData,
+    }
+}
+
+impl<P, F, Fut> JobHandler for FnHandler<P, F>
+where
+    P: DeserializeOwned + Send + 'static,
+    F: Fn(FetchedJob, P) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    type Payload = P;
+    fn handle(
+        &self,
+        job: FetchedJob,
+        payload: P,
+    ) -> impl Future<Output = Result<Handled, HandlerError>> + Send {
+        let handled = (self.f)(job, payload);
+        async move { handled.await.map(|()| Handled::Complete) }
+    }
+}

@@ -1,0 +1,39 @@
+//! Queue maintenance, run periodically by every worker (one at a time per database).
+
+use std::time::Duration;
+
+use idemstage_persistence::queue::{self, MaintenanceConfig, MaintenanceOutcome};
+use idemstage_persistence::PgPool;
+use tokio_util::sync::CancellationToken;
+
+/// Runs maintenance every `interval` (the first right away, to recover leases left
+/// by crashed workers). Only one worker per database runs it at a time.
+pub(super) async fn maintenance_loop(
+    pool: PgPool,
+    config: MaintenanceConfig,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let ran = async {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::maintain(&mut conn, &config).await
+        }
+        .await;
+        match ran {
+            Ok(MaintenanceOutcome::Ran(r)) => {
+                if r.expired_retried + r.expired_failed + r.deleted > 0 {
+                    tracing::info!(?r, "queue maintenance");
+                }
+            }
+            Ok(MaintenanceOutcome::Skipped) => {}
+            Err(e) => tracing::warn!(error = %e, "queue maintenance failed"),
+        }
+    }
+}

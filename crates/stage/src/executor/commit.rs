@@ -1,0 +1,108 @@
+//! The fenced commit of one execution: the body's writes, the next stage's job and
+//! the completion of its own job, in the transaction that marks the stage `success`.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use idemstage_domain::{ClaimToken, JobCompleteOutcome, StageError};
+use idemstage_persistence::FencedTx;
+
+use crate::{Pipeline, Stage, StageFlow, StageJob};
+
+use super::{panic_message, Executor, Flow, JobLease};
+
+impl Executor {
+    /// The fenced transaction: the body's writes, then the next stage's job, then
+    /// the completion of this execution's own job.
+    pub(super) async fn commit(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+        token: &ClaimToken,
+        prepared: serde_json::Value,
+        lease: Option<JobLease>,
+    ) -> Result<Completion, StageError> {
+        let next_job = pipeline
+            .next(stage.name())
+            .map(|next| pipeline.job_for(next.name(), job));
+        // `Fn`, because a conflict re-runs the transaction; what the attempt that
+        // committed did (its flow, whether it completed the job) is reported.
+        let committed = Arc::new(std::sync::Mutex::new((Flow::Continue, false)));
+        let write = {
+            let (stage, job, prepared, committed) = (
+                stage.clone(),
+                job.clone(),
+                Arc::new(prepared),
+                committed.clone(),
+            );
+            fenced_write(move |tx| {
+                let (stage, job, prepared, next_job, committed) = (
+                    stage.clone(),
+                    job.clone(),
+                    prepared.clone(),
+                    next_job.clone(),
+                    committed.clone(),
+                );
+                async move {
+                    let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
+                        .catch_unwind()
+                        .await
+                        .map_err(panic_message)??;
+                    let flow = match outcome {
+                        StageFlow::Continue => {
+                            if let Some(next_job) = &next_job {
+                                tx.send_job(next_job).await?;
+                            }
+                            Flow::Continue
+                        }
+                        StageFlow::Stop => Flow::Stop,
+                    };
+                    // Last, so that its row lock is held for the shortest time. A
+                    // job taken over (Fenced) is left to its new holder, who will
+                    // find the stage succeeded.
+                    let job_completed = match lease {
+                        Some(lease) => {
+                            tx.complete_job(lease.id, lease.attempt).await?
+                                == JobCompleteOutcome::Completed
+                        }
+                        None => false,
+                    };
+                    *committed.lock().unwrap() = (flow, job_completed);
+                    Ok(())
+                }
+                .boxed()
+            })
+        };
+        Ok(match self.repo.complete(token, &write).await? {
+            idemstage_domain::CompleteOutcome::Committed => {
+                let (flow, job_completed) = *committed.lock().unwrap();
+                Completion::Committed {
+                    flow,
+                    job_completed,
+                }
+            }
+            idemstage_domain::CompleteOutcome::Fenced => Completion::Fenced,
+            idemstage_domain::CompleteOutcome::UpstreamChanged => Completion::UpstreamChanged,
+        })
+    }
+}
+
+/// The completion as the executor sees it (carrying what the committed attempt of
+/// the transaction did).
+pub(super) enum Completion {
+    Committed { flow: Flow, job_completed: bool },
+    Fenced,
+    UpstreamChanged,
+}
+
+/// Pins the closure to the higher-ranked signature `FencedWrite` needs (closure
+/// signatures are not inferred as higher-ranked from a later use).
+fn fenced_write<F>(f: F) -> F
+where
+    F: for<'t, 'c> Fn(&'t mut FencedTx<'c>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+{
+    f
+}
