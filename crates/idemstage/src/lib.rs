@@ -111,7 +111,7 @@ pub use idemstage_runner::{
     PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
 };
 pub use idemstage_stage::{
-    first_job, start, start_in, ExecutionOutcome, Executor, Flow, Pipeline, PipelineError, Stage,
+    first_job, start, start_in, ExecutionOutcome, Executor, Pipeline, PipelineError, Stage,
     StageFlow, StageJob,
 };
 

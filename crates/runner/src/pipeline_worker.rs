@@ -5,7 +5,7 @@
 //! one live job for it exists. A job is completed only when its stage is final
 //! (succeeded, dead, or found succeeded); a stage that someone else holds defers
 //! the job until that holder's lease runs out. A job whose stage succeeds is
-//! completed in the stage's own fenced transaction (`Executor::run_leased`), so the
+//! completed in the stage's own fenced transaction (`Executor::run_and_complete_job`), so the
 //! two commit together.
 
 use std::collections::HashMap;
@@ -150,7 +150,7 @@ impl JobHandler for PipelineHandler {
         };
         let outcome = match self
             .executor
-            .run_leased(&self.pipeline, stage, &stage_job, lease)
+            .run_and_complete_job(&self.pipeline, stage, &stage_job, lease)
             .await
         {
             Ok(outcome) => outcome,

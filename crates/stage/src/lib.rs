@@ -10,7 +10,7 @@ mod executor;
 mod pipeline;
 mod start;
 
-pub use executor::{ExecutionOutcome, Executor, Flow, JobLease};
+pub use executor::{ExecutionOutcome, Executor, JobLease};
 pub use pipeline::{first_job, Pipeline, PipelineError, StageJob};
 pub use start::{start, start_in};
 
@@ -19,7 +19,7 @@ use idemstage_domain::{StageError, StageName, StagePolicy};
 use idemstage_persistence::FencedTx;
 
 /// What the pipeline does after a stage succeeded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum StageFlow {
     /// Send the next stage's job (in the same transaction), if there is one.
     Continue,

@@ -11,7 +11,7 @@ use idemstage_persistence::FencedTx;
 
 use crate::{Pipeline, Stage, StageFlow, StageJob};
 
-use super::{panic_message, Executor, Flow, JobLease};
+use super::{panic_message, Executor, JobLease};
 
 impl Executor {
     /// The fenced transaction: the body's writes, then the next stage's job, then
@@ -30,7 +30,7 @@ impl Executor {
             .map(|next| pipeline.job_for(next.name(), job));
         // `Fn`, because a conflict re-runs the transaction; what the attempt that
         // committed did (its flow, whether it completed the job) is reported.
-        let committed = Arc::new(std::sync::Mutex::new((Flow::Continue, false)));
+        let committed = Arc::new(std::sync::Mutex::new((StageFlow::Continue, false)));
         let write = {
             let (stage, job, prepared, committed) = (
                 stage.clone(),
@@ -51,15 +51,10 @@ impl Executor {
                         .catch_unwind()
                         .await
                         .map_err(panic_message)??;
-                    let flow = match outcome {
-                        StageFlow::Continue => {
-                            if let Some(next_job) = &next_job {
-                                tx.send_job(next_job).await?;
-                            }
-                            Flow::Continue
-                        }
-                        StageFlow::Stop => Flow::Stop,
-                    };
+                    if let (StageFlow::Continue, Some(next_job)) = (outcome, &next_job) {
+                        tx.send_job(next_job).await?;
+                    }
+                    let flow = outcome;
                     // Last, so that its row lock is held for the shortest time. A
                     // job taken over (Fenced) is left to its new holder, who will
                     // find the stage succeeded.
@@ -93,7 +88,10 @@ impl Executor {
 /// The completion as the executor sees it (carrying what the committed attempt of
 /// the transaction did).
 pub(super) enum Completion {
-    Committed { flow: Flow, job_completed: bool },
+    Committed {
+        flow: StageFlow,
+        job_completed: bool,
+    },
     Fenced,
     UpstreamChanged,
 }

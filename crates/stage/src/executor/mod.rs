@@ -16,7 +16,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 
-use crate::{Pipeline, Stage, StageJob};
+use crate::{Pipeline, Stage, StageFlow, StageJob};
 
 use commit::Completion;
 use guards::{AbortOnDrop, ReleaseOnDrop};
@@ -29,8 +29,8 @@ pub enum ExecutionOutcome {
     Succeeded {
         run_id: RunId,
         attempt: i32,
-        flow: Flow,
-        /// The queue job (`run_leased`) was completed in the same transaction.
+        flow: StageFlow,
+        /// The queue job (`run_and_complete_job`) was completed in the same transaction.
         job_completed: bool,
     },
     Skipped(SkipReason),
@@ -63,13 +63,6 @@ pub enum ExecutionOutcome {
     Exhausted {
         attempts: i32,
     },
-}
-
-/// `StageFlow`, serializable for reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Flow {
-    Continue,
-    Stop,
 }
 
 /// The queue job an execution runs for, with its fencing token (`FetchedJob::attempt`).
@@ -132,7 +125,7 @@ impl Executor {
     /// the stage's transaction (`job_completed`), so the stage's success and its
     /// job's completion commit together, with one statement and one commit less
     /// than completing the job afterwards.
-    pub async fn run_leased(
+    pub async fn run_and_complete_job(
         &self,
         pipeline: &Pipeline,
         stage: &Arc<dyn Stage>,

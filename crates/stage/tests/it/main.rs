@@ -184,7 +184,7 @@ async fn an_infeasible_anfrage_stops_before_calculate() {
         matches!(
             outcome,
             ExecutionOutcome::Succeeded {
-                flow: idemstage_stage::Flow::Stop,
+                flow: idemstage_stage::StageFlow::Stop,
                 ..
             }
         ),
@@ -436,7 +436,7 @@ async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
     ));
 }
 
-/// `run_leased` completes the stage's queue job in the stage's own transaction (both
+/// `run_and_complete_job` completes the stage's queue job in the stage's own transaction (both
 /// rows then carry that transaction's `now()`); a job taken over by another fetch
 /// is left to its new holder, and the stage still succeeds.
 #[tokio::test]
@@ -464,7 +464,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         attempt: fetched.attempt,
     };
     let outcome = exec
-        .run_leased(&pipeline, intake, &job, lease)
+        .run_and_complete_job(&pipeline, intake, &job, lease)
         .await
         .unwrap();
     assert!(
@@ -502,7 +502,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         attempt: fetched.attempt,
     };
     let outcome = exec
-        .run_leased(&pipeline, extract, &job, stale)
+        .run_and_complete_job(&pipeline, extract, &job, stale)
         .await
         .unwrap();
     assert!(

@@ -2,7 +2,7 @@
 //! so once and clearly, never panic, saturate or wrap around.
 
 use diesel::sql_types::{Integer, Nullable, Text};
-use idemstage_stage::Flow;
+use idemstage_stage::StageFlow;
 
 use super::*;
 
@@ -51,7 +51,7 @@ async fn an_out_of_range_quantity_makes_the_anfrage_infeasible_with_its_reason()
                 matches!(
                     outcome,
                     ExecutionOutcome::Succeeded {
-                        flow: Flow::Stop,
+                        flow: StageFlow::Stop,
                         ..
                     }
                 ),
