@@ -359,5 +359,10 @@ mod tests {
             p.downstream_of(&StageName::parse(OCR).unwrap()),
             vec![StageName::parse(TRANSLATE).unwrap()]
         );
+        // A stage name twice is refused when the pipeline is built.
+        assert!(matches!(
+            Pipeline::new(vec![Arc::new(Ocr::new(None)), Arc::new(Ocr::new(None))]),
+            Err(idemstage::PipelineError::DuplicateStage(_))
+        ));
     }
 }
