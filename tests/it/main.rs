@@ -1,6 +1,5 @@
 //! Workspace-level tests: the seed's pattern against our corrections, and a product
 //! team's own pipeline defined outside our crates.
 
-mod custom_pipeline;
 mod seed_corrections;
 mod support;

@@ -1,0 +1,368 @@
+//! # ocr-translate
+//!
+//! A team's pipeline on idemstage, `ocr → translate`, written the way a team
+//! outside our crates writes one: nothing of ours but the facade `idemstage`, its
+//! own tables ([`MIGRATIONS`]), its own Diesel schema ([`schema`]) and its own
+//! stages.
+//!
+//! - [`Ocr`] splits the anfrage's input text into pages (on blank lines and form
+//!   feeds) and replaces the anfrage's `ocr_pages` with them. Its policy is
+//!   `Rerun`: the anfrage started again with another text is OCRed again, and
+//!   `translate` runs again once that succeeded.
+//! - [`Translate`] reads the current `ocr_pages` and writes one row of
+//!   `translations` per page (a deterministic stand-in for a translation:
+//!   [`translate_text`]), naming the ocr attempt it read (its lineage).
+//!
+//! Both write through the fenced transaction ([`idemstage::FencedTx`]): a page or
+//! translation exists only if the attempt that wrote it succeeded, and only the
+//! current success of each stage has rows. [`Faults`] injects failures after the
+//! writes, for tests.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "postgres://localhost/app";
+//! // The core's migrations, then this pipeline's.
+//! idemstage::migrate_with(url, vec![ocr_translate::MIGRATIONS]).await?;
+//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//! let pipeline = ocr_translate::pipeline();
+//! let tenant = idemstage::TenantId::parse("acme")?;
+//! let anfrage = idemstage::AnfrageId::new();
+//! idemstage::start(&pool, &pipeline, &tenant, &anfrage, "page one\n\npage two").await?;
+//! // ... and a `PipelineWorker` over `pipeline` works it.
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+use std::sync::Arc;
+
+use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
+use idemstage::serde_json::{json, Value};
+use idemstage::{
+    async_trait, FencedTx, InputChangePolicy, Pipeline, Stage, StageError, StageFlow, StageJob,
+    StageName, StagePolicy,
+};
+
+pub mod schema;
+mod tables;
+
+pub use tables::{OcrPage, OcrTables, Translation};
+
+/// This pipeline's migrations (`ocr_pages`, `translations`), to run after the
+/// core's: `idemstage::migrate_with(url, vec![MIGRATIONS])`. Their versions
+/// (`2026-12-01-1000xx`) cannot collide with the core's (`2026-11-30-0000xx`).
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+/// The name of the first stage.
+pub const OCR: &str = "ocr";
+/// The name of the second stage.
+pub const TRANSLATE: &str = "translate";
+
+/// Splits an input text into pages: a form feed ends a page, and so does a blank
+/// line (one that is empty or only whitespace). Lines keep their order, lose
+/// trailing whitespace; pages with no text are dropped. Any input with a
+/// non-whitespace character (which every registered input has) gives a page.
+pub fn split_pages(text: &str) -> Vec<String> {
+    let mut pages = Vec::new();
+    for sheet in text.split('\x0c') {
+        let mut page: Vec<&str> = Vec::new();
+        for line in sheet.lines() {
+            if line.trim().is_empty() {
+                if !page.is_empty() {
+                    pages.push(page.join("\n"));
+                    page.clear();
+                }
+            } else {
+                page.push(line.trim_end());
+            }
+        }
+        if !page.is_empty() {
+            pages.push(page.join("\n"));
+        }
+    }
+    pages
+}
+
+/// The deterministic stand-in for a translation: every line's words in reverse
+/// order, upper-cased (`"hallo schöne welt"` → `"WELT SCHÖNE HALLO"`).
+pub fn translate_text(text: &str) -> String {
+    text.lines()
+        .map(|line| {
+            let words: Vec<String> = line
+                .split_whitespace()
+                .rev()
+                .map(str::to_uppercase)
+                .collect();
+            words.join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What an injected fault does, after the stage's writes, inside its fenced
+/// transaction (which must then roll them back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The body returns a transient (retryable) error.
+    Error,
+    /// The body panics.
+    Panic,
+}
+
+/// A fault of one stage: `kind`, on every attempt up to `through_attempt`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// What happens.
+    pub kind: FaultKind,
+    /// The last attempt hit (attempts count on across reruns of the stage).
+    pub through_attempt: i32,
+}
+
+impl Fault {
+    /// A transient error on every attempt.
+    pub fn error() -> Self {
+        Self {
+            kind: FaultKind::Error,
+            through_attempt: i32::MAX,
+        }
+    }
+
+    /// A panic on every attempt.
+    pub fn panic() -> Self {
+        Self {
+            kind: FaultKind::Panic,
+            through_attempt: i32::MAX,
+        }
+    }
+
+    /// The same fault, on attempts `1..=n` only (then the stage recovers).
+    pub fn through_attempt(self, n: i32) -> Self {
+        Self {
+            through_attempt: n,
+            ..self
+        }
+    }
+
+    fn inject(fault: Option<Fault>, stage: &str, attempt: i32) -> Result<(), StageError> {
+        match fault {
+            Some(f) if attempt <= f.through_attempt => match f.kind {
+                FaultKind::Error => Err(StageError::Transient(format!(
+                    "injected failure in {stage}, attempt {attempt}"
+                ))),
+                FaultKind::Panic => panic!("injected panic in {stage}, attempt {attempt}"),
+            },
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Failure injection for tests: a fault per stage (none by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Hits `ocr` after it replaced the pages and wrote its audit entry.
+    pub ocr: Option<Fault>,
+    /// Hits `translate` after it wrote the translations and its audit entry.
+    pub translate: Option<Fault>,
+}
+
+/// The ocr stage's policy: the default, but `Rerun` on new input.
+pub fn ocr_policy() -> StagePolicy {
+    StagePolicy {
+        on_input_change: InputChangePolicy::Rerun,
+        ..StagePolicy::default()
+    }
+}
+
+/// Stage 1: the anfrage's input text into `ocr_pages`.
+pub struct Ocr {
+    name: StageName,
+    policy: StagePolicy,
+    fault: Option<Fault>,
+}
+
+impl Ocr {
+    /// With [`ocr_policy`] and an optional injected fault.
+    pub fn new(fault: Option<Fault>) -> Self {
+        Self {
+            name: StageName::parse(OCR).expect("valid stage name"),
+            policy: ocr_policy(),
+            fault,
+        }
+    }
+
+    /// Another policy (leases, attempts); keep `Rerun` to re-OCR new input.
+    pub fn with_policy(self, policy: StagePolicy) -> Self {
+        Self { policy, ..self }
+    }
+}
+
+#[async_trait]
+impl Stage for Ocr {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+
+    async fn run(
+        &self,
+        job: &StageJob,
+        _prepared: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        let text = tx.anfrage_text().await?;
+        let pages = split_pages(&text);
+        if pages.is_empty() {
+            return Err(StageError::Permanent("the input has no text".into()));
+        }
+        let replaced = tx.replace_ocr_pages(&pages).await?;
+        tx.audit(
+            &job.anfrage_id.to_string(),
+            "ocr.pages",
+            json!({ "pages": replaced.written, "replaced": replaced.deleted }),
+        )
+        .await?;
+        Fault::inject(self.fault, OCR, tx.token().attempt)?;
+        Ok(StageFlow::Continue)
+    }
+}
+
+/// Stage 2: the current `ocr_pages` into `translations`.
+pub struct Translate {
+    name: StageName,
+    policy: StagePolicy,
+    fault: Option<Fault>,
+}
+
+impl Translate {
+    /// With the default policy and an optional injected fault.
+    pub fn new(fault: Option<Fault>) -> Self {
+        Self {
+            name: StageName::parse(TRANSLATE).expect("valid stage name"),
+            policy: StagePolicy::default(),
+            fault,
+        }
+    }
+
+    /// Another policy (leases, attempts).
+    pub fn with_policy(self, policy: StagePolicy) -> Self {
+        Self { policy, ..self }
+    }
+}
+
+#[async_trait]
+impl Stage for Translate {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+
+    async fn run(
+        &self,
+        job: &StageJob,
+        _prepared: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        // The executor's lineage check holds ocr's run row share-locked for this
+        // transaction: the pages read here are those of the ocr success this
+        // attempt was claimed on, and stay so until it commits.
+        let pages = tx.ocr_pages().await?;
+        let Some(first) = pages.first() else {
+            return Err(StageError::Permanent("ocr left no pages".into()));
+        };
+        if pages
+            .iter()
+            .any(|p| (&p.run_id, p.attempt) != (&first.run_id, first.attempt))
+        {
+            return Err(StageError::Permanent(
+                "the ocr pages come from more than one attempt".into(),
+            ));
+        }
+        let texts: Vec<String> = pages.iter().map(|p| translate_text(&p.text)).collect();
+        let replaced = tx.upsert_translations(&pages, &texts).await?;
+        tx.audit(
+            &job.anfrage_id.to_string(),
+            "translate.pages",
+            json!({
+                "pages": replaced.written,
+                "dropped": replaced.deleted,
+                "ocr_attempt": first.attempt,
+            }),
+        )
+        .await?;
+        Fault::inject(self.fault, TRANSLATE, tx.token().attempt)?;
+        Ok(StageFlow::Continue)
+    }
+}
+
+/// The pipeline `ocr → translate`, without faults.
+pub fn pipeline() -> Pipeline {
+    pipeline_with(Faults::default())
+}
+
+/// The pipeline `ocr → translate` with injected faults.
+pub fn pipeline_with(faults: Faults) -> Pipeline {
+    Pipeline::new(vec![
+        Arc::new(Ocr::new(faults.ocr)),
+        Arc::new(Translate::new(faults.translate)),
+    ])
+    .expect("ocr → translate is a valid pipeline")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_end_at_blank_lines_and_form_feeds() {
+        assert_eq!(
+            split_pages("one\nstill one  \n\n \t\ntwo\x0cthree\r\n\r\nfour\x0c\x0c\n"),
+            vec!["one\nstill one", "two", "three", "four"]
+        );
+        assert_eq!(split_pages("single"), vec!["single"]);
+        assert!(split_pages(" \n\x0c\n").is_empty());
+    }
+
+    #[test]
+    fn the_translation_reverses_and_upper_cases_each_line() {
+        assert_eq!(
+            translate_text("hallo schöne welt\n  zwei   wörter "),
+            "WELT SCHÖNE HALLO\nWÖRTER ZWEI"
+        );
+    }
+
+    #[test]
+    fn a_fault_hits_the_attempts_it_names() {
+        let once = Some(Fault::error().through_attempt(1));
+        assert!(Fault::inject(once, OCR, 1).is_err());
+        assert!(Fault::inject(once, OCR, 2).is_ok());
+        assert!(Fault::inject(None, OCR, 1).is_ok());
+        let panicked = std::panic::catch_unwind(|| Fault::inject(Some(Fault::panic()), OCR, 7));
+        assert!(panicked.is_err());
+    }
+
+    #[test]
+    fn the_pipeline_is_ocr_then_translate_and_reruns_ocr_on_new_input() {
+        let p = pipeline();
+        let names: Vec<&str> = p.stages().iter().map(|s| s.name().as_str()).collect();
+        assert_eq!(names, [OCR, TRANSLATE]);
+        assert_eq!(
+            p.first_stage().policy().on_input_change,
+            InputChangePolicy::Rerun
+        );
+        assert_eq!(
+            p.downstream_of(&StageName::parse(OCR).unwrap()),
+            vec![StageName::parse(TRANSLATE).unwrap()]
+        );
+        // A stage name twice is refused when the pipeline is built.
+        assert!(matches!(
+            Pipeline::new(vec![Arc::new(Ocr::new(None)), Arc::new(Ocr::new(None))]),
+            Err(idemstage::PipelineError::DuplicateStage(_))
+        ));
+    }
+}

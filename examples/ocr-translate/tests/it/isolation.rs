@@ -1,0 +1,195 @@
+//! Tenant isolation of the team's tables (`idemstage_tenant_table`), seen from a
+//! stage: the facade has no public helper to scope a transaction to a tenant, so
+//! a probe stage of tenant B looks through its fenced transaction, which the
+//! executor scopes to B.
+
+use std::sync::{Arc, Mutex};
+
+use diesel::prelude::*;
+use idemstage::diesel_async::RunQueryDsl;
+use idemstage::serde_json::Value;
+use idemstage::{
+    async_trait, ExecutionOutcome, FencedTx, Pipeline, Stage, StageError, StageFlow, StageJob,
+    StageName, StagePolicy,
+};
+use ocr_translate::pipeline;
+use ocr_translate::schema::{ocr_pages, translations};
+
+use crate::failures::{PAGES_1, PAGES_2, TEXT_1, TEXT_2};
+use crate::support::*;
+
+/// What the probe saw.
+#[derive(Debug, Default)]
+struct Seen {
+    page_tenants: Vec<String>,
+    translation_tenants: Vec<String>,
+    a_pages_by_id: i64,
+    a_pages_updated: usize,
+    a_translations_deleted: usize,
+    insert_as_a: Option<String>,
+}
+
+/// Tenant B's probe: reads the team's tables with no tenant filter, then tries to
+/// change tenant A's rows (by A's anfrage id), then to write a row as tenant A.
+/// Ends in an error, so that its transaction rolls back in any case.
+struct Probe {
+    name: StageName,
+    policy: StagePolicy,
+    a_anfrage: String,
+    a_run: String,
+    seen: Mutex<Seen>,
+}
+
+fn db(e: diesel::result::Error) -> StageError {
+    StageError::Repo(idemstage::map_diesel_error(e))
+}
+
+#[async_trait]
+impl Stage for Probe {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+    async fn run(
+        &self,
+        _: &StageJob,
+        _: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        use ocr_pages::dsl as p;
+        use translations::dsl as t;
+        let mut seen = Seen {
+            page_tenants: p::ocr_pages
+                .select(p::tenant_id)
+                .order(p::page)
+                .load(tx.conn())
+                .await
+                .map_err(db)?,
+            translation_tenants: t::translations
+                .select(t::tenant_id)
+                .order(t::page)
+                .load(tx.conn())
+                .await
+                .map_err(db)?,
+            a_pages_by_id: p::ocr_pages
+                .filter(p::anfrage_id.eq(&self.a_anfrage))
+                .count()
+                .get_result(tx.conn())
+                .await
+                .map_err(db)?,
+            a_pages_updated: diesel::update(p::ocr_pages.filter(p::anfrage_id.eq(&self.a_anfrage)))
+                .set(p::text.eq("overwritten by b"))
+                .execute(tx.conn())
+                .await
+                .map_err(db)?,
+            a_translations_deleted: diesel::delete(
+                t::translations.filter(t::anfrage_id.eq(&self.a_anfrage)),
+            )
+            .execute(tx.conn())
+            .await
+            .map_err(db)?,
+            insert_as_a: None,
+        };
+        // Last: a refused statement aborts the transaction.
+        let insert = diesel::insert_into(p::ocr_pages)
+            .values((
+                p::id.eq(idemstage::RowId::new().to_string()),
+                p::tenant_id.eq("tenant-a"),
+                p::anfrage_id.eq(&self.a_anfrage),
+                p::page.eq(99),
+                p::text.eq("planted by b"),
+                p::run_id.eq(&self.a_run),
+                p::attempt.eq(1),
+            ))
+            .execute(tx.conn())
+            .await;
+        seen.insert_as_a = Some(match insert {
+            Ok(n) => format!("inserted {n}"),
+            Err(e) => e.to_string(),
+        });
+        *self.seen.lock().unwrap() = seen;
+        Err(StageError::Permanent("probe done".into()))
+    }
+}
+
+#[tokio::test]
+async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
+    let mut f = fixture().await;
+    let pipeline = pipeline();
+    let exec = f.executor();
+    let a = f.anfrage(&pipeline, &tenant("tenant-a"), TEXT_1).await;
+    let b = f.anfrage(&pipeline, &tenant("tenant-b"), TEXT_2).await;
+    for job in [&a, &b] {
+        for stage in pipeline.stages() {
+            assert!(matches!(
+                exec.run(&pipeline, stage, job).await.unwrap(),
+                ExecutionOutcome::Succeeded { .. }
+            ));
+        }
+    }
+    let a_run: String = diesel::sql_query(format!(
+        "SELECT id AS n FROM pipeline_runs WHERE anfrage_id = '{}' AND stage = 'ocr'",
+        a.anfrage_id
+    ))
+    .get_result::<IdRow>(&mut f.conn)
+    .await
+    .unwrap()
+    .n;
+
+    let probe = Arc::new(Probe {
+        name: StageName::parse("probe").unwrap(),
+        policy: StagePolicy::default(),
+        a_anfrage: a.anfrage_id.to_string(),
+        a_run,
+        seen: Mutex::default(),
+    });
+    let probing = Pipeline::new(vec![probe.clone()]).unwrap();
+    let probe_job = f.anfrage(&probing, &tenant("tenant-b"), "probe").await;
+    let outcome = exec
+        .run(&probing, probing.first_stage(), &probe_job)
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, ExecutionOutcome::Failed { dead: true, ref error, .. } if error.contains("probe done")),
+        "{outcome:?}"
+    );
+
+    let seen = std::mem::take(&mut *probe.seen.lock().unwrap());
+    // B sees its own rows, and only those.
+    assert_eq!(
+        seen.page_tenants,
+        vec!["tenant-b"; PAGES_2.len()],
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.translation_tenants,
+        vec!["tenant-b"; PAGES_2.len()],
+        "{seen:?}"
+    );
+    assert_eq!(seen.a_pages_by_id, 0, "{seen:?}");
+    assert_eq!(
+        (seen.a_pages_updated, seen.a_translations_deleted),
+        (0, 0),
+        "{seen:?}"
+    );
+    let refused = seen.insert_as_a.as_deref().unwrap();
+    assert!(
+        refused.contains("row-level security policy"),
+        "a row of tenant A written by B: {refused}"
+    );
+
+    // A's rows are as A's stages wrote them.
+    assert_eq!(f.pages(&a).await, expected_pages(&PAGES_1, 1));
+    assert_eq!(
+        f.translations(&a).await,
+        expected_translations(&PAGES_1, 1, 1)
+    );
+}
+
+#[derive(QueryableByName)]
+struct IdRow {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    n: String,
+}

@@ -1,0 +1,270 @@
+//! What the tests share: a database with the core's and this pipeline's
+//! migrations, executors, starting anfragen as `idemstage::start` does, reading
+//! the team's tables as the superuser (no row-level security), and stage
+//! wrappers that hold an execution at a point of the test's choosing.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use diesel::prelude::*;
+use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage::serde_json::Value;
+use idemstage::{
+    async_trait, start, AnfrageId, Executor, FencedTx, PgPool, PgRunRepository, Pipeline,
+    RegisterOutcome, Stage, StageError, StageFlow, StageJob, StageName, StagePolicy, TenantId,
+    WorkerId,
+};
+use idemstage_testkit::TestDb;
+use ocr_translate::schema::{ocr_pages, translations};
+use tokio::sync::Notify;
+
+pub use idemstage_testkit::count;
+
+pub struct Fixture {
+    pub db: TestDb,
+    pub pool: PgPool,
+    /// The test's own session (superuser: it sees every tenant's rows).
+    pub conn: AsyncPgConnection,
+}
+
+pub async fn fixture() -> Fixture {
+    let db = TestDb::with_migrations(vec![ocr_translate::MIGRATIONS]).await;
+    let pool = db.pool(8).await;
+    let conn = db.conn().await;
+    Fixture { db, pool, conn }
+}
+
+pub fn tenant(slug: &str) -> TenantId {
+    TenantId::parse(slug).unwrap()
+}
+
+impl Fixture {
+    /// An executor of its own worker identity.
+    pub fn executor(&self) -> Executor {
+        Executor::new(
+            Arc::new(PgRunRepository::new(self.pool.clone())),
+            WorkerId::generate(),
+        )
+    }
+
+    /// `idemstage::start`: registers (or, under ocr's `Rerun` policy, replaces) the
+    /// input and sends the first job; returns the job that carries the stored hash
+    /// and what the registration did.
+    pub async fn start(
+        &self,
+        pipeline: &Pipeline,
+        tenant: &TenantId,
+        anfrage: &AnfrageId,
+        text: &str,
+    ) -> (StageJob, RegisterOutcome) {
+        let started = start(&self.pool, pipeline, tenant, anfrage, text)
+            .await
+            .unwrap();
+        let job = StageJob {
+            tenant_id: tenant.clone(),
+            anfrage_id: *anfrage,
+            input_hash: started.registered.input_sha256().to_owned(),
+        };
+        (job, started.registered)
+    }
+
+    /// A new anfrage of `tenant`, started.
+    pub async fn anfrage(&self, pipeline: &Pipeline, tenant: &TenantId, text: &str) -> StageJob {
+        self.start(pipeline, tenant, &AnfrageId::new(), text)
+            .await
+            .0
+    }
+
+    /// The anfrage's pages as stored: (page, text, attempt).
+    pub async fn pages(&mut self, job: &StageJob) -> Vec<(i32, String, i32)> {
+        use ocr_pages::dsl as p;
+        p::ocr_pages
+            .filter(p::tenant_id.eq(job.tenant_id.as_str()))
+            .filter(p::anfrage_id.eq(job.anfrage_id.to_string()))
+            .order(p::page)
+            .select((p::page, p::text, p::attempt))
+            .load(&mut self.conn)
+            .await
+            .unwrap()
+    }
+
+    /// The anfrage's page ids as stored.
+    pub async fn page_ids(&mut self, job: &StageJob) -> Vec<String> {
+        use ocr_pages::dsl as p;
+        p::ocr_pages
+            .filter(p::anfrage_id.eq(job.anfrage_id.to_string()))
+            .select(p::id)
+            .load(&mut self.conn)
+            .await
+            .unwrap()
+    }
+
+    /// The anfrage's translations as stored: (page, text, attempt, ocr_attempt).
+    pub async fn translations(&mut self, job: &StageJob) -> Vec<(i32, String, i32, i32)> {
+        use translations::dsl as t;
+        t::translations
+            .filter(t::tenant_id.eq(job.tenant_id.as_str()))
+            .filter(t::anfrage_id.eq(job.anfrage_id.to_string()))
+            .order(t::page)
+            .select((t::page, t::text, t::attempt, t::ocr_attempt))
+            .load(&mut self.conn)
+            .await
+            .unwrap()
+    }
+
+    /// The status of the anfrage's run of `stage`.
+    pub async fn status(&mut self, job: &StageJob, stage: &str) -> String {
+        #[derive(QueryableByName)]
+        struct Status {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            status: String,
+        }
+        diesel::sql_query("SELECT status FROM pipeline_runs WHERE anfrage_id = $1 AND stage = $2")
+            .bind::<diesel::sql_types::Text, _>(job.anfrage_id.to_string())
+            .bind::<diesel::sql_types::Text, _>(stage)
+            .get_result::<Status>(&mut self.conn)
+            .await
+            .unwrap()
+            .status
+    }
+
+    /// `SELECT count(*)` of `sql` with `{anfrage}` replaced by the job's anfrage.
+    pub async fn count_for(&mut self, job: &StageJob, sql: &str) -> i64 {
+        count(
+            &mut self.conn,
+            &sql.replace("{anfrage}", &job.anfrage_id.to_string()),
+        )
+        .await
+    }
+}
+
+/// The pages `texts` as stored by `attempt`, numbered from 1.
+pub fn expected_pages(texts: &[&str], attempt: i32) -> Vec<(i32, String, i32)> {
+    texts
+        .iter()
+        .zip(1..)
+        .map(|(t, page)| (page, t.to_string(), attempt))
+        .collect()
+}
+
+/// The translations of the pages `texts`, by `attempt` from `ocr_attempt`.
+pub fn expected_translations(
+    texts: &[&str],
+    attempt: i32,
+    ocr_attempt: i32,
+) -> Vec<(i32, String, i32, i32)> {
+    texts
+        .iter()
+        .zip(1..)
+        .map(|(t, page)| (page, ocr_translate::translate_text(t), attempt, ocr_attempt))
+        .collect()
+}
+
+/// A stage wrapper: the first execution waits in `prepare` (after its claim,
+/// outside any transaction, its lease renewed) until the test lets it go; the
+/// others pass. Counts the bodies that ran.
+pub struct HeldOnce {
+    inner: Arc<dyn Stage>,
+    held: AtomicBool,
+    pub started: Notify,
+    pub release: Notify,
+    bodies: AtomicUsize,
+}
+
+impl HeldOnce {
+    pub fn new(inner: Arc<dyn Stage>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            held: AtomicBool::new(false),
+            started: Notify::new(),
+            release: Notify::new(),
+            bodies: AtomicUsize::new(0),
+        })
+    }
+
+    /// How many bodies ran (a method: diesel-async's `RunQueryDsl::load` would
+    /// shadow the atomic's).
+    pub fn bodies(&self) -> usize {
+        AtomicUsize::load(&self.bodies, Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Stage for HeldOnce {
+    fn name(&self) -> &StageName {
+        self.inner.name()
+    }
+    fn policy(&self) -> &StagePolicy {
+        self.inner.policy()
+    }
+    async fn prepare(&self, job: &StageJob) -> Result<Value, StageError> {
+        if !self.held.swap(true, Ordering::SeqCst) {
+            self.started.notify_one();
+            self.release.notified().await;
+        }
+        self.inner.prepare(job).await
+    }
+    async fn run(
+        &self,
+        job: &StageJob,
+        prepared: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        self.bodies.fetch_add(1, Ordering::SeqCst);
+        self.inner.run(job, prepared, tx).await
+    }
+}
+
+/// A stage wrapper: the first transaction, after the inner stage's writes, notes
+/// the page ids it sees and then sleeps in the database (`pg_sleep`), so that the
+/// test can kill its connection mid-transaction.
+pub struct SleepsAfterWritesOnce {
+    inner: Arc<dyn Stage>,
+    slept: AtomicBool,
+    pub sleeping: Notify,
+    pub ids_seen: std::sync::Mutex<Vec<String>>,
+}
+
+impl SleepsAfterWritesOnce {
+    pub fn new(inner: Arc<dyn Stage>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            slept: AtomicBool::new(false),
+            sleeping: Notify::new(),
+            ids_seen: Default::default(),
+        })
+    }
+}
+
+#[async_trait]
+impl Stage for SleepsAfterWritesOnce {
+    fn name(&self) -> &StageName {
+        self.inner.name()
+    }
+    fn policy(&self) -> &StagePolicy {
+        self.inner.policy()
+    }
+    async fn run(
+        &self,
+        job: &StageJob,
+        prepared: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        let flow = self.inner.run(job, prepared, tx).await?;
+        if !self.slept.swap(true, Ordering::SeqCst) {
+            use ocr_pages::dsl as p;
+            let ids: Vec<String> = p::ocr_pages
+                .select(p::id)
+                .load(tx.conn())
+                .await
+                .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+            *self.ids_seen.lock().unwrap() = ids;
+            self.sleeping.notify_one();
+            diesel::sql_query("SELECT pg_sleep(60)")
+                .execute(tx.conn())
+                .await
+                .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+        }
+        Ok(flow)
+    }
+}
