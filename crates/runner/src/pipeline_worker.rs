@@ -109,6 +109,15 @@ pub struct PipelineWorkerConfig {
     pub queue: QueueWorkerConfig,
 }
 
+impl PipelineWorkerConfig {
+    /// The pool size a worker with this config needs: per stage execution, its
+    /// connection and its heartbeat's, plus the loop's and the completer's. A
+    /// smaller pool makes executions wait for connections (and time out).
+    pub fn pool_size(&self) -> u32 {
+        u32::try_from(self.concurrency * 2 + 2).unwrap_or(u32::MAX)
+    }
+}
+
 impl Default for PipelineWorkerConfig {
     fn default() -> Self {
         Self {
@@ -311,6 +320,17 @@ impl PipelineWorker {
             pipeline
                 .stage(q)
                 .map_err(|e| WorkerError::Config(e.to_string()))?;
+        }
+        // An expired job lease (a dead worker's job) comes back only through
+        // maintenance: maintenance that runs less often than a lease lasts leaves
+        // such jobs waiting for longer than their lease promises.
+        let job_lease = pipeline.send_options().expire_in;
+        if queue.maintenance_interval > job_lease {
+            return Err(WorkerError::Config(format!(
+                "maintenance_interval {:?} is longer than the pipeline's job lease {job_lease:?}: \
+                 a dead worker's jobs would wait past their lease",
+                queue.maintenance_interval
+            )));
         }
         let executor = Executor::new(
             Arc::new(PgRunRepository::new(pool.clone())),

@@ -128,6 +128,11 @@ impl Pipeline {
         Ok(self)
     }
 
+    /// The options of the jobs this pipeline sends (retries, job lease).
+    pub fn send_options(&self) -> &SendOptions {
+        &self.send_options
+    }
+
     pub fn stages(&self) -> &[Arc<dyn Stage>] {
         &self.stages
     }

@@ -111,7 +111,7 @@ impl Args {
         config.queue.queues = self.queues.clone();
         config.queue.shutdown_grace = Duration::from_secs(self.grace_s);
         // Expired job leases are only recovered by maintenance: run it at least as
-        // often as a lease lasts.
+        // often as a lease lasts (PipelineWorker refuses a longer interval).
         config.queue.maintenance_interval = config
             .queue
             .maintenance_interval
@@ -120,9 +120,8 @@ impl Args {
     }
 
     pub fn pool_config(&self) -> PoolConfig {
-        // Per stage: the execution's connection plus the heartbeat's, plus the loop's.
         PoolConfig {
-            max_size: (self.concurrency * 2 + 2) as u32,
+            max_size: self.worker_config().pool_size(),
             ..PoolConfig::default()
         }
     }

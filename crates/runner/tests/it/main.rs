@@ -2,6 +2,7 @@
 //! in-process stage workers (shutdown, database errors) against a real PostgreSQL.
 //! The tests that run `idemstage` processes are in `crates/cli/tests/it/`.
 
+mod config;
 mod db_errors;
 mod queue_worker;
 mod shutdown;

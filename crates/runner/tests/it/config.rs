@@ -1,0 +1,48 @@
+//! Settings that only work together are checked by the library, not by a CLI.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, WorkerError};
+use idemstage_testkit::TestDb;
+
+/// A dead worker's jobs come back only through maintenance: maintenance that runs
+/// less often than the job lease lasts is refused (it used to be the CLI's rule).
+#[tokio::test]
+async fn maintenance_slower_than_the_job_lease_is_refused() {
+    let db = TestDb::new().await;
+    // The pipeline's jobs have a 3 s lease; maintenance every 30 s by default.
+    let pipeline = crate::support::pipeline();
+    let config = PipelineWorkerConfig::default();
+    assert_eq!(config.queue.maintenance_interval, Duration::from_secs(30));
+    let err = PipelineWorker::new(
+        db.pool(2).await,
+        db.url(),
+        pipeline.clone(),
+        config.clone(),
+        Arc::new(Counters::default()),
+    )
+    .err()
+    .expect("a 30 s maintenance interval against a 3 s job lease was accepted");
+    assert!(
+        matches!(&err, WorkerError::Config(m) if m.contains("maintenance_interval")),
+        "{err}"
+    );
+    let mut fitting = config;
+    fitting.queue.maintenance_interval = Duration::from_secs(1);
+    assert!(PipelineWorker::new(
+        db.pool(2).await,
+        db.url(),
+        pipeline,
+        fitting,
+        Arc::new(Counters::default()),
+    )
+    .is_ok());
+    // The pool a config needs: an execution's connection and its heartbeat's per
+    // slot, plus the loop's and the completer's.
+    let four = PipelineWorkerConfig {
+        concurrency: 4,
+        ..PipelineWorkerConfig::default()
+    };
+    assert_eq!(four.pool_size(), 10);
+}
