@@ -6,6 +6,8 @@
 //! panicking (or `IDEMSTAGE_KEEP_TEST_DB=1`): then it is kept and its URL printed
 //! for post-mortem.
 
+pub mod example;
+
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};

@@ -1,0 +1,138 @@
+//! The built-in example pipeline in tests (ours, until it moves to a crate of its
+//! own): sending anfragen as `idemstage enqueue` does, in-process stage workers,
+//! and waiting on the database with the example's checker (polling with a
+//! deadline; never a sleep as synchronisation).
+
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::report::{check_example_pipeline, PipelineCheck};
+use idemstage_persistence::TxError;
+use idemstage_stage::example::{self, Chaos};
+use idemstage_stage::first_job;
+
+/// The job lease of the example pipeline's jobs (short, so that a killed
+/// worker's jobs come back within seconds).
+pub const JOB_LEASE_MS: u64 = 3000;
+
+/// The example pipeline with a job lease of `JOB_LEASE_MS`.
+pub fn pipeline() -> idemstage_stage::Pipeline {
+    let mut options = idemstage_stage::Pipeline::default_send_options();
+    options.expire_in = Duration::from_millis(JOB_LEASE_MS);
+    example::pipeline(Chaos::default())
+        .with_send_options(options)
+        .unwrap()
+}
+
+/// A feasible text (every position has a quantity and a known unit).
+pub fn text(i: usize) -> String {
+    format!("{} Stk Schrauben\n{} m Kabel", i + 1, i % 7 + 1)
+}
+
+/// Registers an anfrage (if new) and sends its intake job in one transaction, as
+/// `idemstage enqueue` does.
+pub async fn send(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+    text: &str,
+) -> SendResult {
+    let pipeline = pipeline();
+    let job = first_job(
+        &pipeline,
+        tenant.clone(),
+        anfrage,
+        idemstage_domain::input_hash_of(text.as_bytes()),
+    );
+    conn.transaction::<_, TxError, _>(async |conn| {
+        register_anfrage(conn, tenant, &anfrage, text).await?;
+        Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+    })
+    .await
+    .unwrap()
+}
+
+/// Polls the checker until `done` holds; panics with the last check at the deadline.
+pub async fn wait_until(
+    url: &str,
+    what: &str,
+    secs: u64,
+    mut done: impl FnMut(&PipelineCheck) -> bool,
+) -> PipelineCheck {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let mut conn = None;
+    loop {
+        // Reconnect if the server went away.
+        if conn.is_none() {
+            conn = idemstage_persistence::connect(url).await.ok();
+        }
+        if let Some(c) = conn.as_mut() {
+            match check_example_pipeline(c).await {
+                Ok(check) if done(&check) => return check,
+                Ok(check) => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "timed out waiting for {what}: {check:?}"
+                ),
+                Err(_) => conn = None,
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what} (database unreachable)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until every anfrage is final and no job is live, then checks every
+/// invariant and returns the check.
+pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
+    let check = wait_until(url, "every anfrage final, no live job", secs, |c| {
+        c.is_quiet()
+    })
+    .await;
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    check
+}
+
+/// An in-process stage worker over `pipeline`, polling and maintaining often.
+pub fn start_pipeline_worker(
+    pool: idemstage_persistence::PgPool,
+    url: &str,
+    pipeline: idemstage_stage::Pipeline,
+    concurrency: usize,
+    counters: std::sync::Arc<idemstage_runner::Counters>,
+) -> (
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+) {
+    let mut config = idemstage_runner::PipelineWorkerConfig {
+        concurrency,
+        ..Default::default()
+    };
+    config.queue.poll_interval = Duration::from_millis(200);
+    config.queue.maintenance_interval = Duration::from_millis(1000);
+    config.queue.error_backoff_min = Duration::from_millis(20);
+    config.queue.error_backoff_max = Duration::from_millis(500);
+    let worker =
+        idemstage_runner::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone()));
+    (stop, handle)
+}
+
+/// Stops an in-process worker started by `start_pipeline_worker`.
+pub async fn stop_pipeline_worker(
+    (stop, handle): (
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+    ),
+) -> idemstage_runner::WorkerStatsSnapshot {
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("worker did not stop")
+        .expect("worker task panicked")
+}
