@@ -2,7 +2,7 @@
 //! one call for *its* pipeline and migrations:
 //!
 //! ```no_run
-//! # fn my_pipeline() -> idemstage::Pipeline { unimplemented!() }
+//! # fn my_pipeline() -> idemstage::Pipeline { panic!("the team's pipeline") }
 //! # const MIGRATIONS: idemstage::diesel_migrations::EmbeddedMigrations =
 //! #     idemstage::diesel_migrations::embed_migrations!("../../migrations");
 //! fn main() -> std::process::ExitCode {
