@@ -5,29 +5,44 @@ use thiserror::Error;
 /// Bad input, found before anything is written. Never retryable.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum DomainError {
+    /// A tenant id that is not a slug.
     #[error("invalid tenant id {0}: expected a slug [a-z0-9][a-z0-9_-]{{0,62}}")]
     InvalidTenantId(String),
+    /// An anfrage id that is not a canonical ULID.
     #[error(
         "invalid anfrage id {0}: expected a ULID (26 characters, Crockford base32, upper case)"
     )]
     InvalidAnfrageId(String),
+    /// A run, job or row id that is not a canonical ULID.
     #[error("invalid row id {0}: expected a ULID")]
     InvalidRowId(String),
+    /// A stage name outside `[a-z][a-z0-9_]{0,62}`.
     #[error("invalid stage name {0}: expected [a-z][a-z0-9_]{{0,62}}")]
     InvalidStageName(String),
+    /// A name (a queue, a stage) that is not a stage of the pipeline.
     #[error("unknown stage {0:?}")]
     UnknownStage(String),
+    /// An anfrage input that is empty or only whitespace.
     #[error("input is empty")]
     EmptyInput,
+    /// An anfrage input above the limit (1 MiB).
     #[error("input is {size} bytes, more than the limit of {max} bytes")]
-    InputTooLarge { size: usize, max: usize },
+    InputTooLarge {
+        /// The input's size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
+    /// A job payload that is not a valid stage job (the text says why).
     #[error("invalid job payload: {0}")]
     InvalidPayload(String),
+    /// A setting out of its range (a policy, send options, a run status name).
     #[error("invalid option: {0}")]
     InvalidOption(String),
 }
 
-/// Errors of the persistence layer.
+/// Errors of the persistence layer. [`RepoError::is_retryable`] says which may
+/// succeed on a retry, [`RepoError::is_bad_request`] which never will.
 #[derive(Debug, Error, Clone)]
 pub enum RepoError {
     /// The database cannot be reached, or the connection broke. Retry after a backoff.
@@ -41,10 +56,20 @@ pub enum RepoError {
     AmbiguousCommit(String),
     /// The anfrage does not exist for this tenant (it may exist for another tenant).
     #[error("anfrage {anfrage} not found for tenant {tenant}")]
-    AnfrageNotFound { tenant: String, anfrage: String },
+    AnfrageNotFound {
+        /// The tenant asked for.
+        tenant: String,
+        /// The anfrage id asked for.
+        anfrage: String,
+    },
     /// The anfrage id is already registered for another tenant.
     #[error("anfrage {anfrage} belongs to another tenant than {tenant}")]
-    TenantMismatch { tenant: String, anfrage: String },
+    TenantMismatch {
+        /// The tenant asked for (not the owner).
+        tenant: String,
+        /// The anfrage id.
+        anfrage: String,
+    },
     /// A lock or statement timeout, or a cancelled statement (55P03, 57014): the
     /// database is busy, not the request wrong. Retry after a backoff.
     #[error("database busy, retry: {0}")]
@@ -57,14 +82,24 @@ pub enum RepoError {
     /// is `Reject`: nothing was changed.
     #[error("anfrage {anfrage} of tenant {tenant} is registered with another input (stored sha256 {stored_hash}, new {new_hash}) and its first stage rejects input changes")]
     InputChanged {
+        /// The anfrage's tenant.
         tenant: String,
+        /// The anfrage id.
         anfrage: String,
+        /// SHA-256 (hex) of the stored input.
         stored_hash: String,
+        /// SHA-256 (hex) of the input refused.
         new_hash: String,
     },
     /// Insert-or-get found neither its own insert nor an existing row, repeatedly.
     #[error("insert-or-get of {what} gave up after {tries} tries: the row kept disappearing")]
-    InsertOrGetExhausted { what: String, tries: u32 },
+    InsertOrGetExhausted {
+        /// The kind of row (for the message).
+        what: String,
+        /// The tries made.
+        tries: u32,
+    },
+    /// Bad input found before anything was written; never retryable.
     #[error(transparent)]
     Invalid(#[from] DomainError),
     /// Anything else the database refused (constraint, bad SQL): a bug or bad data.
@@ -86,6 +121,9 @@ impl RepoError {
         )
     }
 
+    /// Errors about the database's state at the moment (unavailable, conflict,
+    /// ambiguous commit, timeout, resources): the same call may succeed after a
+    /// backoff.
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
@@ -98,7 +136,9 @@ impl RepoError {
     }
 }
 
-/// Errors of a stage body.
+/// Errors of a stage body. [`StageError::is_retryable`] decides whether the
+/// attempt counts as `failed` (claimable again within `max_attempts`) or ends the
+/// run `dead` at once.
 #[derive(Debug, Error)]
 pub enum StageError {
     /// The input cannot be processed; retrying will not help.
@@ -107,17 +147,24 @@ pub enum StageError {
     /// A passing problem (a flaky dependency, an injected crash); retry.
     #[error("transient failure: {0}")]
     Transient(String),
+    /// Bad input found by the body; permanent.
     #[error("invalid input: {0}")]
     Invalid(#[from] DomainError),
+    /// A database error in the body; retryable as [`RepoError::is_retryable`] says.
+    /// A retryable one interrupts the attempt without counting it.
     #[error(transparent)]
     Repo(#[from] RepoError),
+    /// The body panicked (the executor caught it); retryable.
     #[error("stage body panicked: {0}")]
     Panicked(String),
+    /// The body ran longer than its policy's `timeout` (the duration); retryable.
     #[error("stage body exceeded its deadline of {0:?}")]
     TimedOut(std::time::Duration),
 }
 
 impl StageError {
+    /// Whether another attempt may succeed: `Transient`, `Panicked`, `TimedOut`
+    /// and retryable `Repo` errors are; `Permanent` and `Invalid` are not.
     pub fn is_retryable(&self) -> bool {
         match self {
             StageError::Permanent(_) | StageError::Invalid(_) => false,

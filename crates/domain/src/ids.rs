@@ -15,6 +15,7 @@ use crate::error::DomainError;
 pub struct TenantId(String);
 
 impl TenantId {
+    /// Validates a tenant slug; `DomainError::InvalidTenantId` otherwise.
     pub fn parse(s: &str) -> Result<Self, DomainError> {
         let bytes = s.as_bytes();
         let valid = !bytes.is_empty()
@@ -30,6 +31,7 @@ impl TenantId {
         }
     }
 
+    /// The slug.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -42,6 +44,7 @@ impl TenantId {
 pub struct StageName(String);
 
 impl StageName {
+    /// Validates a stage name; `DomainError::InvalidStageName` otherwise.
     pub fn parse(s: &str) -> Result<Self, DomainError> {
         let bytes = s.as_bytes();
         let valid = !bytes.is_empty()
@@ -57,6 +60,7 @@ impl StageName {
         }
     }
 
+    /// The name.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -72,6 +76,7 @@ impl WorkerId {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".to_owned());
         Self(format!("{host}-{}-{}", std::process::id(), Ulid::new()))
     }
+    /// The identity as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -96,9 +101,11 @@ macro_rules! ulid_id {
         pub struct $name(Ulid);
 
         impl $name {
+            /// A new id; ids made by one process increase strictly.
             pub fn new() -> Self {
                 Self(monotonic_ulid())
             }
+            /// Parses a canonical (upper-case) ULID; lower case is refused.
             pub fn parse(s: &str) -> Result<Self, DomainError> {
                 // Ulid::from_string accepts lowercase; we store the canonical form only.
                 // A first character above '7' would overflow 128 bits.
@@ -112,6 +119,7 @@ macro_rules! ulid_id {
                     .map(Self)
                     .map_err(|_| DomainError::$err(truncate_for_error(s)))
             }
+            /// The id as a [`Ulid`].
             pub fn ulid(&self) -> Ulid {
                 self.0
             }

@@ -3,6 +3,8 @@
 //!
 //! Invariant: this crate does no I/O. It names no table and opens no connection.
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod ids;
 pub mod outcome;

@@ -12,14 +12,22 @@ use crate::{DomainError, RunId};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
+    /// A worker holds the lease until `lease_expires_at`.
     Running,
+    /// Final: the stage's results are committed (fenced by `attempts`).
     Success,
+    /// The last attempt failed; claimable again while `attempts < max_attempts`.
     Failed,
+    /// Final: failed for good (`max_attempts` used up, or a permanent error);
+    /// never claimed again.
     Dead,
+    /// Its upstream succeeded again (or its input was replaced): its results are
+    /// outdated, and it is claimable again with a fresh budget.
     Stale,
 }
 
 impl RunStatus {
+    /// Every status.
     pub const ALL: [RunStatus; 5] = [
         RunStatus::Running,
         RunStatus::Success,
@@ -27,6 +35,7 @@ impl RunStatus {
         RunStatus::Dead,
         RunStatus::Stale,
     ];
+    /// The status as stored in `pipeline_runs.status`.
     pub fn as_str(self) -> &'static str {
         match self {
             RunStatus::Running => "running",
@@ -54,17 +63,26 @@ impl FromStr for RunStatus {
     }
 }
 
+/// Why a claim ran nothing. Not an error: the stage is done, or another worker or
+/// stage has to act first.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum SkipReason {
     /// The stage succeeded before (with the same input): nothing to do, ever.
-    AlreadySucceeded { run_id: RunId },
+    AlreadySucceeded {
+        /// The run that succeeded.
+        run_id: RunId,
+    },
     /// Another worker holds a live lease on it.
-    InFlight { lease_expires_at: DateTime<Utc> },
+    InFlight {
+        /// When that lease runs out (database clock).
+        lease_expires_at: DateTime<Utc>,
+    },
     /// The stage before this one has no current successful attempt (it has not
     /// run, is running for the first time, failed or died): this stage has nothing
     /// to read yet and is not run. Deferred, never failed: the upstream's success
     /// sends this stage's job.
     UpstreamNotDone {
+        /// The stage before this one.
         upstream: crate::StageName,
         /// The upstream's status, `None` if it has no run yet.
         status: Option<RunStatus>,
@@ -73,18 +91,24 @@ pub enum SkipReason {
     },
 }
 
+/// Why a claim refused a job's input and bound nothing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RejectReason {
     /// The stage succeeded with another input and its policy is `Reject`.
+    /// Permanent for this job.
     InputChanged {
+        /// The hash the stage succeeded on.
         stored_hash: String,
+        /// The hash of the refused input.
         new_hash: String,
     },
     /// The job's `input_hash` is not the anfrage's stored input hash (a crafted or
     /// outdated job): nothing was bound. The claim binds only hashes the database
     /// computed.
     InputMismatch {
+        /// The hash the job carried.
         job_hash: String,
+        /// The anfrage's stored input hash.
         stored_hash: String,
     },
 }
@@ -94,8 +118,11 @@ pub enum RejectReason {
 pub enum ClaimOutcome {
     /// This worker now holds the lease; `attempt` is its fencing token.
     Claimed {
+        /// The run claimed.
         run_id: RunId,
+        /// The attempt number, 1 for the first.
         attempt: i32,
+        /// When the lease runs out unless renewed (database clock).
         lease_expires_at: DateTime<Utc>,
         /// The input hash this attempt is bound to, as the database has it: the
         /// anfrage's stored input for the first stage, the upstream's successful
@@ -105,10 +132,13 @@ pub enum ClaimOutcome {
         /// first stage); its fenced commit checks it is still current.
         upstream_attempt: Option<i32>,
     },
+    /// Nothing claimed; see [`SkipReason`].
     Skipped(SkipReason),
+    /// The input was refused; see [`RejectReason`].
     Rejected(RejectReason),
     /// `max_attempts` reached: the run is `dead` and will not be claimed again.
     Exhausted {
+        /// The attempts the run used.
         attempts: i32,
     },
 }
@@ -131,15 +161,27 @@ pub enum CompleteOutcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum FailOutcome {
     /// `status = 'failed'`; the stage may be claimed again.
-    WillRetry { attempt: i32 },
-    /// `status = 'dead'`; `max_attempts` used up.
-    Exhausted { attempts: i32 },
+    WillRetry {
+        /// The attempt that failed.
+        attempt: i32,
+    },
+    /// `status = 'dead'`; `max_attempts` used up, or the error was permanent.
+    Exhausted {
+        /// The attempts the run used.
+        attempts: i32,
+    },
     /// The lease was taken over; the failure was not recorded on the run.
     Fenced,
 }
 
+/// The result of renewing a run's lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum RenewOutcome {
-    Renewed { lease_expires_at: DateTime<Utc> },
+    /// The lease is extended.
+    Renewed {
+        /// The new end of the lease (database clock).
+        lease_expires_at: DateTime<Utc>,
+    },
+    /// The lease was taken over: this attempt can no longer commit.
     Fenced,
 }

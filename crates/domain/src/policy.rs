@@ -12,6 +12,8 @@ pub enum InputChangePolicy {
     Rerun,
 }
 
+/// How a stage is claimed and retried. Default: 5 attempts, a 30 s lease renewed
+/// every 10 s, a 300 s timeout, `Reject` on input change.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagePolicy {
     /// Attempts before the run is `dead` (`Exhausted`); includes the first.
@@ -20,8 +22,10 @@ pub struct StagePolicy {
     pub lease: Duration,
     /// How often a running body renews its lease; must be well below `lease`.
     pub heartbeat: Duration,
+    /// What a send with another input does to the finished stage.
     pub on_input_change: InputChangePolicy,
-    /// A body still running after this long is cancelled and counts as failed.
+    /// A body (`prepare` and `run`) still running after this long is cancelled and
+    /// counts as a failed, retryable attempt. Measured on the worker's clock.
     pub timeout: Duration,
     /// Stages after this one in the pipeline, invalidated by a `Rerun`.
     pub downstream: Vec<crate::StageName>,
@@ -41,6 +45,8 @@ impl Default for StagePolicy {
 }
 
 impl StagePolicy {
+    /// Refuses (`DomainError::InvalidOption`) `max_attempts < 1`, a lease under
+    /// 10 ms, a heartbeat not shorter than the lease, a zero timeout.
     pub fn validate(&self) -> Result<(), crate::DomainError> {
         use crate::DomainError::InvalidOption;
         if self.max_attempts < 1 {

@@ -21,11 +21,16 @@ pub struct SendOptions {
     pub singleton_seconds: Option<u32>,
     /// Higher runs first.
     pub priority: i32,
+    /// Not fetchable before this long after the send (database clock).
     pub start_after: Option<Duration>,
+    /// Retryable failures allowed after the first delivery before the job fails
+    /// for good.
     pub retry_limit: i32,
+    /// Wait before a retry (the base of the backoff, with `retry_backoff`).
     pub retry_delay: Duration,
     /// Exponential backoff with jitter, capped by `retry_delay_max`.
     pub retry_backoff: bool,
+    /// The longest wait before a retry; `None`: no cap.
     pub retry_delay_max: Option<Duration>,
     /// The job lease: an active job not completed within this is retried.
     pub expire_in: Duration,
@@ -51,6 +56,9 @@ impl Default for SendOptions {
 }
 
 impl SendOptions {
+    /// Refuses (`DomainError::InvalidOption`) a negative `retry_limit`, a zero
+    /// `expire_in`, `singleton_seconds` without a key or of 0, a bad dead-letter
+    /// queue name, a key outside 1..=512 bytes. Sends call it.
     pub fn validate(&self) -> Result<(), DomainError> {
         use DomainError::InvalidOption;
         if self.retry_limit < 0 {
@@ -86,8 +94,11 @@ impl SendOptions {
 /// A job to send: queue name, serialized payload, options.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobToSend {
+    /// The queue: `[A-Za-z0-9_.:-]{1,100}`; a stage's queue is its name.
     pub queue: String,
+    /// The job's JSON payload, handed to the handler.
     pub payload: serde_json::Value,
+    /// Retries, lease, singleton key.
     pub options: SendOptions,
 }
 
@@ -110,7 +121,10 @@ pub fn validate_queue_name(name: &str) -> Result<(), DomainError> {
 /// The result of a send: a duplicate is an outcome, never an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum SendResult {
+    /// A new job with this id.
     Sent(JobId),
+    /// A live job with the same singleton key exists (or one was sent within
+    /// `singleton_seconds`): nothing was sent.
     Duplicate,
 }
 
@@ -118,15 +132,22 @@ pub enum SendResult {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
+    /// Sent, not fetched yet.
     Created,
+    /// Back in the queue after a failure or deferral, fetchable from `start_after`.
     Retry,
+    /// Fetched and leased by a worker.
     Active,
+    /// Final: done.
     Completed,
+    /// Final: cancelled by its holder.
     Cancelled,
+    /// Final: failed for good (permanent, or out of retries).
     Failed,
 }
 
 impl JobState {
+    /// Every state.
     pub const ALL: [JobState; 6] = [
         JobState::Created,
         JobState::Retry,
@@ -135,6 +156,7 @@ impl JobState {
         JobState::Cancelled,
         JobState::Failed,
     ];
+    /// The state as stored in `jobs.state`.
     pub fn as_str(self) -> &'static str {
         match self {
             JobState::Created => "created",
@@ -148,6 +170,7 @@ impl JobState {
 }
 
 impl JobState {
+    /// The state stored as `s`, if any.
     pub fn parse(s: &str) -> Option<JobState> {
         JobState::ALL.into_iter().find(|st| st.as_str() == s)
     }
@@ -157,19 +180,27 @@ impl JobState {
 /// complete/fail/cancel/retry must present it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FetchedJob {
+    /// The job's id.
     pub id: JobId,
+    /// The queue it was fetched from.
     pub queue: String,
+    /// The payload as sent.
     pub payload: serde_json::Value,
+    /// Its priority (higher is fetched first).
     pub priority: i32,
+    /// Its singleton key, if it was sent with one.
     pub singleton_key: Option<String>,
     /// Fencing token: incremented on every fetch.
     pub attempt: i32,
     /// Retries used so far (0 on the first delivery).
     pub retry_count: i32,
+    /// Retries allowed (`SendOptions::retry_limit`).
     pub retry_limit: i32,
     /// The job lease: maintenance retries the job once this is past (database clock).
     pub expire_in: Duration,
+    /// When this delivery's lease runs out unless renewed (database clock).
     pub lease_expires_at: DateTime<Utc>,
+    /// When the job was sent (database clock).
     pub created_at: DateTime<Utc>,
     /// Error of the previous delivery, if it failed.
     pub last_error: Option<String>,
@@ -190,13 +221,16 @@ impl FetchedJob {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("invalid payload for queue {queue}: {reason}")]
 pub struct PayloadError {
+    /// The job's queue.
     pub queue: String,
+    /// serde's reason.
     pub reason: String,
 }
 
 /// Result of complete (and of each entry of complete_many).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum JobCompleteOutcome {
+    /// The job is `completed`.
     Completed,
     /// The job is no longer active under this attempt: its lease was taken over.
     Fenced,
@@ -216,41 +250,55 @@ pub enum FailKind {
 pub enum JobFailOutcome {
     /// Back in the queue; fetchable from `start_after` (database clock).
     Retrying {
+        /// When it may be fetched again.
         start_after: DateTime<Utc>,
     },
     /// Final. `dead_lettered` is the id of the copy sent to the dead-letter queue.
     Failed {
+        /// The dead-letter copy's id, if the job has a dead-letter queue.
         dead_lettered: Option<JobId>,
     },
+    /// The job is no longer active under this attempt: nothing was recorded.
     Fenced,
 }
 
 /// Result of cancel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum JobCancelOutcome {
+    /// The job is `cancelled`.
     Cancelled,
+    /// The job is no longer active under this attempt: nothing was recorded.
     Fenced,
 }
 
 /// Result of retry-now (giving an active job back without counting a failure).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum JobRetryOutcome {
+    /// The job is back in the queue (`retry`), its retry count unchanged.
     Requeued,
+    /// The job is no longer active under this attempt: nothing was recorded.
     Fenced,
 }
 
 /// Job counts of one queue by state.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct StateCounts {
+    /// Jobs in [`JobState::Created`].
     pub created: i64,
+    /// Jobs in [`JobState::Retry`].
     pub retry: i64,
+    /// Jobs in [`JobState::Active`].
     pub active: i64,
+    /// Jobs in [`JobState::Completed`] (until retention deletes them).
     pub completed: i64,
+    /// Jobs in [`JobState::Cancelled`] (until retention deletes them).
     pub cancelled: i64,
+    /// Jobs in [`JobState::Failed`] (until retention deletes them).
     pub failed: i64,
 }
 
 impl StateCounts {
+    /// The count of `state`.
     pub fn get(&self, state: JobState) -> i64 {
         match state {
             JobState::Created => self.created,
@@ -261,6 +309,7 @@ impl StateCounts {
             JobState::Failed => self.failed,
         }
     }
+    /// The count of `state`, to add to.
     pub fn get_mut(&mut self, state: JobState) -> &mut i64 {
         match state {
             JobState::Created => &mut self.created,
@@ -276,6 +325,7 @@ impl StateCounts {
 /// Job counts per queue and state (for `idemstage status`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct QueueStats {
+    /// Counts per queue name, in name order.
     pub queues: BTreeMap<String, StateCounts>,
 }
 

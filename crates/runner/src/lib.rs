@@ -2,6 +2,8 @@
 //! it. The `idemstage` command line (crate `idemstage-cli`) wires them to its
 //! subcommands.
 
+#![warn(missing_docs)]
+
 pub mod pipeline_worker;
 pub mod queue_worker;
 

@@ -24,18 +24,29 @@ use crate::{
     WorkerStatsSnapshot,
 };
 
-/// Outcome counts across one or more stage workers (the demo shares one).
+/// Outcome counts across one or more stage workers (the demo shares one): one
+/// count per execution, by its `ExecutionOutcome`. Read them with
+/// [`Counters::snapshot`]; `Counters::default()` is what a worker usually gets.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Executions that committed the stage's success.
     pub succeeded: AtomicU64,
+    /// Executions that found the stage succeeded already (its job completed).
     pub skipped: AtomicU64,
+    /// Executions that found the stage held by another worker, or its upstream
+    /// without a current success (the job deferred).
     pub deferred: AtomicU64,
+    /// Executions whose claim refused the job's input.
     pub rejected: AtomicU64,
+    /// Executions that lost their lease, or whose upstream changed, before commit.
     pub fenced: AtomicU64,
     /// Attempts interrupted by a database error (released, not counted).
     pub interrupted: AtomicU64,
+    /// Attempts that failed and will be retried.
     pub failed: AtomicU64,
+    /// Attempts that failed for good: the run is `dead`.
     pub dead: AtomicU64,
+    /// Claims refused because the stage's `max_attempts` was used up already.
     pub exhausted: AtomicU64,
     /// Successes per (tenant, anfrage, stage) as reported to workers: more than one
     /// for a key would be a double execution seen from the outside. Only kept when
@@ -43,20 +54,31 @@ pub struct Counters {
     successes: Option<Mutex<HashMap<String, u32>>>,
 }
 
+/// The values of [`Counters`] at one moment.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct CountersSnapshot {
+    /// [`Counters::succeeded`].
     pub succeeded: u64,
+    /// [`Counters::skipped`].
     pub skipped: u64,
+    /// [`Counters::deferred`].
     pub deferred: u64,
+    /// [`Counters::rejected`].
     pub rejected: u64,
+    /// [`Counters::fenced`].
     pub fenced: u64,
+    /// [`Counters::interrupted`].
     pub interrupted: u64,
+    /// [`Counters::failed`].
     pub failed: u64,
+    /// [`Counters::dead`].
     pub dead: u64,
+    /// [`Counters::exhausted`].
     pub exhausted: u64,
 }
 
 impl Counters {
+    /// The counts now (each read on its own: not one consistent instant).
     pub fn snapshot(&self) -> CountersSnapshot {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         CountersSnapshot {
@@ -101,6 +123,8 @@ impl Counters {
     }
 }
 
+/// Settings of a [`PipelineWorker`]. The default: 4 executions at once, on every
+/// stage queue of the pipeline, with [`QueueWorkerConfig::default`]'s loop.
 #[derive(Clone, Debug)]
 pub struct PipelineWorkerConfig {
     /// Stage executions at once.
@@ -290,7 +314,10 @@ fn backoff(attempt: i32) -> Duration {
     full.mul_f64(0.5 + rand::random::<f64>() / 2.0)
 }
 
-/// A worker for the stage queues of one pipeline.
+/// A worker for the stage queues of one pipeline: fetches stage jobs, runs each
+/// through an [`Executor`], and completes, defers or fails the job by the outcome
+/// (a job is completed only once its stage is final). Run as many as you like, in
+/// as many processes: the database coordinates them.
 pub struct PipelineWorker {
     inner: QueueWorker<PipelineHandler>,
     worker_id: WorkerId,
@@ -299,6 +326,48 @@ pub struct PipelineWorker {
 }
 
 impl PipelineWorker {
+    /// A worker for `pipeline` on `pool` (which needs at least
+    /// [`PipelineWorkerConfig::pool_size`] connections); `database_url` is for its
+    /// LISTEN connection, which cannot be pooled. `counters` may be shared between
+    /// workers. Refused (`WorkerError::Config`) if a configured queue is not a stage
+    /// of the pipeline, the queue loop's settings are invalid, or
+    /// `maintenance_interval` is longer than the pipeline's job lease (`expire_in`).
+    /// Nothing connects before [`run`](PipelineWorker::run).
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    ///
+    /// use idemstage::{
+    ///     CancellationToken, Counters, Pipeline, PipelineWorker, PipelineWorkerConfig,
+    ///     PoolConfig, QueueWorkerConfig,
+    /// };
+    ///
+    /// # async fn demo(pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
+    /// let url = "postgres://localhost/app";
+    /// let config = PipelineWorkerConfig {
+    ///     concurrency: 8,
+    ///     queue: QueueWorkerConfig {
+    ///         shutdown_grace: Duration::from_secs(10),
+    ///         ..QueueWorkerConfig::default()
+    ///     },
+    /// };
+    /// let pool = idemstage::connect_pool(
+    ///     url,
+    ///     PoolConfig { max_size: config.pool_size(), ..PoolConfig::default() },
+    /// )
+    /// .await?;
+    /// let counters = Arc::new(Counters::default());
+    /// let worker = PipelineWorker::new(pool, url, pipeline, config, counters.clone())?;
+    ///
+    /// // Cancel the token (on SIGTERM, say) to stop: `run` returns once in-flight
+    /// // stages finished or, after the grace, were given back.
+    /// let shutdown = CancellationToken::new();
+    /// let stats = worker.run(shutdown).await;
+    /// println!("{} jobs fetched, {} stages succeeded", stats.fetched, counters.snapshot().succeeded);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(
         pool: PgPool,
         database_url: &str,
@@ -348,12 +417,16 @@ impl PipelineWorker {
         })
     }
 
+    /// This worker's identity, as recorded on the runs it claims (generated anew
+    /// for every worker).
     pub fn worker_id(&self) -> &WorkerId {
         &self.worker_id
     }
 
-    /// Works until `shutdown`; then, after the queue worker's grace, waits briefly
-    /// for the stages of aborted executions to be released.
+    /// Works until `shutdown` is cancelled; then, after the queue worker's grace
+    /// (`shutdown_grace`), waits briefly (at most 5 s) for the stages of aborted
+    /// executions to be released, and returns the queue loop's counters. Database
+    /// errors never end it. See [`PipelineWorker::new`] for an example.
     pub async fn run(self, shutdown: CancellationToken) -> WorkerStatsSnapshot {
         let stats = self.inner.run(shutdown).await;
         self.executor.finish_releases(RELEASE_WAIT).await;

@@ -16,6 +16,7 @@ use crate::{Pipeline, Stage, StageFlow, StageJob};
 /// transient error). The fenced transaction must roll those writes back.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Chaos {
+    /// Probability (0 to 1) that a stage body aborts; 0 never does.
     pub crash_rate: f64,
     /// Up to this many milliseconds (uniformly random) of extra work: once after the
     /// claim (in `prepare`, outside any transaction) and, a quarter of it, inside the
@@ -25,6 +26,7 @@ pub struct Chaos {
 }
 
 impl Chaos {
+    /// Chaos that crashes bodies with probability `crash_rate`, with no delay.
     pub fn crashing(crash_rate: f64) -> Self {
         Self {
             crash_rate,
@@ -136,17 +138,24 @@ impl Named {
     }
 }
 
+/// Stage 1: stores the anfrage's input as a `dateien` row (insert-or-get) and audits it.
 pub struct Intake(Named);
+/// Stage 2: replaces the anfrage's extracted positions (`extract_positions`).
 pub struct Extract(Named);
+/// Stage 3: records whether every position can be priced; stops the anfrage if not.
 pub struct Feasibility(Named);
+/// Stage 4: prices the positions (`price_positions`); an overflow fails permanently.
 pub struct Calculate(Named);
 
 macro_rules! named_stage {
     ($t:ident) => {
         impl $t {
+            /// The stage, named after its type in lower case, with the default
+            /// policy and `chaos` injected into its body.
             pub fn new(chaos: Chaos) -> Self {
                 Self(Named::new(&stringify!($t).to_lowercase(), chaos))
             }
+            /// The stage with `policy` instead of the default.
             pub fn with_policy(mut self, policy: StagePolicy) -> Self {
                 self.0.policy = policy;
                 self
@@ -322,20 +331,36 @@ impl Stage for Calculate {
 /// Why positions cannot be priced by `price_positions`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PriceError {
+    /// A position without quantity or unit.
     #[error("position {position} cannot be priced; feasibility should have stopped this")]
-    Unpriceable { position: i32 },
+    Unpriceable {
+        /// The position's `position_index`.
+        position: i32,
+    },
+    /// A unit not in [`PRICES`].
     #[error("no price for unit {unit:?}")]
-    UnknownUnit { unit: String },
+    UnknownUnit {
+        /// The unit as extracted.
+        unit: String,
+    },
+    /// One position's cents do not fit an i64 (or are not finite).
     #[error("position {position}: {quantity} {unit} at {price} cents overflows i64 cents")]
     PositionOverflow {
+        /// The position's `position_index`.
         position: i32,
         /// As `show_quantity` writes it.
         quantity: String,
+        /// The position's unit.
         unit: String,
+        /// The unit's price in cents.
         price: i64,
     },
+    /// The running total leaves i64 cents.
     #[error("total overflows i64 cents at position {position}")]
-    TotalOverflow { position: i32 },
+    TotalOverflow {
+        /// The position whose cents made the total overflow.
+        position: i32,
+    },
 }
 
 /// The total in cents and one `{position, cents}` line per position. Checked: a

@@ -16,7 +16,9 @@ use crate::Stage;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageJob {
+    /// The tenant the anfrage belongs to; every write of the stage is scoped to it.
     pub tenant_id: TenantId,
+    /// The anfrage the stage runs for.
     pub anfrage_id: AnfrageId,
     /// The hash the claim binds to: the SHA-256 of the anfrage's input.
     pub input_hash: String,
@@ -43,10 +45,14 @@ impl StageJob {
     }
 }
 
+/// Why a pipeline was refused at construction ([`Pipeline::new`],
+/// [`Pipeline::with_send_options`]): a configuration mistake, never retryable.
 #[derive(Debug, Error)]
 pub enum PipelineError {
+    /// `Pipeline::new` was given no stage.
     #[error("pipeline has no stages")]
     Empty,
+    /// Two stages share a name: a stage's name is its queue and its claim key.
     #[error("stage {0} appears twice in the pipeline")]
     DuplicateStage(StageName),
     /// A stage job that gives up before its stage does would leave the stage with
@@ -56,10 +62,14 @@ pub enum PipelineError {
          a job must outlive its stage's attempts"
     )]
     RetryBudgetTooSmall {
+        /// The first stage whose attempts outnumber the job's retries.
         stage: StageName,
+        /// The jobs' `SendOptions::retry_limit`.
         retry_limit: i32,
+        /// The stage's `StagePolicy::max_attempts`.
         max_attempts: i32,
     },
+    /// A stage's policy is invalid (`StagePolicy::validate`).
     #[error(transparent)]
     Invalid(#[from] DomainError),
 }
@@ -74,6 +84,57 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// A pipeline of `stages`, run in this order: each stage after the first runs
+    /// on the current success of the one before it. Its jobs get
+    /// [`Pipeline::default_send_options`]. Refused if `stages` is empty, a name
+    /// repeats, a policy is invalid, or a stage's `max_attempts` exceeds the jobs'
+    /// `retry_limit` (25).
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    ///
+    /// use idemstage::{
+    ///     async_trait, FencedTx, Pipeline, PipelineError, SendOptions, Stage, StageError,
+    ///     StageFlow, StageJob, StageName, StagePolicy,
+    /// };
+    ///
+    /// struct Step(StageName, StagePolicy);
+    ///
+    /// #[async_trait]
+    /// impl Stage for Step {
+    ///     fn name(&self) -> &StageName {
+    ///         &self.0
+    ///     }
+    ///     fn policy(&self) -> &StagePolicy {
+    ///         &self.1
+    ///     }
+    ///     async fn run(
+    ///         &self,
+    ///         _job: &StageJob,
+    ///         _prepared: &idemstage::serde_json::Value,
+    ///         _tx: &mut FencedTx<'_>,
+    ///     ) -> Result<StageFlow, StageError> {
+    ///         Ok(StageFlow::Continue)
+    ///     }
+    /// }
+    ///
+    /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let step = |name: &str| -> Result<Arc<dyn Stage>, idemstage::DomainError> {
+    ///     Ok(Arc::new(Step(StageName::parse(name)?, StagePolicy::default())))
+    /// };
+    /// // `ocr` runs on the anfrage's input, `translate` on `ocr`'s current success.
+    /// let pipeline = Pipeline::new(vec![step("ocr")?, step("translate")?])?;
+    /// assert_eq!(pipeline.first_stage().name().as_str(), "ocr");
+    ///
+    /// // Jobs that give up before their stage does are refused.
+    /// let few_retries = SendOptions { retry_limit: 2, ..Pipeline::default_send_options() };
+    /// assert!(matches!(
+    ///     pipeline.with_send_options(few_retries),
+    ///     Err(PipelineError::RetryBudgetTooSmall { .. })
+    /// ));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(stages: Vec<Arc<dyn Stage>>) -> Result<Self, PipelineError> {
         if stages.is_empty() {
             return Err(PipelineError::Empty);
@@ -133,14 +194,19 @@ impl Pipeline {
         &self.send_options
     }
 
+    /// The stages, in order.
     pub fn stages(&self) -> &[Arc<dyn Stage>] {
         &self.stages
     }
 
+    /// The stage that [`start`](crate::start) sends the first job for; its
+    /// `on_input_change` policy decides about an anfrage's new input.
     pub fn first_stage(&self) -> &Arc<dyn Stage> {
         &self.stages[0]
     }
 
+    /// The stage called `name` (its queue's name); `DomainError::UnknownStage` if
+    /// there is none.
     pub fn stage(&self, name: &str) -> Result<&Arc<dyn Stage>, DomainError> {
         StageName::parse(name)
             .ok()
@@ -158,6 +224,8 @@ impl Pipeline {
         }
     }
 
+    /// The stage after `stage`, whose job `stage`'s success sends (`None` for the
+    /// last stage, or a name not in the pipeline).
     pub fn next(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {
         self.index.get(stage).and_then(|&i| self.stages.get(i + 1))
     }

@@ -29,7 +29,28 @@ pub async fn start_in(
     .await
 }
 
-/// [`start_in`] in a transaction of its own, on a pooled connection.
+/// [`start_in`] in a transaction of its own, on a pooled connection: the usual
+/// way to hand an anfrage to a pipeline. Safe to call again for the same anfrage
+/// and input (a duplicate send is an outcome, not an error). A
+/// `RepoError::is_retryable` error may be retried as is; `is_bad_request` ones
+/// (another input under `Reject`, another tenant's anfrage, an empty or too
+/// large input) will fail again.
+///
+/// ```no_run
+/// use idemstage::{start, AnfrageId, Pipeline, PgPool, SendResult, TenantId};
+///
+/// # async fn demo(pool: PgPool, pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
+/// let tenant = TenantId::parse("acme")?;
+/// let anfrage = AnfrageId::new();
+/// let outcome = start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben M8").await?;
+/// assert!(matches!(outcome.sent, SendResult::Sent(_)));
+///
+/// // The same start again: registered already, its first job still live.
+/// let again = start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben M8").await?;
+/// assert_eq!(again.sent, SendResult::Duplicate);
+/// # Ok(())
+/// # }
+/// ```
 pub async fn start(
     pool: &PgPool,
     pipeline: &Pipeline,

@@ -21,19 +21,28 @@ pub enum HandlerError {
     /// once), without counting a failure.
     #[error("deferred: {reason}")]
     Defer {
+        /// When the job may be fetched again.
         until: Option<chrono::DateTime<chrono::Utc>>,
+        /// Why, for logs (not recorded on the job).
         reason: String,
     },
     /// Not now: fetch the job again `after` this long (measured by the database),
     /// without counting a failure. For waiting out a database problem with backoff.
     #[error("deferred for {after:?}: {reason}")]
-    DeferFor { after: Duration, reason: String },
+    DeferFor {
+        /// How long the job waits before it may be fetched again.
+        after: Duration,
+        /// Why, for logs (not recorded on the job).
+        reason: String,
+    },
 }
 
 impl HandlerError {
+    /// A [`HandlerError::Retryable`] with `e`'s text.
     pub fn retryable(e: impl std::fmt::Display) -> Self {
         HandlerError::Retryable(e.to_string())
     }
+    /// A [`HandlerError::Permanent`] with `e`'s text.
     pub fn permanent(e: impl std::fmt::Display) -> Self {
         HandlerError::Permanent(e.to_string())
     }
@@ -63,8 +72,16 @@ pub enum Handled {
 /// first; a payload that does not fit `Payload` fails the job (permanently, with
 /// serde's reason) without calling the handler. Use `serde_json::Value` to take
 /// any payload.
+///
+/// The handler's own clock does not matter: while it runs, the worker renews the
+/// job's lease (at a third of `expire_in`); if the lease is taken over anyway,
+/// the handler is aborted and nothing is recorded. A panic fails the job
+/// (retryable).
 pub trait JobHandler: Send + Sync + 'static {
+    /// The payload type the job's JSON is deserialized into.
     type Payload: DeserializeOwned + Send + 'static;
+    /// Handles one job; the result decides what happens to it (see [`Handled`],
+    /// [`HandlerError`]).
     fn handle(
         &self,
         job: FetchedJob,
@@ -79,6 +96,8 @@ pub struct FnHandler<P, F> {
     _payload: PhantomData<fn(P)>,
 }
 
+/// Makes a [`JobHandler`] of the closure `f`, which gets the fetched job and its
+/// payload deserialized as `P`. See [`QueueWorker`](super::QueueWorker) for an example.
 pub fn handler_fn<P, F, Fut>(f: F) -> FnHandler<P, F>
 where
     P: DeserializeOwned + Send + 'static,

@@ -29,8 +29,11 @@ use job::run_job;
 use listener::listen_loop;
 use maintenance::maintenance_loop;
 
+/// Settings of a [`QueueWorker`]. Durations are measured by the worker's clock
+/// (tokio time); job leases and retry times are the database's.
 #[derive(Clone, Debug)]
 pub struct QueueWorkerConfig {
+    /// The queues to fetch from; at least one (`PipelineWorker` fills in its stages).
     pub queues: Vec<String>,
     /// Handlers running at once.
     pub concurrency: usize,
@@ -40,13 +43,18 @@ pub struct QueueWorkerConfig {
     pub poll_interval: Duration,
     /// Wake on LISTEN/NOTIFY; without it the worker only polls.
     pub listen: bool,
+    /// How often queue maintenance runs (the first run at start): it puts jobs
+    /// whose lease ran out back in the queue, so keep it below the jobs' lease.
+    /// One worker per database maintains at a time.
     pub maintenance_interval: Duration,
+    /// What a maintenance run does: retention of finished jobs, batch size.
     pub maintenance: MaintenanceConfig,
     /// On shutdown, how long in-flight handlers may finish; after that they are
     /// aborted and their jobs given back (`retry_now`, not counted as a failure).
     pub shutdown_grace: Duration,
     /// Backoff after a database error: doubles from `min` up to `max`.
     pub error_backoff_min: Duration,
+    /// The longest backoff after a database error.
     pub error_backoff_max: Duration,
     /// A handler still running after this long is aborted and its job failed
     /// (retryable). `None`: no limit here (stages have their own timeout).
@@ -71,12 +79,59 @@ impl Default for QueueWorkerConfig {
     }
 }
 
+/// Why a worker could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// The configuration is invalid (the text says which setting); fix it, do not retry.
     #[error("invalid worker configuration: {0}")]
     Config(String),
 }
 
+/// A worker for any job queue: runs `H` for each job of its queues, at most
+/// `concurrency` at once, and completes or fails each job under its lease. A job
+/// is at-least-once: a handler may see it again after a crash or a lost lease, so
+/// make handlers idempotent. For a pipeline's stages use `PipelineWorker`.
+///
+/// ```no_run
+/// use idemstage::queue::{send, FetchedJob, JobToSend};
+/// use idemstage::serde_json::{json, Value};
+/// use idemstage::{
+///     handler_fn, CancellationToken, HandlerError, PgPool, QueueWorker, QueueWorkerConfig,
+///     SendOptions,
+/// };
+///
+/// # async fn demo(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let url = "postgres://localhost/app";
+/// send(
+///     &pool,
+///     &JobToSend {
+///         queue: "emails".into(),
+///         payload: json!({ "to": "a@example.com" }),
+///         options: SendOptions::default(),
+///     },
+/// )
+/// .await?;
+///
+/// // `Ok(())` completes the job; a payload the handler's type does not accept
+/// // fails it for good before the handler is called.
+/// let handler = handler_fn(|job: FetchedJob, payload: Value| async move {
+///     let to = payload["to"]
+///         .as_str()
+///         .ok_or_else(|| HandlerError::permanent("no recipient"))?;
+///     println!("job {} (delivery {}): mail to {to}", job.id, job.attempt);
+///     Ok(())
+/// });
+/// let config = QueueWorkerConfig {
+///     queues: vec!["emails".into()],
+///     ..QueueWorkerConfig::default()
+/// };
+/// let worker = QueueWorker::new(pool, url, config, handler)?;
+/// let shutdown = CancellationToken::new();
+/// let stats = worker.run(shutdown).await;
+/// println!("{} completed", stats.completed);
+/// # Ok(())
+/// # }
+/// ```
 pub struct QueueWorker<H> {
     pool: PgPool,
     database_url: String,
@@ -86,7 +141,11 @@ pub struct QueueWorker<H> {
 }
 
 impl<H: JobHandler> QueueWorker<H> {
-    /// `database_url` is for the LISTEN connection, which cannot be pooled.
+    /// A worker running `handler` on `config.queues`. `database_url` is for the
+    /// LISTEN connection, which cannot be pooled. Refused (`WorkerError::Config`)
+    /// without queues, with an invalid queue name, or a zero `concurrency`,
+    /// `batch_size`, `poll_interval` or `maintenance_interval`. Nothing connects
+    /// before [`run`](QueueWorker::run).
     pub fn new(
         pool: PgPool,
         database_url: impl Into<String>,
@@ -118,6 +177,7 @@ impl<H: JobHandler> QueueWorker<H> {
         })
     }
 
+    /// The live counters, for reading while [`run`](QueueWorker::run) works.
     pub fn stats(&self) -> Arc<WorkerStats> {
         self.stats.clone()
     }

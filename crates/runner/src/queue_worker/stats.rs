@@ -14,9 +14,13 @@ pub struct WorkerStats {
     pub(super) fetch_errors: AtomicU64,
 }
 
+/// A worker's counters at one moment (what [`QueueWorker::run`](super::QueueWorker::run)
+/// returns at the end).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerStatsSnapshot {
+    /// Jobs fetched (leased).
     pub fetched: u64,
+    /// Jobs completed, by the worker or by the handler's own transaction.
     pub completed: u64,
     /// Failures recorded (retrying or final).
     pub failed: u64,
@@ -26,10 +30,12 @@ pub struct WorkerStatsSnapshot {
     pub released: u64,
     /// Jobs given back to wait (HandlerError::Defer).
     pub deferred: u64,
+    /// Fetches that failed with a database error (retried after a backoff).
     pub fetch_errors: u64,
 }
 
 impl WorkerStats {
+    /// The counts now.
     pub fn snapshot(&self) -> WorkerStatsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         WorkerStatsSnapshot {

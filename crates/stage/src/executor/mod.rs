@@ -27,16 +27,23 @@ use guards::{AbortOnDrop, ReleaseOnDrop};
 pub enum ExecutionOutcome {
     /// The body ran and its writes committed with `status = 'success'`.
     Succeeded {
+        /// The run (`pipeline_runs` row) of this (tenant, anfrage, stage).
         run_id: RunId,
+        /// The attempt that succeeded (1 for the first), now the run's `success_attempt`.
         attempt: i32,
+        /// What the body returned: whether the next stage's job was sent.
         flow: StageFlow,
         /// The queue job (`run_and_complete_job`) was completed in the same transaction.
         job_completed: bool,
     },
+    /// Nothing was claimed and nothing ran: the stage is done, held by another
+    /// worker, or its upstream has no current success yet (see [`SkipReason`]).
     Skipped(SkipReason),
+    /// The claim refused the job's input and bound nothing (see [`RejectReason`]).
     Rejected(RejectReason),
     /// This worker lost its lease before it could commit; nothing of it was written.
     Fenced {
+        /// This worker's attempt, the one that was fenced.
         attempt: i32,
     },
     /// The upstream attempt this one read stopped being current before it could
@@ -44,23 +51,30 @@ pub enum ExecutionOutcome {
     /// input was replaced): nothing was written, the run is `stale` and runs again
     /// on the new upstream.
     UpstreamChanged {
+        /// This worker's attempt, the one that became stale.
         attempt: i32,
     },
     /// A database error (timeout, lost connection, conflict, out of resources)
     /// interrupted the attempt before it committed. Not the stage's failure: the
     /// claim was given back and the attempt does not count against `max_attempts`.
     Interrupted {
+        /// The attempt that was given back.
         attempt: i32,
+        /// The database error, as text.
         error: String,
     },
     /// The body failed; the run is `failed` (claimable again) or, if `dead`, final.
     Failed {
+        /// The attempt that failed.
         attempt: i32,
+        /// The body's error, as recorded in `last_error` (sanitised there).
         error: String,
+        /// The run is `dead`: the error was permanent or `max_attempts` is used up.
         dead: bool,
     },
-    /// `max_attempts` reached before this claim.
+    /// `max_attempts` reached before this claim: the run is `dead`, nothing ran.
     Exhausted {
+        /// The attempts the run used.
         attempts: i32,
     },
 }
@@ -68,11 +82,15 @@ pub enum ExecutionOutcome {
 /// The queue job an execution runs for, with its fencing token (`FetchedJob::attempt`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct JobLease {
+    /// The job's id.
     pub id: JobId,
+    /// The job's delivery count at its fetch: the completion is fenced on it.
     pub attempt: i32,
 }
 
-/// Runs stage executions for one worker identity.
+/// Runs stage executions for one worker identity. The stage worker
+/// (`idemstage::PipelineWorker`) uses one; use it directly to run a stage without
+/// a queue (in a test, a CLI). Clones share the identity and the pending releases.
 #[derive(Clone)]
 pub struct Executor {
     repo: Arc<PgRunRepository>,
@@ -82,6 +100,7 @@ pub struct Executor {
 }
 
 impl Executor {
+    /// An executor that claims as `worker` through `repo`.
     pub fn new(repo: Arc<PgRunRepository>, worker: WorkerId) -> Self {
         Self {
             repo,
@@ -106,6 +125,7 @@ impl Executor {
         }
     }
 
+    /// The worker identity its claims are recorded under.
     pub fn worker(&self) -> &WorkerId {
         &self.worker
     }
