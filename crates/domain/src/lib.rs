@@ -22,4 +22,4 @@ pub use queue::{
     FailKind, FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
     JobState, JobToSend, PayloadError, QueueStats, SendOptions, SendResult, StateCounts,
 };
-pub use repo::{AttemptRecord, ClaimRequest, ClaimToken, DateiRef, Extraktion, RunRecord};
+pub use repo::{AttemptRecord, ClaimRequest, ClaimToken, RunRecord};

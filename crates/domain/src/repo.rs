@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{AnfrageId, RowId, RunId, RunStatus, StageName, StagePolicy, TenantId, WorkerId};
+use crate::{AnfrageId, RunId, RunStatus, StageName, StagePolicy, TenantId, WorkerId};
 
 /// Everything a claim needs.
 #[derive(Clone, Debug)]
@@ -102,26 +102,4 @@ pub struct AttemptRecord {
     pub error: Option<String>,
     /// The upstream's successful attempt this attempt read.
     pub upstream_attempt: Option<i32>,
-}
-
-/// One extracted position (a child row of an anfrage).
-#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
-pub struct Extraktion {
-    /// The position's number in the anfrage, from 0.
-    pub position_index: i32,
-    /// What is asked for (at most 500 characters).
-    pub description: String,
-    /// The quantity, if the line starts with one (not range-checked here).
-    pub quantity: Option<f64>,
-    /// The unit after the quantity, if any.
-    pub unit: Option<String>,
-}
-
-/// The id of a `dateien` row and whether this call created it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct DateiRef {
-    /// The row's id (the existing row's, if it was there).
-    pub id: RowId,
-    /// Whether this call inserted it.
-    pub inserted: bool,
 }

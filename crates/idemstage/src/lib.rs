@@ -102,6 +102,7 @@ pub use idemstage_domain::{
     StagePolicy, TenantId, WorkerId,
 };
 pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
+pub use idemstage_persistence::fenced::insert_or_get;
 pub use idemstage_persistence::{
     connect, connect_pool, map_diesel_error, migrate, migrate_with, FencedTx, FencedWrite,
     InsertOrGet, PgPool, PgRunRepository, PoolConfig, Replaced,

@@ -1,14 +1,13 @@
 //! PostgreSQL implementation of idemstage: the schema, the embedded migrations, the
 //! bb8 pool, the claim repository and the job queue.
 //!
-//! Invariant: this is the only crate that names Diesel tables.
+//! Invariant: this is the only crate of the core that names Diesel tables (the
+//! core's; a pipeline's crate names its own).
 
 pub mod anfragen;
-pub mod bench_support;
 pub mod cached;
 pub mod db;
 pub mod error;
-pub mod example;
 pub mod fenced;
 pub mod queue;
 pub mod report;

@@ -7,7 +7,6 @@
 
 #![warn(missing_docs)]
 
-pub mod example;
 mod executor;
 mod pipeline;
 mod start;

@@ -1,5 +1,4 @@
-//! The built-in example pipeline in tests (ours, until it moves to a crate of its
-//! own): sending anfragen as `idemstage enqueue` does, in-process stage workers,
+//! The built-in example pipeline (`idemstage-example`) in tests: sending anfragen as `idemstage enqueue` does, in-process stage workers,
 //! and waiting on the database with the example's checker (polling with a
 //! deadline; never a sleep as synchronisation).
 
@@ -7,10 +6,9 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_example::{check_example_pipeline, Chaos, PipelineCheck};
 use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::report::{check_example_pipeline, PipelineCheck};
 use idemstage_persistence::TxError;
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::first_job;
 
 /// The job lease of the example pipeline's jobs (short, so that a killed
@@ -21,7 +19,7 @@ pub const JOB_LEASE_MS: u64 = 3000;
 pub fn pipeline() -> idemstage_stage::Pipeline {
     let mut options = idemstage_stage::Pipeline::default_send_options();
     options.expire_in = Duration::from_millis(JOB_LEASE_MS);
-    example::pipeline(Chaos::default())
+    idemstage_example::pipeline(Chaos::default())
         .with_send_options(options)
         .unwrap()
 }

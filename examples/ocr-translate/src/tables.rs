@@ -1,5 +1,5 @@
 //! The team's writes and reads of its own tables, as an extension trait on the
-//! fenced transaction (the model: `idemstage-persistence`'s `example.rs`). Every
+//! fenced transaction (the model: `idemstage-example`'s `tables.rs`). Every
 //! statement runs on [`FencedTx::conn`], the tenant-scoped connection of the
 //! stage's fenced transaction, so it commits with the stage's success or not at
 //! all. The tenant filters are explicit although row-level security enforces

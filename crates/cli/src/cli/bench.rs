@@ -9,19 +9,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::fixtures;
 use anyhow::{bail, Context};
 use idemstage_domain::{
     ClaimOutcome, ClaimRequest, JobId, JobToSend, SendOptions, SendResult, SkipReason, StageName,
     StagePolicy, TenantId, WorkerId,
 };
-use idemstage_persistence::bench_support as fixtures;
-use idemstage_persistence::report::check_example_pipeline;
+use idemstage_example::check_example_pipeline;
+use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::{queue, PgRunRepository, PoolConfig};
 use idemstage_runner::{
     handler_fn, Counters, HandlerError, JobHandler, PipelineWorker, PipelineWorkerConfig,
     QueueWorker, QueueWorkerConfig,
 };
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::first_job;
 use serde_json::json;
 use tokio::task::JoinSet;

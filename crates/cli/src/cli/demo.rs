@@ -7,15 +7,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::fixtures;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_example::check_example_pipeline;
+use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::bench_support as fixtures;
-use idemstage_persistence::report::check_example_pipeline;
 use idemstage_persistence::{PoolConfig, TxError};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::first_job;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::anfragen::{validate_input, MAX_INPUT_BYTES};
 use idemstage_persistence::TxError;
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::{start_in, Pipeline};
 
 use super::BadInput;

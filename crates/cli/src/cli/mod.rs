@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod demo;
 pub mod enqueue;
+mod fixtures;
 pub mod status;
 pub mod worker;
 

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstage_domain::{InputChangePolicy, StagePolicy};
+use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::PoolConfig;
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::Pipeline;
 use tokio_util::sync::CancellationToken;
 

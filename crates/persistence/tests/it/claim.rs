@@ -1,7 +1,7 @@
 //! Layer 1: the claim, leases, fencing, the write helpers, and the corrections of
 //! DESIGN.md section 1. Separate connections, real commits.
 
-use idemstage_persistence::example::ExampleTables;
+use idemstage_example::ExampleTables;
 use idemstage_persistence::FencedTx;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -12,10 +12,10 @@ use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, CompleteOutcome, Extraktion, FailOutcome, InputChangePolicy, RejectReason,
-    RenewOutcome, RunStatus, SkipReason, StageError,
+    ClaimOutcome, CompleteOutcome, FailOutcome, InputChangePolicy, RejectReason, RenewOutcome,
+    RunStatus, SkipReason, StageError,
 };
-use idemstage_persistence::example::insert_or_get_datei;
+use idemstage_example::{insert_or_get_datei, Extraktion};
 use idemstage_persistence::fenced::audit;
 use idemstage_testkit::TestDb;
 use rand::{Rng, SeedableRng};

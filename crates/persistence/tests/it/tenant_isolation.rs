@@ -7,10 +7,8 @@ use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use idemstage_domain::{
-    ClaimOutcome, CompleteOutcome, Extraktion, RepoError, StageError, TenantId,
-};
-use idemstage_persistence::example::ExampleTables;
+use idemstage_domain::{ClaimOutcome, CompleteOutcome, RepoError, StageError, TenantId};
+use idemstage_example::{ExampleTables, Extraktion};
 use idemstage_persistence::tenant::scope;
 use idemstage_persistence::FencedTx;
 use idemstage_testkit::TestDb;

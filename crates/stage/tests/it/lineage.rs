@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use diesel_async::RunQueryDsl;
 use idemstage_domain::{input_hash_of, InputChangePolicy, StagePolicy};
-use idemstage_persistence::report::check_example_pipeline;
-use idemstage_stage::example::{self, Chaos};
+use idemstage_example::check_example_pipeline;
+use idemstage_example::{self as example, Chaos};
 use idemstage_stage::{ExecutionOutcome, Pipeline, StageJob};
 use idemstage_testkit::count;
 

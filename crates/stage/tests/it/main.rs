@@ -10,9 +10,9 @@ use idemstage_domain::{
     AnfrageId, ClaimOutcome, ClaimRequest, SkipReason, StageError, StageName, StagePolicy,
     TenantId, WorkerId,
 };
+use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::{queue, FencedTx, PgRunRepository};
-use idemstage_stage::example::{self, Chaos};
 use idemstage_stage::{
     first_job, ExecutionOutcome, Executor, JobLease, Pipeline, Stage, StageFlow, StageJob,
 };
@@ -127,9 +127,7 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
     assert_eq!(count(c, "SELECT * FROM jobs").await, 3);
     assert_eq!(count(c, "SELECT * FROM audit_log").await, 4);
 
-    let check = idemstage_persistence::report::check_example_pipeline(c)
-        .await
-        .unwrap();
+    let check = idemstage_example::check_example_pipeline(c).await.unwrap();
     assert_eq!(check.violations(), Vec::<String>::new());
     assert_eq!(
         (check.anfragen, check.anfragen_final, check.stages_succeeded),
@@ -146,7 +144,7 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
     exec.run(&pipeline, pipeline.first_stage(), &job)
         .await
         .unwrap();
-    let check = idemstage_persistence::report::check_example_pipeline(&mut f.conn)
+    let check = idemstage_example::check_example_pipeline(&mut f.conn)
         .await
         .unwrap();
     // extract never ran: a lost stage, the anfrage not final (feasibility, whose
@@ -157,7 +155,7 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
         .execute(&mut f.conn)
         .await
         .unwrap();
-    let check = idemstage_persistence::report::check_example_pipeline(&mut f.conn)
+    let check = idemstage_example::check_example_pipeline(&mut f.conn)
         .await
         .unwrap();
     assert_eq!(check.foreign_writes, 1);

@@ -1,13 +1,11 @@
 //! Bulk fixtures for `idemstage bench` (and the reset of `idemstage demo`). Workers
-//! never call these: they write rows
-//! directly (outside the claim and the queue) so that benchmarks can set up large
-//! states quickly, outside their timed windows.
+//! never call these: they write rows directly (outside the claim and the queue)
+//! so that benchmarks can set up large states quickly, outside their timed windows.
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AnfrageId, RepoError};
-
-use crate::error::map_diesel_error;
+use idemstage_persistence::map_diesel_error;
 
 /// Numbered anfragen have ids `lpad(ANFRAGE_BASE + i, 26, '0')`: all digits and a
 /// leading `0`, so valid ULID text, and producible by pgbench scripts, which have
@@ -139,15 +137,5 @@ pub async fn count_jobs(
     .get_result(conn)
     .await
     .map_err(map_diesel_error)?;
-    Ok(row.n)
-}
-
-/// Runs with status `success`.
-pub async fn count_succeeded_runs(conn: &mut AsyncPgConnection) -> Result<i64, RepoError> {
-    let row: Count =
-        diesel::sql_query("SELECT count(*) AS n FROM pipeline_runs WHERE status = 'success'")
-            .get_result(conn)
-            .await
-            .map_err(map_diesel_error)?;
     Ok(row.n)
 }

@@ -3,15 +3,38 @@
 //! its tables: an extension trait on [`FencedTx`] over the tenant-scoped
 //! connection and the generic helpers. Nothing in the core calls this.
 
-use async_trait::async_trait;
 use diesel::prelude::*;
 use diesel::upsert::excluded;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{ClaimToken, DateiRef, Extraktion, RepoError, RowId, TenantId};
+use idemstage::diesel_async::{self, AsyncPgConnection, RunQueryDsl};
+use idemstage::serde_json;
+use idemstage::{
+    async_trait, insert_or_get, map_diesel_error, ClaimToken, FencedTx, InsertOrGet, Replaced,
+    RepoError, RowId, TenantId,
+};
 
-use crate::error::map_diesel_error;
-use crate::fenced::{insert_or_get, FencedTx, InsertOrGet, Replaced};
 use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibility_results};
+
+/// One extracted position (a child row of an anfrage).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Extraktion {
+    /// The position's number in the anfrage, from 0.
+    pub position_index: i32,
+    /// What is asked for (at most 500 characters).
+    pub description: String,
+    /// The quantity, if the line starts with one (not range-checked here).
+    pub quantity: Option<f64>,
+    /// The unit after the quantity, if any.
+    pub unit: Option<String>,
+}
+
+/// The id of a `dateien` row and whether this call created it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DateiRef {
+    /// The row's id (the existing row's, if it was there).
+    pub id: RowId,
+    /// Whether this call inserted it.
+    pub inserted: bool,
+}
 
 #[derive(Insertable)]
 #[diesel(table_name = anfrage_extraktionen)]
@@ -124,12 +147,14 @@ pub trait ExampleTables {
         size_bytes: i64,
     ) -> Result<DateiRef, RepoError>;
 
+    /// Upserts the anfrage's `feasibility_results` row.
     async fn put_feasibility(
         &mut self,
         feasible: bool,
         reasons: serde_json::Value,
     ) -> Result<(), RepoError>;
 
+    /// Upserts the anfrage's `calculation_results` row.
     async fn put_calculation(
         &mut self,
         total_cents: i64,

@@ -1,15 +1,14 @@
-//! The seed's example pipeline: intake → extract → feasibility → calculate.
-//! Deterministic and offline: the "LLM" is a line parser over the anfrage's text.
+//! The four stages, failure injection ([`Chaos`]), the parser and the pricing.
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use idemstage_domain::{Extraktion, StageError, StageName, StagePolicy};
-use idemstage_persistence::example::ExampleTables;
-use idemstage_persistence::FencedTx;
-use serde_json::json;
+use idemstage::serde_json::{self, json};
+use idemstage::{
+    async_trait, FencedTx, Pipeline, PipelineError, Stage, StageError, StageFlow, StageJob,
+    StageName, StagePolicy,
+};
 
-use crate::{Pipeline, Stage, StageFlow, StageJob};
+use crate::tables::{ExampleTables, Extraktion};
 
 /// Failure injection for demos and fault tests: with probability `crash_rate` a
 /// stage body aborts mid-way, after part of its writes (half by panic, half by a
@@ -193,7 +192,7 @@ impl Stage for Intake {
         tx: &mut FencedTx<'_>,
     ) -> Result<StageFlow, StageError> {
         let text = tx.anfrage_text().await?;
-        let sha = idemstage_domain::input_hash_of(text.as_bytes());
+        let sha = idemstage::input_hash_of(text.as_bytes());
         let s3_key = format!("anfragen/{}/{}/input.txt", job.tenant_id, job.anfrage_id);
         // Insert-or-get; its audit entry names the id that exists.
         let datei = tx
@@ -409,7 +408,7 @@ pub fn pipeline(chaos: Chaos) -> Pipeline {
 }
 
 /// The example pipeline with one policy for every stage (leases, attempts).
-pub fn pipeline_with(chaos: Chaos, policy: StagePolicy) -> Result<Pipeline, crate::PipelineError> {
+pub fn pipeline_with(chaos: Chaos, policy: StagePolicy) -> Result<Pipeline, PipelineError> {
     Pipeline::new(vec![
         Arc::new(Intake::new(chaos).with_policy(policy.clone())),
         Arc::new(Extract::new(chaos).with_policy(policy.clone())),

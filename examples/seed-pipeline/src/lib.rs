@@ -1,0 +1,48 @@
+//! # idemstage-example
+//!
+//! The seed's example pipeline, `intake → extract → feasibility → calculate`: the
+//! library's first user, written the way a team outside our crates writes a
+//! pipeline, on nothing of ours but the facade `idemstage`. Deterministic and
+//! offline: the "LLM" is a line parser over the anfrage's text.
+//!
+//! - [`Intake`] stores the anfrage's input as a `dateien` row (insert-or-get) and
+//!   audits it.
+//! - [`Extract`] replaces the anfrage's `anfrage_extraktionen`
+//!   ([`extract_positions`]).
+//! - [`Feasibility`] records whether every position can be priced
+//!   ([`feasibility_reasons`]) and stops the anfrage if not.
+//! - [`Calculate`] prices the positions ([`price_positions`]).
+//!
+//! Its tables are written through [`ExampleTables`], an extension trait on the
+//! fenced transaction, with this crate's own Diesel [`schema`]; [`check`] is the
+//! invariant checker that `idemstage demo`, `idemstage bench` and the fault tests
+//! run against the database after the fact. (The tables themselves are still
+//! created by the core's migrations.) The `idemstage` binary of `idemstage-cli`
+//! runs this pipeline (`App::example()`).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "postgres://localhost/app";
+//! idemstage::migrate(url).await?;
+//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//! let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
+//! let tenant = idemstage::TenantId::parse("acme")?;
+//! let anfrage = idemstage::AnfrageId::new();
+//! idemstage::start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben").await?;
+//! // ... and a `PipelineWorker` over `pipeline` works it.
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+pub mod check;
+pub mod schema;
+mod stages;
+mod tables;
+
+pub use check::{check_example_pipeline, PipelineCheck};
+pub use stages::{
+    extract_positions, feasibility_reasons, pipeline, pipeline_with, price_positions, Calculate,
+    Chaos, Extract, Feasibility, Intake, PriceError, MAX_QUANTITY, PRICES,
+};
+pub use tables::{insert_or_get_datei, DateiRef, ExampleTables, Extraktion};
