@@ -4,10 +4,12 @@
 
 #![warn(missing_docs)]
 
+pub mod counters;
 pub mod pipeline_worker;
 pub mod queue_worker;
 
-pub use pipeline_worker::{Counters, CountersSnapshot, PipelineWorker, PipelineWorkerConfig};
+pub use counters::{Counters, CountersSnapshot};
+pub use pipeline_worker::{PipelineWorker, PipelineWorkerConfig};
 pub use queue_worker::{
     handler_fn, FnHandler, Handled, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig,
     WorkerError, WorkerStats, WorkerStatsSnapshot,
