@@ -8,7 +8,9 @@ pub enum InputChangePolicy {
     /// Refuse with `Rejected(InputChanged)`: a finished stage's input is immutable.
     #[default]
     Reject,
-    /// Run the stage again and mark the anfrage's downstream stages `stale`.
+    /// Run the stage again; once the rerun succeeds, everything computed from the
+    /// stage's earlier success is `stale` and runs again (recorded lineage decides
+    /// what, not configuration).
     Rerun,
 }
 
@@ -27,8 +29,6 @@ pub struct StagePolicy {
     /// A body (`prepare` and `run`) still running after this long is cancelled and
     /// counts as a failed, retryable attempt. Measured on the worker's clock.
     pub timeout: Duration,
-    /// Stages after this one in the pipeline, invalidated by a `Rerun`.
-    pub downstream: Vec<crate::StageName>,
 }
 
 impl Default for StagePolicy {
@@ -39,7 +39,6 @@ impl Default for StagePolicy {
             heartbeat: Duration::from_secs(10),
             on_input_change: InputChangePolicy::Reject,
             timeout: Duration::from_secs(300),
-            downstream: Vec::new(),
         }
     }
 }

@@ -4,9 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use idemstage_domain::queue::stage_singleton_key;
-use idemstage_domain::{
-    AnfrageId, DomainError, JobToSend, SendOptions, StageName, StagePolicy, TenantId,
-};
+use idemstage_domain::{AnfrageId, DomainError, JobToSend, SendOptions, StageName, TenantId};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -230,7 +228,8 @@ impl Pipeline {
         self.index.get(stage).and_then(|&i| self.stages.get(i + 1))
     }
 
-    /// The names of the stages after `stage`: what a rerun of `stage` invalidates.
+    /// The names of the stages after `stage`: what a successful rerun of `stage`
+    /// invalidates (the database follows the recorded lineage, not this list).
     pub fn downstream_of(&self, stage: &StageName) -> Vec<StageName> {
         match self.index.get(stage) {
             Some(&i) => self.stages[i + 1..]
@@ -250,15 +249,6 @@ impl Pipeline {
             payload: serde_json::to_value(job).expect("StageJob serializes"),
             options,
         }
-    }
-
-    /// A policy with this pipeline's downstream stages filled in.
-    pub fn effective_policy(&self, stage: &dyn Stage) -> StagePolicy {
-        let mut policy = stage.policy().clone();
-        if policy.downstream.is_empty() {
-            policy.downstream = self.downstream_of(stage.name());
-        }
-        policy
     }
 }
 

@@ -162,7 +162,7 @@ impl Executor {
         job: &StageJob,
         lease: Option<JobLease>,
     ) -> Result<ExecutionOutcome, RepoError> {
-        let policy = pipeline.effective_policy(stage.as_ref());
+        let policy = stage.policy().clone();
         let req = ClaimRequest {
             tenant: job.tenant_id.clone(),
             anfrage: job.anfrage_id,
