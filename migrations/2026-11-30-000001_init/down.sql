@@ -1,8 +1,4 @@
 DROP TABLE audit_log;
-DROP TABLE calculation_results;
-DROP TABLE feasibility_results;
-DROP TABLE anfrage_extraktionen;
-DROP TABLE dateien;
 DROP TABLE jobs;
 DROP TRIGGER pipeline_runs_record_attempt ON pipeline_runs;
 DROP FUNCTION pipeline_runs_record_attempt();

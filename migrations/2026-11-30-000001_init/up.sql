@@ -138,65 +138,6 @@ CREATE INDEX jobs_lease_idx ON jobs (lease_expires_at) WHERE state = 'active';
 CREATE INDEX jobs_completed_idx ON jobs (completed_at)
     WHERE state IN ('completed', 'cancelled', 'failed');
 
-CREATE TABLE dateien (
-    id         ulid_text   NOT NULL PRIMARY KEY,
-    tenant_id  tenant_slug NOT NULL,
-    anfrage_id ulid_text   NOT NULL,
-    sha256     text        NOT NULL CHECK (sha256 ~ '^[0-9a-f]{64}$'),
-    s3_key     text        NOT NULL,
-    size_bytes bigint      NOT NULL CHECK (size_bytes >= 0),
-    created_at timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT dateien_anfrage_fk FOREIGN KEY (tenant_id, anfrage_id)
-        REFERENCES anfragen (tenant_id, id)
-);
-CREATE UNIQUE INDEX dateien_tenant_sha256_s3_key_uq ON dateien (tenant_id, sha256, s3_key);
-
--- Child rows carry the run and attempt that wrote them, so that "children belong
--- only to the successful attempt" is a plain SQL check.
-CREATE TABLE anfrage_extraktionen (
-    id             ulid_text   NOT NULL PRIMARY KEY,
-    tenant_id      tenant_slug NOT NULL,
-    anfrage_id     ulid_text   NOT NULL,
-    position_index integer     NOT NULL CHECK (position_index >= 0),
-    description    text        NOT NULL,
-    quantity       double precision,
-    unit           text,
-    run_id         ulid_text   NOT NULL REFERENCES pipeline_runs (id),
-    attempt        integer     NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT anfrage_extraktionen_anfrage_fk FOREIGN KEY (tenant_id, anfrage_id)
-        REFERENCES anfragen (tenant_id, id)
-);
-CREATE UNIQUE INDEX anfrage_extraktionen_tenant_anfrage_position_uq
-    ON anfrage_extraktionen (tenant_id, anfrage_id, position_index);
-
-CREATE TABLE feasibility_results (
-    tenant_id  tenant_slug NOT NULL,
-    anfrage_id ulid_text   NOT NULL,
-    feasible   boolean     NOT NULL,
-    reasons    jsonb       NOT NULL DEFAULT '[]',
-    run_id     ulid_text   NOT NULL REFERENCES pipeline_runs (id),
-    attempt    integer     NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (tenant_id, anfrage_id),
-    CONSTRAINT feasibility_results_anfrage_fk FOREIGN KEY (tenant_id, anfrage_id)
-        REFERENCES anfragen (tenant_id, id)
-);
-
-CREATE TABLE calculation_results (
-    tenant_id   tenant_slug NOT NULL,
-    anfrage_id  ulid_text   NOT NULL,
-    total_cents bigint      NOT NULL,
-    currency    text        NOT NULL DEFAULT 'EUR',
-    lines       jsonb       NOT NULL DEFAULT '[]',
-    run_id      ulid_text   NOT NULL REFERENCES pipeline_runs (id),
-    attempt     integer     NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (tenant_id, anfrage_id),
-    CONSTRAINT calculation_results_anfrage_fk FOREIGN KEY (tenant_id, anfrage_id)
-        REFERENCES anfragen (tenant_id, id)
-);
-
 CREATE TABLE audit_log (
     id         ulid_text   NOT NULL PRIMARY KEY,
     tenant_id  tenant_slug NOT NULL,

@@ -3,23 +3,14 @@
 DROP POLICY tenant_isolation ON anfragen;
 DROP POLICY tenant_isolation ON pipeline_runs;
 DROP POLICY tenant_isolation ON pipeline_run_attempts;
-DROP POLICY tenant_isolation ON dateien;
-DROP POLICY tenant_isolation ON anfrage_extraktionen;
-DROP POLICY tenant_isolation ON feasibility_results;
-DROP POLICY tenant_isolation ON calculation_results;
 DROP POLICY tenant_isolation ON audit_log;
 
 ALTER TABLE anfragen DISABLE ROW LEVEL SECURITY;
 ALTER TABLE pipeline_runs DISABLE ROW LEVEL SECURITY;
 ALTER TABLE pipeline_run_attempts DISABLE ROW LEVEL SECURITY;
-ALTER TABLE dateien DISABLE ROW LEVEL SECURITY;
-ALTER TABLE anfrage_extraktionen DISABLE ROW LEVEL SECURITY;
-ALTER TABLE feasibility_results DISABLE ROW LEVEL SECURITY;
-ALTER TABLE calculation_results DISABLE ROW LEVEL SECURITY;
 ALTER TABLE audit_log DISABLE ROW LEVEL SECURITY;
 
 REVOKE ALL ON
-    anfragen, pipeline_runs, pipeline_run_attempts, dateien, anfrage_extraktionen,
-    feasibility_results, calculation_results, audit_log, jobs
+    anfragen, pipeline_runs, pipeline_run_attempts, audit_log, jobs
     FROM idemstage_app;
 REVOKE USAGE ON SCHEMA public FROM idemstage_app;

@@ -37,8 +37,7 @@ $$;
 
 GRANT USAGE ON SCHEMA public TO idemstage_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON
-    anfragen, pipeline_runs, pipeline_run_attempts, dateien, anfrage_extraktionen,
-    feasibility_results, calculation_results, audit_log
+    anfragen, pipeline_runs, pipeline_run_attempts, audit_log
     TO idemstage_app;
 -- The queue has no tenant column: the fenced transaction sends the next stage's job.
 GRANT SELECT, INSERT, UPDATE ON jobs TO idemstage_app;
@@ -46,10 +45,6 @@ GRANT SELECT, INSERT, UPDATE ON jobs TO idemstage_app;
 ALTER TABLE anfragen ENABLE ROW LEVEL SECURITY;
 ALTER TABLE pipeline_runs ENABLE ROW LEVEL SECURITY;
 ALTER TABLE pipeline_run_attempts ENABLE ROW LEVEL SECURITY;
-ALTER TABLE dateien ENABLE ROW LEVEL SECURITY;
-ALTER TABLE anfrage_extraktionen ENABLE ROW LEVEL SECURITY;
-ALTER TABLE feasibility_results ENABLE ROW LEVEL SECURITY;
-ALTER TABLE calculation_results ENABLE ROW LEVEL SECURITY;
 ALTER TABLE audit_log ENABLE ROW LEVEL SECURITY;
 
 CREATE POLICY tenant_isolation ON anfragen TO idemstage_app
@@ -59,18 +54,6 @@ CREATE POLICY tenant_isolation ON pipeline_runs TO idemstage_app
     USING (tenant_id = current_setting('app.tenant_id', true))
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY tenant_isolation ON pipeline_run_attempts TO idemstage_app
-    USING (tenant_id = current_setting('app.tenant_id', true))
-    WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
-CREATE POLICY tenant_isolation ON dateien TO idemstage_app
-    USING (tenant_id = current_setting('app.tenant_id', true))
-    WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
-CREATE POLICY tenant_isolation ON anfrage_extraktionen TO idemstage_app
-    USING (tenant_id = current_setting('app.tenant_id', true))
-    WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
-CREATE POLICY tenant_isolation ON feasibility_results TO idemstage_app
-    USING (tenant_id = current_setting('app.tenant_id', true))
-    WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
-CREATE POLICY tenant_isolation ON calculation_results TO idemstage_app
     USING (tenant_id = current_setting('app.tenant_id', true))
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY tenant_isolation ON audit_log TO idemstage_app

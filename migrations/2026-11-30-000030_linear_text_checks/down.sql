@@ -11,5 +11,3 @@ ALTER TABLE anfragen DROP CONSTRAINT anfragen_input_sha256_check,
     ADD CONSTRAINT anfragen_input_sha256_check CHECK (input_sha256 ~ '^[0-9a-f]{64}$');
 ALTER TABLE jobs DROP CONSTRAINT jobs_queue_check,
     ADD CONSTRAINT jobs_queue_check CHECK (queue ~ '^[A-Za-z0-9_.:-]{1,100}$');
-ALTER TABLE dateien DROP CONSTRAINT dateien_sha256_check,
-    ADD CONSTRAINT dateien_sha256_check CHECK (sha256 ~ '^[0-9a-f]{64}$');

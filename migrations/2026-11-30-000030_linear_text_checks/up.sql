@@ -19,6 +19,3 @@ ALTER TABLE anfragen DROP CONSTRAINT anfragen_input_sha256_check,
 ALTER TABLE jobs DROP CONSTRAINT jobs_queue_check,
     ADD CONSTRAINT jobs_queue_check
         CHECK (queue ~ '^[A-Za-z0-9_.:-]+$' AND length(queue) <= 100);
-ALTER TABLE dateien DROP CONSTRAINT dateien_sha256_check,
-    ADD CONSTRAINT dateien_sha256_check
-        CHECK (sha256 ~ '^[0-9a-f]*$' AND length(sha256) = 64);

@@ -40,11 +40,12 @@ impl App {
         }
     }
 
-    /// The built-in example pipeline (intake → extract → feasibility → calculate).
+    /// The built-in example pipeline (intake → extract → feasibility → calculate)
+    /// and its migrations.
     pub fn example() -> Self {
         Self {
             pipeline: None,
-            migrations: Vec::new(),
+            migrations: vec![idemstage_example::MIGRATIONS],
         }
     }
 

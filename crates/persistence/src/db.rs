@@ -139,14 +139,39 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
     .await
 }
 
-/// Reverts every applied migration (used by the round-trip test).
+/// Reverts every applied migration of the core (used by the round-trip test). Fails
+/// naming the version if a migration that is not the core's is applied: revert
+/// those with [`revert_all_with`].
 pub async fn revert_all_migrations(url: &str) -> Result<usize, RepoError> {
-    with_sync_connection(url, |conn| {
-        conn.revert_all_migrations(MIGRATIONS)
+    revert_all_with(url, Vec::new()).await
+}
+
+/// Reverts every applied migration, the core's and `team`'s, newest version first
+/// (each `down.sql` in its own transaction); returns how many were reverted. An
+/// applied version found in neither set stops it there with an error naming the
+/// version: the newer ones are reverted by then, the older ones stay applied.
+pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<usize, RepoError> {
+    with_sync_connection(url, move |conn| {
+        conn.revert_all_migrations(Sources(std::iter::once(MIGRATIONS).chain(team).collect()))
             .map(|reverted| reverted.len())
             .map_err(|e| RepoError::Database(format!("migration revert failed: {e}")))
     })
     .await
+}
+
+/// Several migration sets as one, so that diesel orders them by version together.
+struct Sources(Vec<EmbeddedMigrations>);
+
+impl diesel::migration::MigrationSource<diesel::pg::Pg> for Sources {
+    fn migrations(
+        &self,
+    ) -> diesel::migration::Result<Vec<Box<dyn diesel::migration::Migration<diesel::pg::Pg>>>> {
+        let mut all = Vec::new();
+        for source in &self.0 {
+            all.extend(diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(source)?);
+        }
+        Ok(all)
+    }
 }
 
 /// diesel_migrations is synchronous: run it on a blocking thread through diesel-async's

@@ -1,21 +1,6 @@
 // @generated automatically by Diesel CLI.
 
 diesel::table! {
-    anfrage_extraktionen (id) {
-        id -> Text,
-        tenant_id -> Text,
-        anfrage_id -> Text,
-        position_index -> Int4,
-        description -> Text,
-        quantity -> Nullable<Float8>,
-        unit -> Nullable<Text>,
-        run_id -> Text,
-        attempt -> Int4,
-        created_at -> Timestamptz,
-    }
-}
-
-diesel::table! {
     anfragen (id) {
         tenant_id -> Text,
         id -> Text,
@@ -35,43 +20,6 @@ diesel::table! {
         run_id -> Nullable<Text>,
         attempt -> Nullable<Int4>,
         details -> Jsonb,
-        created_at -> Timestamptz,
-    }
-}
-
-diesel::table! {
-    calculation_results (tenant_id, anfrage_id) {
-        tenant_id -> Text,
-        anfrage_id -> Text,
-        total_cents -> Int8,
-        currency -> Text,
-        lines -> Jsonb,
-        run_id -> Text,
-        attempt -> Int4,
-        created_at -> Timestamptz,
-    }
-}
-
-diesel::table! {
-    dateien (id) {
-        id -> Text,
-        tenant_id -> Text,
-        anfrage_id -> Text,
-        sha256 -> Text,
-        s3_key -> Text,
-        size_bytes -> Int8,
-        created_at -> Timestamptz,
-    }
-}
-
-diesel::table! {
-    feasibility_results (tenant_id, anfrage_id) {
-        tenant_id -> Text,
-        anfrage_id -> Text,
-        feasible -> Bool,
-        reasons -> Jsonb,
-        run_id -> Text,
-        attempt -> Int4,
         created_at -> Timestamptz,
     }
 }
@@ -141,12 +89,8 @@ diesel::table! {
 }
 
 diesel::allow_tables_to_appear_in_same_query!(
-    anfrage_extraktionen,
     anfragen,
     audit_log,
-    calculation_results,
-    dateien,
-    feasibility_results,
     jobs,
     pipeline_run_attempts,
     pipeline_runs,

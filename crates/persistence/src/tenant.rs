@@ -41,3 +41,65 @@ pub async fn scope(
     .await
     .map(|_| ())
 }
+
+/// Runs `body` in a transaction of its own on `conn`, scoped to `tenant` (see
+/// [`scope`]): every statement of `body` sees and writes only `tenant`'s rows of
+/// every table under tenant isolation (ours, and a team's set up with
+/// `idemstage_tenant_table`), whatever user `conn` connected as. Commits when
+/// `body` returns `Ok`, rolls back on `Err`. For a team's own reads and writes
+/// outside a stage (an API reading its tenant's results) and for tests that
+/// look at one tenant's view.
+///
+/// ```no_run
+/// # async fn t(conn: &mut diesel_async::AsyncPgConnection)
+/// #     -> Result<(), diesel::result::Error> {
+/// use diesel_async::RunQueryDsl;
+/// let tenant = idemstage_domain::TenantId::parse("acme").unwrap();
+/// let visible: i64 = idemstage_persistence::tenant::transaction(conn, &tenant, async |conn| {
+///     diesel::sql_query("SELECT count(*) AS n FROM anfragen")
+///         .get_result::<Count>(conn)
+///         .await
+///         .map(|c| c.n)
+/// })
+/// .await?;
+/// # Ok(()) }
+/// # #[derive(diesel::QueryableByName)]
+/// # struct Count { #[diesel(sql_type = diesel::sql_types::BigInt)] n: i64 }
+/// ```
+pub async fn transaction<R, E, F>(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    body: F,
+) -> Result<R, E>
+where
+    // AsyncFnOnce drives the closure's signature inference; TenantBody names its
+    // future so that it can be required to be Send (diesel-async's own bound,
+    // whose trait is private to it).
+    for<'r> F: AsyncFnOnce(&'r mut AsyncPgConnection) -> Result<R, E> + TenantBody<'r, R, E> + Send,
+    E: From<diesel::result::Error> + Send,
+    R: Send,
+{
+    use diesel_async::AsyncConnection;
+    let tenant = tenant.clone();
+    conn.transaction(async move |conn| {
+        scope(conn, &tenant).await?;
+        body(conn).await
+    })
+    .await
+}
+
+/// The body of a [`transaction`]: an async closure over the scoped connection
+/// whose future is `Send` (implemented for every such closure; not to be
+/// implemented by hand).
+pub trait TenantBody<'r, R, E>: FnOnce(&'r mut AsyncPgConnection) -> Self::Fut {
+    /// The body's future.
+    type Fut: std::future::Future<Output = Result<R, E>> + Send;
+}
+
+impl<'r, F, Fut, R, E> TenantBody<'r, R, E> for F
+where
+    F: FnOnce(&'r mut AsyncPgConnection) -> Fut,
+    Fut: std::future::Future<Output = Result<R, E>> + Send,
+{
+    type Fut = Fut;
+}

@@ -11,6 +11,16 @@ use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::TxError;
 use idemstage_stage::first_job;
 
+/// A fresh database with the core's and the example pipeline's migrations (from a
+/// template made once per server and migration fingerprint).
+pub async fn db() -> crate::TestDb {
+    crate::TestDb::with_template(
+        vec![idemstage_example::MIGRATIONS],
+        idemstage_example::MIGRATIONS_FINGERPRINT,
+    )
+    .await
+}
+
 /// The job lease of the example pipeline's jobs (short, so that a killed
 /// worker's jobs come back within seconds).
 pub const JOB_LEASE_MS: u64 = 3000;

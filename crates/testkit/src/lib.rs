@@ -7,6 +7,7 @@
 //! for post-mortem.
 
 pub mod example;
+pub mod schema;
 
 use std::time::Duration;
 
@@ -17,7 +18,10 @@ use tokio::sync::OnceCell;
 /// Server-wide advisory lock key for template creation ("idemstag" in ASCII).
 const TEMPLATE_LOCK_KEY: i64 = 0x6964_656d_7374_6167;
 
-static TEMPLATE: OnceCell<String> = OnceCell::const_new();
+/// The templates this process made or found, by name: each is created (or found)
+/// once per process, the first time a test asks for it.
+static TEMPLATES: std::sync::Mutex<Vec<(String, std::sync::Arc<OnceCell<()>>)>> =
+    std::sync::Mutex::new(Vec::new());
 
 pub struct TestDb {
     name: String,
@@ -52,13 +56,71 @@ pub fn url_with_database(url: &str, db: &str) -> String {
 }
 
 impl TestDb {
-    /// A fresh, migrated database for this test.
+    /// A fresh database for this test with the core's migrations.
     pub async fn new() -> TestDb {
-        let admin_url = server_url();
-        let template = TEMPLATE
-            .get_or_init(|| ensure_template(admin_url.clone()))
+        Self::from_template(
+            format!("idemstage_tpl_{MIGRATIONS_FINGERPRINT}"),
+            Vec::new(),
+        )
+        .await
+    }
+
+    /// A fresh database as [`TestDb::new`], with a team's migrations applied on top
+    /// of the core's (see `idemstage_persistence::migrate_with`), in this test's
+    /// database: always current, at the cost of running them for every test. See
+    /// [`TestDb::with_template`] for the cached form.
+    pub async fn with_migrations(team: Vec<diesel_migrations::EmbeddedMigrations>) -> TestDb {
+        let db = TestDb::new().await;
+        idemstage_persistence::migrate_with(db.url(), team)
             .await
-            .clone();
+            .unwrap_or_else(|e| panic!("team migrations on {}: {e}", db.name));
+        db
+    }
+
+    /// A fresh database with the core's and a team's migrations, cloned from a
+    /// template that is migrated once per server and `fingerprint`. The
+    /// fingerprint must change whenever the team's migrations change (e.g. a
+    /// hash of the migration files, computed by the team crate's `build.rs` as
+    /// `idemstage_example::MIGRATIONS_FINGERPRINT` is); an unchanged fingerprint
+    /// over edited migrations reuses the old template. `[0-9a-z_]`, at most 20
+    /// characters.
+    pub async fn with_template(
+        team: Vec<diesel_migrations::EmbeddedMigrations>,
+        fingerprint: &str,
+    ) -> TestDb {
+        assert!(
+            !fingerprint.is_empty()
+                && fingerprint.len() <= 20
+                && fingerprint
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'_'),
+            "TestDb::with_template: fingerprint {fingerprint:?} is not 1 to 20 of [0-9a-z_]"
+        );
+        Self::from_template(
+            format!("idemstage_tpl_{MIGRATIONS_FINGERPRINT}_{fingerprint}"),
+            team,
+        )
+        .await
+    }
+
+    async fn from_template(
+        template: String,
+        team: Vec<diesel_migrations::EmbeddedMigrations>,
+    ) -> TestDb {
+        let admin_url = server_url();
+        let cell = {
+            let mut templates = TEMPLATES.lock().unwrap();
+            match templates.iter().find(|(name, _)| *name == template) {
+                Some((_, cell)) => cell.clone(),
+                None => {
+                    let cell = std::sync::Arc::new(OnceCell::new());
+                    templates.push((template.clone(), cell.clone()));
+                    cell
+                }
+            }
+        };
+        cell.get_or_init(|| ensure_template(admin_url.clone(), template.clone(), team))
+            .await;
         let name = test_database_name();
         let mut admin = connect(&admin_url).await.expect("connect to DATABASE_URL");
         admin
@@ -73,16 +135,6 @@ impl TestDb {
             url,
             admin_url,
         }
-    }
-
-    /// A fresh database as [`TestDb::new`], with a team's migrations applied on top
-    /// of the core's (see `idemstage_persistence::migrate_with`).
-    pub async fn with_migrations(team: Vec<diesel_migrations::EmbeddedMigrations>) -> TestDb {
-        let db = TestDb::new().await;
-        idemstage_persistence::migrate_with(db.url(), team)
-            .await
-            .unwrap_or_else(|e| panic!("team migrations on {}: {e}", db.name));
-        db
     }
 
     pub fn name(&self) -> &str {
@@ -167,11 +219,15 @@ fn test_database_name() -> String {
     format!("t_{test}_{}", ulid::Ulid::new().to_string().to_lowercase())
 }
 
-/// Creates `idemstage_tpl_<fingerprint>` once per server, under an advisory lock so
-/// that parallel test processes do not race. Migrated under a temporary name and
-/// renamed, so a crash never leaves a half-migrated template behind the real name.
-async fn ensure_template(admin_url: String) -> String {
-    let template = format!("idemstage_tpl_{MIGRATIONS_FINGERPRINT}");
+/// Creates the database `template` (the core's migrations, then `team`'s) once per
+/// server, under an advisory lock so that parallel test processes do not race.
+/// Migrated under a temporary name and renamed, so a crash never leaves a
+/// half-migrated template behind the real name.
+async fn ensure_template(
+    admin_url: String,
+    template: String,
+    team: Vec<diesel_migrations::EmbeddedMigrations>,
+) {
     let mut admin = connect(&admin_url).await.expect("connect to DATABASE_URL");
     diesel::sql_query(format!("SELECT pg_advisory_lock({TEMPLATE_LOCK_KEY})"))
         .execute(&mut admin)
@@ -190,7 +246,7 @@ async fn ensure_template(admin_url: String) -> String {
             .batch_execute(&format!("CREATE DATABASE \"{building}\""))
             .await
             .expect("create template database");
-        idemstage_persistence::migrate(&url_with_database(&admin_url, &building))
+        idemstage_persistence::migrate_with(&url_with_database(&admin_url, &building), team)
             .await
             .expect("migrate template database");
         admin
@@ -205,7 +261,6 @@ async fn ensure_template(admin_url: String) -> String {
         .execute(&mut admin)
         .await
         .expect("template unlock");
-    template
 }
 
 async fn database_exists(conn: &mut AsyncPgConnection, name: &str) -> bool {

@@ -16,14 +16,14 @@
 //! Its tables are written through [`ExampleTables`], an extension trait on the
 //! fenced transaction, with this crate's own Diesel [`schema`]; [`check`] is the
 //! invariant checker that `idemstage demo`, `idemstage bench` and the fault tests
-//! run against the database after the fact. (The tables themselves are still
-//! created by the core's migrations.) The `idemstage` binary of `idemstage-cli`
-//! runs this pipeline (`App::example()`).
+//! run against the database after the fact. The tables are created by this crate's
+//! own [`MIGRATIONS`], run after the core's. The `idemstage` binary of
+//! `idemstage-cli` runs this pipeline (`App::example()`).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://localhost/app";
-//! idemstage::migrate(url).await?;
+//! idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
 //! let pool = idemstage::connect_pool(url, Default::default()).await?;
 //! let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
 //! let tenant = idemstage::TenantId::parse("acme")?;
@@ -34,6 +34,8 @@
 //! # }
 //! ```
 #![warn(missing_docs)]
+
+use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
 
 pub mod check;
 pub mod schema;
@@ -46,3 +48,15 @@ pub use stages::{
     Chaos, Extract, Feasibility, Intake, PriceError, MAX_QUANTITY, PRICES,
 };
 pub use tables::{insert_or_get_datei, DateiRef, ExampleTables, Extraktion};
+
+/// This pipeline's migrations (`dateien`, `anfrage_extraktionen`,
+/// `feasibility_results`, `calculation_results`, each under the core's tenant
+/// isolation), to run after the core's:
+/// `idemstage::migrate_with(url, vec![MIGRATIONS])`. Their versions
+/// (`2026-12-01-2000xx`) cannot collide with the core's or another example's.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+/// A hash of the files of [`MIGRATIONS`] (16 hex digits): it changes whenever they
+/// change, so test templates keyed on it are rebuilt
+/// (`idemstage_testkit::TestDb::with_template`).
+pub const MIGRATIONS_FINGERPRINT: &str = env!("IDEMSTAGE_EXAMPLE_MIGRATIONS_HASH");

@@ -98,7 +98,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    idemstage_persistence::migrate(url).await?;
+    idemstage_persistence::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
     let mut conn = idemstage_persistence::connect(url).await?;
     // Every scenario starts by emptying the tables: never on a database that is not
     // obviously a benchmark database.

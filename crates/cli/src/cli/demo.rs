@@ -115,7 +115,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !(0.0..1.0).contains(&args.crash_rate) {
         return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
     }
-    idemstage_persistence::migrate(url).await?;
+    idemstage_persistence::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
     // The verdict is read from the whole database, so it must hold only this run's
     // rows: a demo database (`*_demo`) is emptied first (a second `cargo xtask
     // demo` on a cluster left running), any other one must be empty already.

@@ -17,7 +17,6 @@ use idemstage_domain::{
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_runner::Counters;
 use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
-use idemstage_testkit::TestDb;
 use serde_json::{json, Value};
 
 use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
@@ -69,7 +68,7 @@ async fn wait_job_state(conn: &mut AsyncPgConnection, id: JobId, state: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
     let t1 = TenantId::parse("t1").unwrap();
     // Another tenant's anfrage, that a crafted payload names.
@@ -213,7 +212,7 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     let anfrage = AnfrageId::new();
@@ -322,7 +321,7 @@ impl Stage for Probe {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
     let policy = StagePolicy {
         max_attempts: 2,

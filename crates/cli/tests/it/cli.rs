@@ -49,7 +49,7 @@ fn enqueue(db: &TestDb, tenant: &str) -> Output {
 
 #[tokio::test]
 async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let dir = std::env::temp_dir().join(format!("idemstage-cli-{}", ulid_like()));
     std::fs::create_dir_all(&dir).unwrap();
     let big = dir.join("big.txt");
@@ -139,7 +139,7 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
 
 #[tokio::test]
 async fn enqueue_prints_the_job_id_then_duplicate() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let first = enqueue(&db, "t1");
     let id = String::from_utf8(first.stdout).unwrap();
     assert_eq!(id.trim().len(), 26, "{id}");
@@ -152,7 +152,7 @@ async fn enqueue_prints_the_job_id_then_duplicate() {
 
 #[tokio::test]
 async fn bench_refuses_bad_counts_before_it_touches_the_database() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     for (args, message) in [
@@ -176,7 +176,7 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
 /// no "demo" in its name, which it would empty) it refuses to start.
 #[tokio::test]
 async fn demo_refuses_a_database_that_holds_other_anfragen() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     let out = idemstage(&db, &["demo", "--anfragen", "1"]);
@@ -213,7 +213,7 @@ fn ulid_like() -> String {
 /// example's first stage rejects input changes: exit 2, and nothing changes.
 #[tokio::test]
 async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let first = enqueue(&db, "t1");
     assert!(first.status.success(), "{first:?}");
     let before = rows(&db).await;

@@ -16,7 +16,6 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Integer};
 use diesel_async::RunQueryDsl;
 use idemstage_domain::{AnfrageId, TenantId};
-use idemstage_testkit::TestDb;
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +49,7 @@ fn soak_secs() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     let secs = soak_secs();
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     // Every connection made from now on waits at most 100 ms for a row lock: the
     // lock holders below make the workers' statements time out (55P03).
     {

@@ -1,10 +1,8 @@
 //! The workspace foundation: migrations, schema drift, the claim's unique index,
 //! test database isolation.
 
-use std::collections::BTreeMap;
-
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{Nullable, Text};
+use diesel::sql_types::Text;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemstage_testkit::TestDb;
 
@@ -31,8 +29,18 @@ async fn migrations_round_trip_up_down_up() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     let tables = public_tables(&mut conn).await;
-    assert!(tables.contains(&"pipeline_runs".to_owned()), "{tables:?}");
-    assert!(tables.len() >= 9, "{tables:?}");
+    // The core's tables and nothing of a pipeline's (the example's tables are its
+    // own migrations').
+    assert_eq!(
+        tables,
+        [
+            "anfragen",
+            "audit_log",
+            "jobs",
+            "pipeline_run_attempts",
+            "pipeline_runs"
+        ]
+    );
 
     let reverted = idemstage_persistence::revert_all_migrations(db.url())
         .await
@@ -47,66 +55,34 @@ async fn migrations_round_trip_up_down_up() {
     assert_eq!(idemstage_persistence::migrate(db.url()).await.unwrap(), 0);
 }
 
-/// Table -> (primary key columns, [(column, diesel type)]) as written in schema.rs.
-type SchemaMap = BTreeMap<String, (Vec<String>, Vec<(String, String)>)>;
+/// A team's migrations on top of the core's go down and up again together
+/// (`revert_all_with`), while the core's alone refuses to revert under them.
+#[tokio::test]
+async fn team_migrations_round_trip_with_the_cores() {
+    let db = idemstage_testkit::example::db().await;
+    let mut conn = db.conn().await;
+    let tables = public_tables(&mut conn).await;
+    assert!(
+        tables.contains(&"anfrage_extraktionen".to_owned()),
+        "{tables:?}"
+    );
 
-fn parse_schema_rs(src: &str) -> SchemaMap {
-    let mut out = SchemaMap::new();
-    let mut lines = src.lines().map(str::trim);
-    while let Some(line) = lines.next() {
-        if line != "diesel::table! {" {
-            continue;
-        }
-        let header = lines.next().unwrap();
-        let (name, rest) = header.split_once(" (").unwrap();
-        let pk = rest
-            .trim_end_matches(") {")
-            .split(", ")
-            .map(str::to_owned)
-            .collect();
-        let mut cols = Vec::new();
-        for col in lines.by_ref() {
-            if col == "}" {
-                break;
-            }
-            let (c, ty) = col.trim_end_matches(',').split_once(" -> ").unwrap();
-            cols.push((c.to_owned(), ty.to_owned()));
-        }
-        out.insert(name.to_owned(), (pk, cols));
-    }
-    out
-}
+    let err = idemstage_persistence::revert_all_migrations(db.url())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("20261201200001"), "{err}");
+    assert_eq!(public_tables(&mut conn).await, tables, "nothing reverted");
 
-fn diesel_type(udt: &str, nullable: bool) -> String {
-    let base = match udt {
-        "text" => "Text",
-        "int4" => "Int4",
-        "int8" => "Int8",
-        "bool" => "Bool",
-        "jsonb" => "Jsonb",
-        "timestamptz" => "Timestamptz",
-        "float8" => "Float8",
-        other => panic!("schema drift test does not know SQL type {other}"),
-    };
-    if nullable {
-        format!("Nullable<{base}>")
-    } else {
-        base.to_owned()
-    }
-}
-
-#[derive(diesel::QueryableByName)]
-struct ColumnRow {
-    #[diesel(sql_type = Text)]
-    table_name: String,
-    #[diesel(sql_type = Text)]
-    column_name: String,
-    #[diesel(sql_type = Text)]
-    udt_name: String,
-    #[diesel(sql_type = Text)]
-    is_nullable: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    pk: Option<String>,
+    let team = || vec![idemstage_example::MIGRATIONS];
+    let reverted = idemstage_persistence::revert_all_with(db.url(), team())
+        .await
+        .unwrap();
+    assert_eq!(public_tables(&mut conn).await, Vec::<String>::new());
+    let applied = idemstage_persistence::migrate_with(db.url(), team())
+        .await
+        .unwrap();
+    assert_eq!(applied, reverted);
+    assert_eq!(public_tables(&mut conn).await, tables);
 }
 
 /// The checked-in `schema.rs` must describe exactly what the migrations create:
@@ -116,57 +92,16 @@ struct ColumnRow {
 async fn checked_in_schema_matches_migrations() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    // Domains report their base type in udt_name only via the domain's own row;
-    // resolve it through pg_type so `ulid_text` reads as `text`.
-    let rows: Vec<ColumnRow> = diesel::sql_query(
-        "SELECT c.table_name::text, c.column_name::text,
-                COALESCE(bt.typname, c.udt_name)::text AS udt_name,
-                c.is_nullable::text,
-                (SELECT string_agg(a.attname, ', ' ORDER BY array_position(i.indkey, a.attnum))
-                   FROM pg_index i
-                   JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-                  WHERE i.indrelid = ('public.' || c.table_name)::regclass AND i.indisprimary
-                )::text AS pk
-           FROM information_schema.columns c
-           LEFT JOIN pg_type dt ON dt.typname = c.domain_name AND dt.typtype = 'd'
-           LEFT JOIN pg_type bt ON bt.oid = dt.typbasetype
-          WHERE c.table_schema = 'public' AND c.table_name <> '__diesel_schema_migrations'
-          ORDER BY c.table_name, c.ordinal_position",
+    let tables = idemstage_testkit::schema::assert_schema_rs_matches(
+        &mut conn,
+        include_str!("../../src/schema.rs"),
     )
-    .load(&mut conn)
-    .await
-    .unwrap();
-    let mut db_schema = SchemaMap::new();
-    for r in rows {
-        let entry = db_schema.entry(r.table_name).or_insert_with(|| {
-            let pk =
-                r.pk.as_deref()
-                    .unwrap_or("")
-                    .split(", ")
-                    .map(str::to_owned)
-                    .collect();
-            (pk, Vec::new())
-        });
-        entry.1.push((
-            r.column_name,
-            diesel_type(&r.udt_name, r.is_nullable == "YES"),
-        ));
-    }
-    let checked_in = parse_schema_rs(include_str!("../../src/schema.rs"));
-    assert!(!checked_in.is_empty());
-    for (table, (pk, cols)) in &db_schema {
-        let Some((pk_rs, cols_rs)) = checked_in.get(table) else {
-            panic!("table {table} is in the migrations but not in schema.rs");
-        };
-        assert_eq!(pk_rs, pk, "primary key of {table}");
-        assert_eq!(cols_rs, cols, "columns of {table}");
-    }
-    for table in checked_in.keys() {
-        assert!(
-            db_schema.contains_key(table),
-            "table {table} is in schema.rs but not in the migrations"
-        );
-    }
+    .await;
+    assert_eq!(
+        public_tables(&mut conn).await,
+        tables,
+        "tables the migrations create but schema.rs lacks"
+    );
 }
 
 #[tokio::test]

@@ -9,8 +9,8 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{ClaimOutcome, CompleteOutcome, RepoError, StageError, TenantId};
 use idemstage_example::{ExampleTables, Extraktion};
-use idemstage_persistence::tenant::scope;
-use idemstage_persistence::FencedTx;
+use idemstage_persistence::tenant::{self, scope};
+use idemstage_persistence::{FencedTx, TxError};
 use idemstage_testkit::TestDb;
 
 use crate::support::*;
@@ -70,7 +70,7 @@ async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
 
 #[tokio::test]
 async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants_rows() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     let (a, b) = (tenant("ta"), tenant("tb"));
     fill(&db, &a).await;
     let b_anfrage = fill(&db, &b).await;
@@ -86,8 +86,8 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
                 > 0
         );
     }
-    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        scope(conn, &a).await?;
+    // `tenant::transaction` is `scope` first in a transaction of its own.
+    tenant::transaction::<_, diesel::result::Error, _>(&mut conn, &a, async |conn| {
         for table in TENANT_TABLES {
             let mine = n(conn, &format!("SELECT 1 FROM {table}")).await;
             let theirs = n(
@@ -181,4 +181,47 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
     .await
     .unwrap();
     assert_eq!(role.flags, "falsefalsefalse");
+}
+
+/// `tenant::transaction` commits the body's writes when it returns `Ok` and rolls
+/// them back on `Err`; a write for another tenant inside it is refused.
+#[tokio::test]
+async fn a_tenant_transaction_commits_on_ok_and_rolls_back_on_err() {
+    let db = TestDb::new().await;
+    let a = tenant("ta");
+    let mut conn = db.conn().await;
+    let audit = |id: &str, tenant: &str| {
+        format!(
+            "INSERT INTO audit_log (id, tenant_id, entity_id, action) \
+             VALUES ('{id}', '{tenant}', 'x', 'test')"
+        )
+    };
+    let kept = audit("01JDQ3W5AAAAAAAAAAAAAAAAA1", "ta");
+    tenant::transaction::<_, diesel::result::Error, _>(&mut conn, &a, async |conn| {
+        diesel::sql_query(&kept).execute(conn).await?;
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let dropped = audit("01JDQ3W5AAAAAAAAAAAAAAAAA2", "ta");
+    let err = tenant::transaction::<(), TxError, _>(&mut conn, &a, async |conn| {
+        diesel::sql_query(&dropped).execute(conn).await?;
+        Err(RepoError::Database("the body gives up".into()).into())
+    })
+    .await
+    .unwrap_err();
+    assert!(format!("{err:?}").contains("the body gives up"), "{err:?}");
+    let foreign = audit("01JDQ3W5AAAAAAAAAAAAAAAAA3", "tb");
+    let err = tenant::transaction::<_, diesel::result::Error, _>(&mut conn, &a, async |conn| {
+        diesel::sql_query(&foreign).execute(conn).await?;
+        Ok(())
+    })
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("row-level security"), "{err}");
+    assert_eq!(
+        n(&mut conn, "SELECT 1 FROM audit_log WHERE action = 'test'").await,
+        1,
+        "only the Ok body's row is committed"
+    );
 }

@@ -4,13 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, WorkerError};
-use idemstage_testkit::TestDb;
 
 /// A dead worker's jobs come back only through maintenance: maintenance that runs
 /// less often than the job lease lasts is refused (it used to be the CLI's rule).
 #[tokio::test]
 async fn maintenance_slower_than_the_job_lease_is_refused() {
-    let db = TestDb::new().await;
+    let db = idemstage_testkit::example::db().await;
     // The pipeline's jobs have a 3 s lease; maintenance every 30 s by default.
     let pipeline = crate::support::pipeline();
     let config = PipelineWorkerConfig::default();

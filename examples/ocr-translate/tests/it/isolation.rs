@@ -1,7 +1,7 @@
 //! Tenant isolation of the team's tables (`idemstage_tenant_table`), seen from a
-//! stage: the facade has no public helper to scope a transaction to a tenant, so
-//! a probe stage of tenant B looks through its fenced transaction, which the
-//! executor scopes to B.
+//! stage (a probe stage of tenant B looks through its fenced transaction, which
+//! the executor scopes to B) and from the team's own code outside a stage
+//! (`idemstage::tenant_transaction`).
 
 use std::sync::{Arc, Mutex};
 
@@ -186,6 +186,48 @@ async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
         f.translations(&a).await,
         expected_translations(&PAGES_1, 1, 1)
     );
+}
+
+/// The team's own read outside a stage, as its API would do it: scoped to
+/// tenant B, it finds none of A's pages, even by A's anfrage id, and all of B's.
+#[tokio::test]
+async fn a_tenant_transaction_of_the_team_sees_only_its_tenants_rows() {
+    let mut f = fixture().await;
+    let pipeline = pipeline();
+    let exec = f.executor();
+    let a = f.anfrage(&pipeline, &tenant("tenant-a"), TEXT_1).await;
+    let b = f.anfrage(&pipeline, &tenant("tenant-b"), TEXT_2).await;
+    for job in [&a, &b] {
+        assert!(matches!(
+            exec.run(&pipeline, pipeline.first_stage(), job)
+                .await
+                .unwrap(),
+            ExecutionOutcome::Succeeded { .. }
+        ));
+    }
+    let a_anfrage = a.anfrage_id.to_string();
+    let (all, a_by_id) = idemstage::tenant_transaction::<_, diesel::result::Error, _>(
+        &mut f.conn,
+        &tenant("tenant-b"),
+        async |conn| {
+            let all: Vec<String> = ocr_pages::table
+                .select(ocr_pages::tenant_id)
+                .load(conn)
+                .await?;
+            let a_by_id: i64 = ocr_pages::table
+                .filter(ocr_pages::anfrage_id.eq(&a_anfrage))
+                .count()
+                .get_result(conn)
+                .await?;
+            Ok((all, a_by_id))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(all, vec!["tenant-b"; PAGES_2.len()]);
+    assert_eq!(a_by_id, 0);
+    // The same connection outside the scope (the superuser) sees both again.
+    assert_eq!(f.pages(&a).await, expected_pages(&PAGES_1, 1));
 }
 
 #[derive(QueryableByName)]
