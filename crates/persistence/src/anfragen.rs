@@ -15,25 +15,37 @@ use crate::schema::anfragen;
 /// The most input text an anfrage may carry.
 pub const MAX_INPUT_BYTES: usize = 1024 * 1024;
 
+/// What registering an anfrage did. Every variant names the SHA-256 (hex) of the
+/// input stored afterwards ([`RegisterOutcome::input_sha256`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RegisterOutcome {
+    /// The anfrage was new: its row was inserted with this input.
     Created {
+        /// SHA-256 (hex) of the input, now stored.
         input_sha256: String,
     },
     /// Sending the same anfrage again is normal; `input_sha256` is the stored one.
     AlreadyRegistered {
+        /// SHA-256 (hex) of the stored input, which was left as it was.
         input_sha256: String,
+        /// Whether the input passed has the stored hash. `false` only from
+        /// [`register_anfrage`]: [`register_input`] refuses or replaces a changed
+        /// input instead.
         same_input: bool,
     },
     /// The anfrage had another input, and its first stage's policy is `Rerun`: the
     /// stored text and hash were replaced by the new ones.
     Replaced {
+        /// SHA-256 (hex) of the input that was replaced.
         previous_sha256: String,
+        /// SHA-256 (hex) of the new input, now stored.
         input_sha256: String,
     },
 }
 
 impl RegisterOutcome {
+    /// SHA-256 (hex) of the input stored after the call: the hash a first-stage job
+    /// must carry to be claimed (any other is `Rejected(InputMismatch)`).
     pub fn input_sha256(&self) -> &str {
         match self {
             RegisterOutcome::Created { input_sha256 }
@@ -60,6 +72,12 @@ pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
 
 /// Registers an anfrage if new (insert-or-get on its id). An id that belongs to
 /// another tenant is refused with `TenantMismatch`; nothing is written then.
+///
+/// Never changes a stored input: another input is reported as
+/// `AlreadyRegistered { same_input: false }` (use [`register_input`] to apply the
+/// stage's input policy). An empty or oversized input is `Invalid`. Runs in a
+/// transaction scoped to `tenant` (a savepoint inside the caller's transaction;
+/// the scope then lasts until the caller's transaction ends).
 pub async fn register_anfrage(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
@@ -124,6 +142,8 @@ pub async fn register_anfrage(
 /// anfrage is created; the same input again is fine; another input is refused with
 /// `InputChanged` under `Reject` (nothing changes) and replaces the stored text and
 /// hash under `Rerun`. Run it inside the transaction that sends the first job.
+/// A replacement that races another one for the same anfrage is refused with
+/// `Conflict` (retryable) rather than overwriting it.
 pub async fn register_input(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
@@ -180,7 +200,11 @@ pub async fn register_input(
 /// What `start_in` did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StartOutcome {
+    /// What registering the input did (as [`register_input`]).
     pub registered: RegisterOutcome,
+    /// The send of the first stage's job. `Duplicate`: a job with the same
+    /// singleton key is live (after a `Replaced` input that live job now carries
+    /// the new payload) or, with `singleton_seconds`, was sent in this window.
     pub sent: SendResult,
 }
 

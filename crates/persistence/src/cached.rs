@@ -13,6 +13,10 @@ use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::QueryResult;
 
+/// `Q`, rendered and run unchanged, but kept in the connection's prepared-statement
+/// cache under its SQL text and bind types. Each distinct text is one more entry on
+/// every connection that runs it, for the connection's lifetime: wrap only
+/// statements whose text does not change from call to call.
 pub struct Cached<Q>(pub Q);
 
 impl<Q> QueryId for Cached<Q> {
@@ -37,6 +41,8 @@ impl<Q: Query> Query for Cached<Q> {
 
 /// `query.cached()` for any statement.
 pub trait CachedExt: Sized {
+    /// `Cached(self)`: this statement is prepared once per connection (see
+    /// [`Cached`]).
     fn cached(self) -> Cached<Self> {
         Cached(self)
     }

@@ -12,13 +12,21 @@ use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 use futures_util::future::BoxFuture;
 use idemstage_domain::RepoError;
 
+/// The core's migrations (the workspace's `migrations/`), embedded at compile time:
+/// what [`migrate`] applies and [`revert_all_migrations`] reverts.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../../migrations");
 
 /// Changes whenever any migration file changes (computed by build.rs).
 pub const MIGRATIONS_FINGERPRINT: &str = env!("IDEMSTAGE_MIGRATIONS_HASH");
 
+/// The bb8 connection manager of [`PgPool`] (diesel-async's, for
+/// `AsyncPgConnection`).
 pub type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
+/// The connection pool the repository and the pool-taking functions use. Build it
+/// with [`connect_pool`], which installs the checkout check without a round trip.
 pub type PgPool = bb8::Pool<Manager>;
+/// A connection borrowed from a [`PgPool`] (see [`get`]); it derefs to
+/// `AsyncPgConnection` and goes back to the pool when dropped.
 pub type PooledConn<'a> = bb8::PooledConnection<'a, Manager>;
 
 /// A connection from the pool; a timeout or a refused connection is `Unavailable`
@@ -32,8 +40,11 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
     })
 }
 
+/// Size and wait of the pool [`connect_pool`] builds; the default is 16
+/// connections and a 10 s wait.
 #[derive(Clone, Debug)]
 pub struct PoolConfig {
+    /// The most connections the pool holds at once (bb8's `max_size`).
     pub max_size: u32,
     /// How long `get()` waits for a free connection before giving up.
     pub connection_timeout: Duration,
@@ -48,7 +59,9 @@ impl Default for PoolConfig {
     }
 }
 
-/// The URL without its password, for error messages.
+/// The URL without its password, for error messages. Only a `user:password@`
+/// before the host is masked: a password passed as a query parameter
+/// (`?password=`) is left in.
 pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme_end), Some(at)) if at > scheme_end => {
@@ -78,7 +91,12 @@ pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
 }
 
 /// A pool. Connects once first, so that an unreachable server is reported with the
-/// driver's own reason instead of a pool timeout.
+/// driver's own reason instead of a pool timeout (`Unavailable`).
+///
+/// A checkout costs no round trip: a connection the server closed is replaced once
+/// its socket saw the end of the stream, but one that died a moment ago can still
+/// be handed out, and its first statement then fails as `Unavailable`. Every
+/// caller has to handle that anyway.
 pub async fn connect_pool(url: &str, config: PoolConfig) -> Result<PgPool, RepoError> {
     drop(connect(url).await?);
     let mut manager_config = ManagerConfig::default();
@@ -110,7 +128,9 @@ fn checkout_check(conn: &mut AsyncPgConnection) -> BoxFuture<'_, diesel::QueryRe
     })
 }
 
-/// Applies the pending embedded migrations; returns how many ran.
+/// Applies the pending embedded migrations ([`MIGRATIONS`]); returns how many ran.
+/// Uses a connection of its own (not a pool) on a blocking thread. An unreachable
+/// server is `Unavailable`, a failed migration `Database`.
 pub async fn migrate(url: &str) -> Result<usize, RepoError> {
     with_sync_connection(url, |conn| {
         conn.run_pending_migrations(MIGRATIONS)
@@ -123,8 +143,9 @@ pub async fn migrate(url: &str) -> Result<usize, RepoError> {
 /// Applies the core's pending migrations, then each of `team`'s in order (a team's
 /// migrations may use what the core's create, e.g. `idemstage_tenant_table`);
 /// returns how many ran in all. Versions are tracked in one table, so a team's
-/// migration directories need names (versions) of their own. Pass a team's
-/// `embed_migrations!` constant by value: `migrate_with(url, vec![MIGRATIONS])`.
+/// migration directories need names (versions) of their own. Pass the team's own
+/// `embed_migrations!` constant by value: `migrate_with(url, vec![TEAM_MIGRATIONS])`.
+/// Errors as [`migrate`].
 pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<usize, RepoError> {
     with_sync_connection(url, move |conn| {
         let mut applied = 0;
@@ -139,9 +160,10 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
     .await
 }
 
-/// Reverts every applied migration of the core (used by the round-trip test). Fails
-/// naming the version if a migration that is not the core's is applied: revert
-/// those with [`revert_all_with`].
+/// Reverts every applied migration of the core (used by the round-trip test);
+/// returns how many were reverted. Fails naming the version at the first applied
+/// migration that is not the core's (a team's is newer, so that is before
+/// anything is reverted): revert those with [`revert_all_with`].
 pub async fn revert_all_migrations(url: &str) -> Result<usize, RepoError> {
     revert_all_with(url, Vec::new()).await
 }

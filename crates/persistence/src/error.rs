@@ -3,6 +3,16 @@
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idemstage_domain::{RepoError, StageError};
 
+/// The [`RepoError`] of a Diesel error, which decides whether the caller may retry.
+/// Retryable: serialization failure (40001) and deadlock are `Conflict`; lock and
+/// statement timeouts and cancelled statements `Timeout`; 53xxx `Resources`; a
+/// closed connection, a broken transaction manager and a server shutting down or
+/// ending the session `Unavailable`. Everything else is `Database`, not
+/// retryable: constraint violations, bad SQL, and also `NotFound` (use
+/// `.optional()` where no row is an answer).
+///
+/// Errors that Diesel has no kind for are recognized by PostgreSQL's English
+/// message texts: with a translated `lc_messages` they come out as `Database`.
 pub fn map_diesel_error(e: DieselError) -> RepoError {
     match &e {
         DieselError::DatabaseError(kind, info) => match kind {
@@ -83,8 +93,12 @@ fn describe(e: &DieselError) -> String {
 /// stage body (diesel-async's `transaction` needs `From<diesel::result::Error>`).
 #[derive(Debug)]
 pub enum TxError {
+    /// A Diesel error of a statement, or of BEGIN/COMMIT; classified by
+    /// [`map_diesel_error`] when converted.
     Diesel(DieselError),
+    /// An error of a repository helper, already classified.
     Repo(RepoError),
+    /// The stage body's own error, passed through unchanged.
     Stage(StageError),
 }
 
@@ -117,7 +131,8 @@ impl From<TxError> for StageError {
 }
 
 impl TxError {
-    /// For transactions without a stage body.
+    /// The [`RepoError`], for transactions without a stage body. A `Stage` error
+    /// that is not a repository error becomes `Database` with its message.
     pub fn into_repo(self) -> RepoError {
         match StageError::from(self) {
             StageError::Repo(e) => e,

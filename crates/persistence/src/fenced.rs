@@ -23,7 +23,8 @@ use crate::schema::{anfragen, audit_log};
 pub const INSERT_OR_GET_TRIES: u32 = 5;
 
 /// The stage's writes, run inside the fenced transaction. It is `Fn`, not `FnOnce`,
-/// because a serialization failure or deadlock re-runs the whole transaction.
+/// because a serialization failure or deadlock (or a connection lost before the
+/// commit) re-runs the whole transaction.
 pub type FencedWrite<'a> = dyn for<'t, 'c> Fn(&'t mut FencedTx<'c>) -> BoxFuture<'t, Result<(), StageError>>
     + Send
     + Sync
@@ -51,7 +52,10 @@ pub struct Replaced {
 /// The id insert-or-get found, and whether this call created its row.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct InsertOrGet<Id> {
+    /// The id of the row that exists now: the one inserted, or the one the insert
+    /// conflicted with.
     pub id: Id,
+    /// `true` if this call's insert created the row, `false` if it existed.
     pub inserted: bool,
 }
 
@@ -252,7 +256,9 @@ where
     })
 }
 
-/// Appends an audit entry.
+/// Appends an audit entry of `tenant` on the caller's connection (in its
+/// transaction, if one is open); with `token` the entry names the run and attempt.
+/// Returns the entry's id.
 pub async fn audit(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,

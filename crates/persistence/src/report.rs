@@ -9,14 +9,20 @@ use serde::Serialize;
 use crate::error::map_diesel_error;
 use crate::schema::pipeline_runs;
 
+/// One row of [`stage_status_counts`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StageStatusCount {
+    /// The stage name.
     pub stage: String,
+    /// The run status as stored (`running`, `success`, `failed`, `dead`, `stale`).
     pub status: String,
+    /// How many runs of `stage` are in `status`.
     pub count: i64,
 }
 
-/// `pipeline_runs` counted by stage and status, optionally for one tenant.
+/// `pipeline_runs` counted by stage and status, optionally for one tenant; ordered
+/// by stage, then status. Not scoped: it runs as the connecting user, so without
+/// `tenant` it counts every tenant's runs (those that user can see).
 pub async fn stage_status_counts(
     conn: &mut AsyncPgConnection,
     tenant: Option<&TenantId>,

@@ -9,14 +9,18 @@ use idemstage_domain::{JobId, JobRetryOutcome, RepoError};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// Gives the job back to be fetched again `delay` from now (database clock),
-/// without counting a failure: for a job that must wait for the database to
-/// recover, or for its upstream stage. Fenced on the job's token.
+/// `retry_after`: binds `$1` id (text), `$2` attempt (int4), `$3` delay in ms
+/// (int8). No row updated: fenced.
 pub(crate) const RETRY_AFTER_SQL: &str = "\
 UPDATE jobs SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
                 lease_expires_at = NULL
  WHERE id = $1 AND attempt = $2 AND state = 'active'";
 
+/// Gives the job back to be fetched again `delay` from now (database clock),
+/// without counting a failure: for a job that must wait for the database to
+/// recover, or for its upstream stage. Fenced on the job's token: `Fenced` means
+/// the lease was taken over and nothing changed. Sends no notification: the job is
+/// found by a fetch after the delay.
 pub async fn retry_after(
     conn: &mut AsyncPgConnection,
     id: JobId,

@@ -130,6 +130,11 @@ impl FetchedRow {
 /// `start_after <= now()`), highest priority first, then oldest. Each is marked
 /// active with `attempt + 1` (its fencing token) and `lease_expires_at = now() +
 /// expire_in`. Returned in fetch order.
+///
+/// A job whose payload does not decode as JSON is failed for good at once
+/// (`Permanent`, dead-lettered if it has a queue for that) and left out, so fewer
+/// than `limit` jobs can come back while more are fetchable. Inside a transaction
+/// the leased rows stay locked until it ends.
 pub async fn fetch(
     conn: &mut AsyncPgConnection,
     queues: &[String],

@@ -33,7 +33,8 @@ UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NU
                 output = $3
  WHERE id = $1 AND attempt = $2 AND state = 'active'";
 
-/// Marks the job completed (with an optional output).
+/// Marks the job completed (with an optional output). `Fenced`: the lease was
+/// taken over, nothing changed.
 pub async fn complete(
     conn: &mut AsyncPgConnection,
     id: JobId,
@@ -180,7 +181,11 @@ pub(crate) static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
 /// Records a failure of the job's current attempt. With retries left (and a
 /// retryable failure) the job goes to `retry`, fetchable after its retry delay;
 /// otherwise it is `failed` and, with a dead-letter queue, a copy is sent there in
-/// the same statement. A retry due now wakes the listeners.
+/// the same statement. A retry due now wakes the listeners. `Fenced`: the lease was
+/// taken over, nothing was recorded.
+///
+/// `error` is stored as given: pass it through `sanitize_error_text` first (a NUL
+/// character makes the statement fail).
 pub async fn fail(
     conn: &mut AsyncPgConnection,
     id: JobId,
@@ -291,7 +296,14 @@ pub async fn retry_at(
 /// Result of a lease renewal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RenewLeaseOutcome {
-    Renewed { lease_expires_at: DateTime<Utc> },
+    /// The job's lease is extended.
+    Renewed {
+        /// The new end of the lease (database clock).
+        lease_expires_at: DateTime<Utc>,
+    },
+    /// The job is no longer active under this attempt (expired by maintenance,
+    /// fetched again, or already ended): nothing changed, and this worker no longer
+    /// holds the job.
     Fenced,
 }
 

@@ -8,6 +8,11 @@ use idemstage_domain::RepoError;
 use super::NOTIFY_CHANNEL;
 use crate::error::map_diesel_error;
 
+/// A LISTEN on [`NOTIFY_CHANNEL`], on a connection of its own. A notification is
+/// a hint, not a delivery: it carries a queue name (of any queue), may come for a
+/// job another worker fetched first or that is not due yet, and none comes when a
+/// delayed job becomes due or while the listener is disconnected. Fetch on a timer
+/// as well.
 pub struct JobListener {
     conn: AsyncPgConnection,
 }

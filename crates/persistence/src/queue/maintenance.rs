@@ -15,11 +15,14 @@ use crate::error::map_diesel_error;
 /// a time per database, whichever worker gets there first.
 pub const MAINTENANCE_LOCK_KEY: i64 = 0x6964_656d_6a6f_6273;
 
+/// Limits of one [`maintain`] run. The default keeps finished jobs for 7 days and
+/// handles at most 10 000 rows per step.
 #[derive(Clone, Debug)]
 pub struct MaintenanceConfig {
     /// Completed, cancelled and failed jobs older than this are deleted.
     pub retention: Duration,
-    /// Upper bound of rows expired and of rows deleted per run (keeps runs short).
+    /// Upper bound of rows expired and of rows deleted per run (keeps runs short);
+    /// 0 counts as 1.
     pub batch_limit: u32,
 }
 
@@ -32,20 +35,23 @@ impl Default for MaintenanceConfig {
     }
 }
 
+/// What one maintenance run changed, in rows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MaintenanceReport {
     /// Active jobs whose lease ran out, put back for a retry.
     pub expired_retried: u64,
     /// Active jobs whose lease ran out with no retries left: now failed.
     pub expired_failed: u64,
-    /// Copies sent to dead-letter queues by this run.
+    /// Copies sent to dead-letter queues by this run (of `expired_failed` jobs).
     pub dead_lettered: u64,
     /// Finished jobs deleted after their retention.
     pub deleted: u64,
 }
 
+/// Whether a [`maintain`] call ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MaintenanceOutcome {
+    /// This call held the lock and made these changes.
     Ran(MaintenanceReport),
     /// Another session holds the maintenance lock right now.
     Skipped,
@@ -106,7 +112,9 @@ pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
 /// One maintenance run in one transaction, under `pg_try_advisory_xact_lock` (a
 /// concurrent run is `Skipped`, not waited for): expired leases are failed with the
 /// rules of `fail` (retry with the job's delay, or failed and dead-lettered), then
-/// finished jobs past the retention are deleted.
+/// finished jobs past the retention are deleted. Runs as the connecting user,
+/// across tenants. Call it outside a transaction: inside one, the lock and the
+/// changes last until the caller's transaction ends.
 pub async fn maintain(
     conn: &mut AsyncPgConnection,
     config: &MaintenanceConfig,
@@ -209,7 +217,7 @@ struct StatRow {
     n: i64,
 }
 
-/// Job counts per queue and state.
+/// Job counts per queue and state, of every queue (`jobs` has no tenant).
 pub async fn queue_stats(conn: &mut AsyncPgConnection) -> Result<QueueStats, RepoError> {
     let rows: Vec<StatRow> = diesel::sql_query(
         "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue, state",

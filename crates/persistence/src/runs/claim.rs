@@ -81,7 +81,15 @@ async fn claim_once(
 
 impl PgRunRepository {
     /// The one atomic claim statement (plus a read when it returns no row, to say
-    /// why).
+    /// why), each in a transaction scoped to `req.tenant`.
+    ///
+    /// Only `Claimed` hands out a fencing token (`attempt`); `Skipped`, `Rejected`
+    /// and `Exhausted` run nothing (see [`ClaimOutcome`]); finding the budget used
+    /// up can mark the run `dead` on the way. An invalid policy is `Invalid` before
+    /// anything runs, a missing anfrage `AnfrageNotFound`. Serialization failures,
+    /// deadlocks and a state that changes between the claim and the read are
+    /// retried within three rounds in all; after that the result is `Conflict`
+    /// (retryable).
     pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
         req.policy.validate()?;
         let mut conn = self.conn().await?;

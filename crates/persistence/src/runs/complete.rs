@@ -19,6 +19,20 @@ impl PgRunRepository {
     /// Checks lineage and the token, marks the run `success`, runs `write`, commits:
     /// all one transaction. Retries 40001/40P01; re-reads the run after an
     /// ambiguous commit.
+    ///
+    /// The transaction is scoped to the token's tenant. `Committed`: the run's
+    /// success and everything `write` did are committed. `Fenced`: the token no
+    /// longer holds and nothing was written. `UpstreamChanged`: the input this
+    /// attempt read is no longer current; nothing of the stage was written and the
+    /// run is `stale`. An expired lease alone does not fence; another claim or the
+    /// run going `stale` does.
+    ///
+    /// An error of `write` rolls everything back and is returned as it is, except
+    /// `StageError::Repo(Conflict)` (the transaction is run again) and
+    /// `StageError::Repo(Unavailable)` (the run is re-read, as after a lost
+    /// COMMIT). So `write` may run several times; only the last run's writes
+    /// commit. A lost connection that the re-read cannot settle ends in
+    /// `Unavailable` or `AmbiguousCommit`, both retryable.
     pub async fn complete(
         &self,
         token: &ClaimToken,

@@ -17,7 +17,9 @@ use crate::schema::pipeline_run_attempts;
 use super::{micros, sql, PgRunRepository};
 
 impl PgRunRepository {
-    /// Extends the lease from the database clock, if the token still holds.
+    /// Extends the lease to `lease` from now (database clock), if the token still
+    /// holds; a lease that ran out can be renewed while no other claim took the
+    /// run. `Fenced`: nothing changed, and the attempt can no longer commit.
     pub async fn renew_lease(
         &self,
         token: &ClaimToken,
@@ -43,6 +45,10 @@ impl PgRunRepository {
 
     /// Records a failed attempt (fenced on the token). A permanent failure, or the
     /// last attempt of the budget, makes the run `dead`.
+    ///
+    /// `retryable: false` is the permanent failure (`Exhausted` at once); otherwise
+    /// `WillRetry` (the run is `failed`, claimable again) or `Exhausted`.
+    /// `Fenced`: nothing was recorded. `error` is sanitised before it is stored.
     pub async fn fail(
         &self,
         token: &ClaimToken,
@@ -87,6 +93,12 @@ impl PgRunRepository {
 
     /// Gives the lease back without counting the attempt (a shutdown, a database
     /// error that interrupted the attempt); `reason` is recorded as `last_error`.
+    ///
+    /// The run stays `running` with its lease ended now, claimable at once, and its
+    /// budget grows by one; the attempt is `abandoned` in the history. Success is
+    /// reported as `RenewOutcome::Renewed` with the lease's new end (now): the
+    /// release, not a renewal. `Fenced`: the token no longer holds and the run was
+    /// left as it is.
     pub async fn release(
         &self,
         token: &ClaimToken,
@@ -114,7 +126,11 @@ impl PgRunRepository {
         Ok(lease_outcome(released))
     }
 
-    /// Marks the token's attempt `fenced` in the history (it lost its lease).
+    /// Marks the token's attempt `fenced` in the history (it lost its lease), if
+    /// the attempt is still `running` or `abandoned` there. [`complete`] does this
+    /// itself when its transaction finds the token gone.
+    ///
+    /// [`complete`]: PgRunRepository::complete
     pub async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
         let mut conn = self.conn().await?;
         conn.transaction::<_, TxError, _>(async |conn| {

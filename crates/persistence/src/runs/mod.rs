@@ -18,16 +18,23 @@ use crate::PgPool;
 /// How often a transaction is re-run after 40001/40P01 before the error is returned.
 const CONFLICT_RETRIES: u32 = 8;
 
+/// The claim repository: claim, fenced completion, lease renewal, failure,
+/// release and reads of `pipeline_runs`. Every method takes a connection of its
+/// own from the pool and runs in transactions of its own, so none joins a caller's
+/// transaction; all but [`attempt_history`](Self::attempt_history) are scoped to
+/// the request's or token's tenant. Cloning shares the pool.
 #[derive(Clone)]
 pub struct PgRunRepository {
     pool: PgPool,
 }
 
 impl PgRunRepository {
+    /// A repository on `pool` (build it with [`connect_pool`](crate::connect_pool)).
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
     }
 
+    /// The pool the repository takes its connections from.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -13,7 +13,8 @@ use crate::schema::{pipeline_run_attempts, pipeline_runs};
 use super::{PgRunRepository, RunRow};
 
 impl PgRunRepository {
-    /// The run of (tenant, anfrage, stage), if any.
+    /// The run of (tenant, anfrage, stage), if any, read in a transaction scoped to
+    /// `tenant`.
     pub async fn read_run(
         &self,
         tenant: &TenantId,
@@ -31,7 +32,8 @@ impl PgRunRepository {
         .transpose()
     }
 
-    /// Every attempt of a run, in order.
+    /// Every attempt of a run, in order; empty for an unknown id. Not scoped to a
+    /// tenant: it runs as the connecting user and finds the run by its id alone.
     pub async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
         use pipeline_run_attempts::dsl as pa;
         type Row = (
