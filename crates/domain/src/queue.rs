@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::{DomainError, JobId};
+use crate::{DomainError, JobId, TenantId};
 
 /// Options of one send. Defaults: priority 0, start now, 2 retries, no delay,
 /// 15 minutes job lease, no dead-letter queue, no throttle.
@@ -96,6 +96,10 @@ impl SendOptions {
 pub struct JobToSend {
     /// The queue: `[A-Za-z0-9_.:-]{1,100}`; a stage's queue is its name.
     pub queue: String,
+    /// The tenant it works for: fetches share a queue fairly between tenants
+    /// (`None`: no tenant; such jobs share as one). A stage's job carries its
+    /// anfrage's tenant.
+    pub tenant: Option<TenantId>,
     /// The job's JSON payload, handed to the handler.
     pub payload: serde_json::Value,
     /// Retries, lease, singleton key.
@@ -184,6 +188,8 @@ pub struct FetchedJob {
     pub id: JobId,
     /// The queue it was fetched from.
     pub queue: String,
+    /// The tenant it works for, if it was sent with one.
+    pub tenant: Option<TenantId>,
     /// The payload as sent.
     pub payload: serde_json::Value,
     /// Its priority (higher is fetched first).

@@ -26,6 +26,7 @@
 //! let pool = connect_pool(url, PoolConfig::default()).await?;
 //! let mut conn = get(&pool).await?;
 //! let job = JobToSend {
+//!     tenant: None,
 //!     queue: "ocr".into(),
 //!     payload: serde_json::json!({ "page": 1 }),
 //!     options: SendOptions::default(),

@@ -48,6 +48,7 @@ diesel::table! {
         dead_letter -> Nullable<Text>,
         output -> Nullable<Jsonb>,
         last_error -> Nullable<Text>,
+        tenant_id -> Text,
     }
 }
 

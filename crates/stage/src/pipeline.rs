@@ -246,6 +246,7 @@ impl Pipeline {
         options.singleton_key = Some(stage_singleton_key(stage, &job.tenant_id, &job.anfrage_id));
         JobToSend {
             queue: stage.as_str().to_owned(),
+            tenant: Some(job.tenant_id.clone()),
             payload: serde_json::to_value(job).expect("StageJob serializes"),
             options,
         }

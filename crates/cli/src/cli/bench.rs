@@ -320,6 +320,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
                     return anyhow::Ok(());
                 }
                 let job = JobToSend {
+                    tenant: None,
                     queue: ENQUEUE_QUEUE.into(),
                     payload: json!({ "i": i }),
                     options: SendOptions {
@@ -415,6 +416,7 @@ async fn insert_drain_jobs(
         let n = left.min(1000);
         let batch: Vec<JobToSend> = (0..n)
             .map(|k| JobToSend {
+                tenant: None,
                 queue: DRAIN_QUEUE.into(),
                 payload: json!({ "i": i + k }),
                 options: SendOptions::default(),
@@ -570,6 +572,7 @@ async fn pickup_latency(
     let mut sent = Vec::with_capacity(args.latency_sends);
     for i in 0..args.latency_sends {
         let job = JobToSend {
+            tenant: None,
             queue: LATENCY_QUEUE.into(),
             payload: json!({ "i": i }),
             options: SendOptions::default(),

@@ -1,80 +1,19 @@
 //! Fetching: lease up to N jobs in one statement.
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{FailKind, FetchedJob, JobId, RepoError};
+use idemstage_domain::{FailKind, FetchedJob, JobId, RepoError, TenantId};
 
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// `FOR UPDATE SKIP LOCKED` lets concurrent fetchers pass each other's rows instead
-/// of queueing behind them; the outer UPDATE then leases exactly the rows this
-/// statement locked, found by their `ctid` (see `LEASE_SQL`). Order: priority DESC,
-/// then id (a ULID, so oldest first), which is the order of `jobs_fetch_idx`: an
-/// ordered index scan that stops after N rows.
-const FETCH_ONE_QUEUE_SQL: &str = "\
-WITH next AS (
-    SELECT ctid FROM jobs
-     WHERE queue = $1
-       AND state IN ('created', 'retry')
-       AND start_after <= now()
-     ORDER BY priority DESC, id
-     LIMIT $2
-     FOR UPDATE SKIP LOCKED
-)
-{lease}";
-
-/// With several queues, `queue = ANY($1)` cannot use the index order (the planner
-/// sorts the whole backlog), so each queue gets its own ordered index scan of at most
-/// N rows and the best N of those are leased. Candidates locked but not chosen stay
-/// locked only until this statement's transaction ends.
-const FETCH_MANY_QUEUES_SQL: &str = "\
-WITH next AS (
-    SELECT c.ctid FROM unnest($1::text[]) AS q(name)
-    CROSS JOIN LATERAL (
-        SELECT ctid, id, priority FROM jobs
-         WHERE queue = q.name
-           AND state IN ('created', 'retry')
-           AND start_after <= now()
-         ORDER BY priority DESC, id
-         LIMIT $2
-         FOR UPDATE SKIP LOCKED
-    ) c
-    ORDER BY c.priority DESC, c.id
-    LIMIT $2
-)
-{lease}";
-
-/// The locked rows are updated through a TID scan of their `ctid`s: a row locked by
-/// this statement cannot move until it ends, so the ctid still names it, and there
-/// is no join for the planner to get wrong. (Joined on `id`, the planner costs the
-/// CTE at its LIMIT and, on a table of a few thousand rows, hashes a sequential
-/// scan of the whole table for every fetch.) `ARRAY(...)` hides the batch size from
-/// the planner, which would otherwise cost one random page read per TID. A row that
-/// another transaction changed after this statement's snapshot is locked (as its
-/// newest version) but not visible to the TID scan: it is left as it was and
-/// fetched next time.
-const LEASE_SQL: &str = "\
-UPDATE jobs j
-   SET state = 'active',
-       attempt = j.attempt + 1,
-       started_at = now(),
-       lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
-WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
-RETURNING j.id, j.queue, j.payload::text AS payload, j.priority, j.singleton_key, j.attempt, j.retry_count,
-          j.retry_limit, j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error";
-
-/// `fetch` of one queue: binds `$1` queue (text), `$2` limit (int8). Returns the
-/// leased rows (the columns of `FetchedRow`).
-pub(crate) static FETCH_ONE_QUEUE: LazyLock<String> =
-    LazyLock::new(|| FETCH_ONE_QUEUE_SQL.replace("{lease}", LEASE_SQL));
-/// `fetch` of several queues: binds `$1` queues (text[]), `$2` limit (int8).
-pub(crate) static FETCH_MANY_QUEUES: LazyLock<String> =
-    LazyLock::new(|| FETCH_MANY_QUEUES_SQL.replace("{lease}", LEASE_SQL));
+/// The fair fetch of migration `2026-12-01-000070_fair_fetch` (its comment says
+/// how shares are given): binds `$1` queues (text[]), `$2` limit (int4). One
+/// round trip; PL/pgSQL keeps the plan of its statement between calls.
+pub(crate) const FETCH_SQL: &str = "SELECT * FROM idemstage_fetch($1, $2)";
 
 #[derive(diesel::QueryableByName)]
 pub(crate) struct FetchedRow {
@@ -82,6 +21,8 @@ pub(crate) struct FetchedRow {
     id: String,
     #[diesel(sql_type = Text)]
     queue: String,
+    #[diesel(sql_type = Text)]
+    tenant_id: String,
     /// As text, decoded per row: a payload the JSON decoder refuses (e.g. nested
     /// deeper than its recursion limit) must fail its own job, not the whole batch
     /// (whose rows this statement has already leased).
@@ -112,6 +53,10 @@ impl FetchedRow {
         Ok(FetchedJob {
             id: JobId::parse(&self.id)?,
             queue: self.queue,
+            tenant: match self.tenant_id.as_str() {
+                "" => None,
+                slug => Some(TenantId::parse(slug)?),
+            },
             payload,
             priority: self.priority,
             singleton_key: self.singleton_key,
@@ -127,7 +72,10 @@ impl FetchedRow {
 }
 
 /// Leases up to `limit` fetchable jobs of `queues` (state created/retry,
-/// `start_after <= now()`), highest priority first, then oldest. Each is marked
+/// `start_after <= now()`), shared fairly between the tenants with ready jobs
+/// (and between the queues): within a tenant highest priority first, then
+/// oldest; across tenants round-robin, the tenant whose first job waited longest
+/// first. Each is marked
 /// active with `attempt + 1` (its fencing token) and `lease_expires_at = now() +
 /// expire_in`. Returned in fetch order.
 ///
@@ -143,23 +91,14 @@ pub async fn fetch(
     if queues.is_empty() || limit == 0 {
         return Ok(Vec::new());
     }
-    let limit = i64::from(limit);
-    let rows: Vec<FetchedRow> = if let [queue] = queues {
-        diesel::sql_query(FETCH_ONE_QUEUE.as_str())
-            .bind::<Text, _>(queue)
-            .bind::<BigInt, _>(limit)
-            .cached()
-            .load(conn)
-            .await
-    } else {
-        diesel::sql_query(FETCH_MANY_QUEUES.as_str())
-            .bind::<Array<Text>, _>(queues)
-            .bind::<BigInt, _>(limit)
-            .cached()
-            .load(conn)
-            .await
-    }
-    .map_err(map_diesel_error)?;
+    let limit = i32::try_from(limit).unwrap_or(i32::MAX);
+    let rows: Vec<FetchedRow> = diesel::sql_query(FETCH_SQL)
+        .bind::<Array<Text>, _>(queues)
+        .bind::<Integer, _>(limit)
+        .cached()
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
     let mut jobs = Vec::with_capacity(rows.len());
     for row in rows {
         match serde_json::from_str(&row.payload) {
@@ -173,7 +112,5 @@ pub async fn fetch(
             }
         }
     }
-    // RETURNING does not keep the order of the CTE.
-    jobs.sort_by(|a, b| b.priority.cmp(&a.priority).then(a.id.cmp(&b.id)));
     Ok(jobs)
 }

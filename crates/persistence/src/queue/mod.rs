@@ -29,7 +29,7 @@ pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
 
 // The statement texts, for `crate::statements`.
 pub(crate) use defer::RETRY_AFTER_SQL;
-pub(crate) use fetch::{FETCH_MANY_QUEUES, FETCH_ONE_QUEUE};
+pub(crate) use fetch::FETCH_SQL;
 pub(crate) use finish::{
     CANCEL_SQL, COMPLETE_MANY_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
 };

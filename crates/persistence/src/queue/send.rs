@@ -25,11 +25,11 @@ const SEND_SQL: &str = "\
 WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
-                      expire_in_ms, dead_letter, start_after)
+                      expire_in_ms, dead_letter, start_after, tenant_id)
     VALUES ($1, $2, $3, $4, $5,
             CASE WHEN $6::int IS NULL THEN NULL
                  ELSE to_timestamp(floor(extract(epoch FROM now()) / $6) * $6) END,
-            $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond')
+            $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond', $14)
     {conflict}
     RETURNING id, queue
 )
@@ -83,6 +83,7 @@ pub async fn send_in(
         .bind::<BigInt, _>(millis(o.expire_in))
         .bind::<Nullable<Text>, _>(o.dead_letter.as_deref())
         .bind::<BigInt, _>(millis(o.start_after.unwrap_or_default()))
+        .bind::<Text, _>(job.tenant.as_ref().map_or("", |t| t.as_str()))
         .cached()
         .get_result(conn)
         .await
@@ -110,21 +111,21 @@ pub(crate) const SEND_BATCH_SQL: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
                          $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],
-                         $11::bigint[], $12::text[], $13::bigint[])
+                         $11::bigint[], $12::text[], $13::bigint[], $14::text[])
            WITH ORDINALITY
            AS t(id, queue, priority, payload, singleton_key, singleton_seconds, retry_limit,
                 retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
-                dead_letter, start_after_ms, ord)
+                dead_letter, start_after_ms, tenant_id, ord)
 ), inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
-                      expire_in_ms, dead_letter, start_after)
+                      expire_in_ms, dead_letter, start_after, tenant_id)
     SELECT id, queue, priority, payload, singleton_key,
            CASE WHEN singleton_seconds IS NULL THEN NULL
                 ELSE to_timestamp(floor(extract(epoch FROM now()) / singleton_seconds)
                                   * singleton_seconds) END,
            retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
-           dead_letter, now() + start_after_ms * interval '1 millisecond'
+           dead_letter, now() + start_after_ms * interval '1 millisecond', tenant_id
       FROM input
      ORDER BY ord
     ON CONFLICT DO NOTHING
@@ -201,6 +202,11 @@ pub async fn send_batch(
         )
         .bind::<Array<BigInt>, _>(
             opts.map(|o| millis(o.start_after.unwrap_or_default()))
+                .collect::<Vec<_>>(),
+        )
+        .bind::<Array<Text>, _>(
+            jobs.iter()
+                .map(|j| j.tenant.as_ref().map_or("", |t| t.as_str()))
                 .collect::<Vec<_>>(),
         )
         .cached()

@@ -814,6 +814,7 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
                     )
                     .await?;
                     let job = idemstage_domain::JobToSend {
+                        tenant: None,
                         queue: "intake".into(),
                         payload: serde_json::json!({}),
                         options: idemstage_domain::SendOptions {

@@ -23,6 +23,7 @@ use tokio::sync::Barrier;
 
 fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSend {
     JobToSend {
+        tenant: None,
         queue: queue.to_owned(),
         payload,
         options,

@@ -13,6 +13,7 @@ use crate::support::*;
 
 fn job(anfrage: AnfrageId, hash: &str) -> JobToSend {
     JobToSend {
+        tenant: None,
         queue: "intake".into(),
         payload: serde_json::json!({ "tenant_id": "t1", "anfrage_id": anfrage, "input_hash": hash }),
         options: SendOptions {

@@ -106,6 +106,7 @@ pub enum WorkerError {
 ///     &pool,
 ///     &JobToSend {
 ///         queue: "emails".into(),
+///         tenant: None,
 ///         payload: json!({ "to": "a@example.com" }),
 ///         options: SendOptions::default(),
 ///     },

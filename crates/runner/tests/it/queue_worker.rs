@@ -67,6 +67,7 @@ fn start<H: JobHandler>(pool: PgPool, url: &str, cfg: QueueWorkerConfig, handler
 
 fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSend {
     JobToSend {
+        tenant: None,
         queue: queue.to_owned(),
         payload,
         options,
