@@ -51,7 +51,8 @@ pub mod queue;
 pub mod report;
 pub mod runs;
 /// The Diesel `table!` definitions of the core's tables (`anfragen`, `audit_log`,
-/// `jobs`, `pipeline_runs`, `pipeline_run_attempts`), for reads with Diesel's DSL.
+/// `jobs`, `pipeline_runs`, `pipeline_run_attempts`, `queue_controls`,
+/// `queue_buckets`), for reads with Diesel's DSL.
 /// The migrations say what each column means. Write `jobs`, `pipeline_runs` and
 /// `pipeline_run_attempts` only through this crate's functions: a direct write
 /// bypasses the fencing on `attempt`/`attempts`.

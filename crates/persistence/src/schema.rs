@@ -89,10 +89,37 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    queue_buckets (queue, tenant_id) {
+        queue -> Text,
+        tenant_id -> Text,
+        tokens -> Float8,
+        refilled_at -> Timestamptz,
+        held_until -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    queue_controls (queue, scope) {
+        queue -> Text,
+        scope -> Text,
+        paused -> Bool,
+        max_active -> Nullable<Int4>,
+        rate_count -> Nullable<Int4>,
+        rate_period_ms -> Nullable<Int8>,
+        rate_burst -> Nullable<Int4>,
+        weight -> Nullable<Int4>,
+        updated_at -> Timestamptz,
+        updated_by -> Text,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
     anfragen,
     audit_log,
     jobs,
     pipeline_run_attempts,
     pipeline_runs,
+    queue_buckets,
+    queue_controls,
 );

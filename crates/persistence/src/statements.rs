@@ -52,6 +52,7 @@ pub fn all() -> Vec<Statement> {
         s("job_renew_lease", queue::RENEW_LEASE_SQL),
         s("job_expire_leases", &queue::EXPIRE_SQL),
         s("job_retry_after", queue::RETRY_AFTER_SQL),
+        s("queue_hold", queue::HOLD_SQL),
         s("run_claim", runs::sql::CLAIM),
         s("run_explain_skip", runs::sql::EXPLAIN_SKIP),
         s("run_mark_exhausted", runs::sql::MARK_EXHAUSTED),

@@ -8,6 +8,7 @@
 //!
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
+mod controls;
 mod defer;
 mod fetch;
 mod finish;
@@ -15,6 +16,10 @@ mod listen;
 mod maintenance;
 mod send;
 
+pub use controls::{
+    controls, held_until, hold, pause, resume, set_limits, Limits, PauseOutcome, QueueControl,
+    Rate, ResumeOutcome, Scope,
+};
 pub use defer::retry_after;
 pub use fetch::fetch;
 pub use finish::{
@@ -28,6 +33,7 @@ pub use maintenance::{
 pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
 
 // The statement texts, for `crate::statements`.
+pub(crate) use controls::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
 pub(crate) use fetch::FETCH_SQL;
 pub(crate) use finish::{

@@ -44,7 +44,9 @@ async fn a_backlog_of_one_tenant_does_not_take_the_fetch_from_the_others() {
     jobs = vec![job("q", Some("b"), 0), job("q", Some("c"), 0)];
     send_all(&mut conn, &jobs).await;
 
-    let fetched = queue::fetch(&mut conn, &["q".to_owned()], 10).await.unwrap();
+    let fetched = queue::fetch(&mut conn, &["q".to_owned()], 10)
+        .await
+        .unwrap();
     let tenants = tenants_of(&fetched);
     // Oldest-first would be ten of A's. Fair: B and C are in, A gets the rest of
     // its share (ceil(10 / 3) = 4), its longest-waiting first.
@@ -61,7 +63,9 @@ async fn a_backlog_of_one_tenant_does_not_take_the_fetch_from_the_others() {
         .collect();
     assert_eq!(a_ids, [0, 1, 2, 3], "within a tenant: oldest first");
     // B and C have nothing left: the next fetch is A's alone, in full.
-    let next = queue::fetch(&mut conn, &["q".to_owned()], 10).await.unwrap();
+    let next = queue::fetch(&mut conn, &["q".to_owned()], 10)
+        .await
+        .unwrap();
     assert_eq!(tenants_of(&next), vec!["a"; 10]);
 }
 
@@ -154,10 +158,17 @@ async fn concurrent_fair_fetchers_deliver_each_job_of_many_tenants_exactly_once(
     }
     assert_eq!(delivered.len(), TENANTS * PER_TENANT);
     let distinct: HashSet<_> = delivered.iter().map(|(id, _)| *id).collect();
-    assert_eq!(distinct.len(), TENANTS * PER_TENANT, "a job delivered twice");
+    assert_eq!(
+        distinct.len(),
+        TENANTS * PER_TENANT,
+        "a job delivered twice"
+    );
     let mut per_tenant: HashMap<String, usize> = HashMap::new();
     for (_, t) in &delivered {
         *per_tenant.entry(t.as_str().to_owned()).or_default() += 1;
     }
-    assert!(per_tenant.values().all(|n| *n == PER_TENANT), "{per_tenant:?}");
+    assert!(
+        per_tenant.values().all(|n| *n == PER_TENANT),
+        "{per_tenant:?}"
+    );
 }

@@ -38,7 +38,9 @@ async fn migrations_round_trip_up_down_up() {
             "audit_log",
             "jobs",
             "pipeline_run_attempts",
-            "pipeline_runs"
+            "pipeline_runs",
+            "queue_buckets",
+            "queue_controls"
         ]
     );
 

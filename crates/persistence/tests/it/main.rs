@@ -3,6 +3,7 @@
 
 mod claim;
 mod claim_cost;
+mod controls;
 mod fair;
 mod foundation;
 mod isolation;

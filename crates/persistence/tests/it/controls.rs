@@ -1,0 +1,369 @@
+//! Queue controls enforced by the fetch: pause and resume, concurrency caps per
+//! queue and per tenant (also under concurrent fetchers), rate limits as token
+//! buckets, holds (a stage's 429), tenant weights, and typed refusals.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use idemstage_domain::queue::{FetchedJob, JobCompleteOutcome, JobToSend, SendOptions};
+use idemstage_domain::{DomainError, JobId, RepoError, SendResult, TenantId};
+use idemstage_persistence::queue::{self, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage_testkit::{count, TestDb};
+use serde_json::json;
+use tokio::sync::Barrier;
+
+fn t(slug: &str) -> TenantId {
+    TenantId::parse(slug).unwrap()
+}
+
+async fn send(conn: &mut AsyncPgConnection, tenant: &str, n: usize) {
+    let jobs: Vec<JobToSend> = (0..n)
+        .map(|i| JobToSend {
+            queue: "q".into(),
+            tenant: Some(t(tenant)),
+            payload: json!({ "i": i }),
+            options: SendOptions::default(),
+        })
+        .collect();
+    let sent = queue::send_batch(conn, &jobs).await.unwrap();
+    assert!(sent.iter().all(|r| matches!(r, SendResult::Sent(_))));
+}
+
+async fn fetch(conn: &mut AsyncPgConnection, n: u32) -> Vec<FetchedJob> {
+    queue::fetch(conn, &["q".to_owned()], n).await.unwrap()
+}
+
+fn per_tenant(jobs: &[FetchedJob]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for j in jobs {
+        *m.entry(j.tenant.as_ref().unwrap().as_str().to_owned())
+            .or_default() += 1;
+    }
+    m
+}
+
+async fn complete(conn: &mut AsyncPgConnection, jobs: &[FetchedJob]) {
+    let tokens: Vec<(JobId, i32)> = jobs.iter().map(|j| (j.id, j.attempt)).collect();
+    let done = queue::complete_many(conn, &tokens).await.unwrap();
+    assert!(done.iter().all(|o| *o == JobCompleteOutcome::Completed));
+}
+
+#[tokio::test]
+async fn a_paused_queue_or_tenant_is_not_fetched_until_resumed() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    send(&mut conn, "a", 3).await;
+    send(&mut conn, "b", 3).await;
+
+    assert_eq!(
+        queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        PauseOutcome::Paused
+    );
+    assert_eq!(
+        queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        PauseOutcome::AlreadyPaused
+    );
+    assert!(fetch(&mut conn, 10).await.is_empty(), "a paused queue");
+    assert_eq!(
+        queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        ResumeOutcome::Resumed
+    );
+    assert_eq!(
+        queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        ResumeOutcome::NotPaused
+    );
+
+    queue::pause(&mut conn, "q", &Scope::Tenant(t("a")))
+        .await
+        .unwrap();
+    let got = fetch(&mut conn, 10).await;
+    assert_eq!(per_tenant(&got), HashMap::from([("b".to_owned(), 3)]));
+    queue::resume(&mut conn, "q", &Scope::Tenant(t("a")))
+        .await
+        .unwrap();
+    let got = fetch(&mut conn, 10).await;
+    assert_eq!(per_tenant(&got), HashMap::from([("a".to_owned(), 3)]));
+
+    let controls = queue::controls(&mut conn, Some("q")).await.unwrap();
+    assert_eq!(controls.len(), 2);
+    assert!(controls.iter().all(|c| !c.paused));
+}
+
+#[tokio::test]
+async fn caps_per_queue_and_per_tenant_bound_the_active_jobs() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for tenant in ["a", "b", "c"] {
+        send(&mut conn, tenant, 10).await;
+    }
+    // At most 2 active per tenant, tenant c at most 1, at most 4 in the queue.
+    let cap = |n| Limits {
+        max_active: Some(n),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &cap(2))
+        .await
+        .unwrap();
+    queue::set_limits(&mut conn, "q", &Scope::Tenant(t("c")), &cap(1))
+        .await
+        .unwrap();
+    let first = fetch(&mut conn, 100).await;
+    assert_eq!(
+        per_tenant(&first),
+        HashMap::from([("a".into(), 2), ("b".into(), 2), ("c".into(), 1)])
+    );
+    assert!(
+        fetch(&mut conn, 100).await.is_empty(),
+        "every tenant is at its cap"
+    );
+
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &cap(4))
+        .await
+        .unwrap();
+    complete(&mut conn, &first).await;
+    let second = fetch(&mut conn, 100).await;
+    assert_eq!(second.len(), 4, "the queue's cap");
+    assert!(per_tenant(&second).values().all(|n| *n <= 2));
+    // A slot comes back when a job is done.
+    complete(&mut conn, &second[..1]).await;
+    assert_eq!(fetch(&mut conn, 100).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_fetchers_never_exceed_a_cap() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for tenant in ["a", "b", "c", "d"] {
+        send(&mut conn, tenant, 150).await;
+    }
+    const CAP: i64 = 5;
+    const PER_TENANT: i64 = 2;
+    let limits = |n| Limits {
+        max_active: Some(n),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &limits(CAP as u32))
+        .await
+        .unwrap();
+    queue::set_limits(
+        &mut conn,
+        "q",
+        &Scope::EveryTenant,
+        &limits(PER_TENANT as u32),
+    )
+    .await
+    .unwrap();
+    const FETCHERS: usize = 8;
+    let barrier = Arc::new(Barrier::new(FETCHERS));
+    let mut tasks = Vec::new();
+    for _ in 0..FETCHERS {
+        let mut conn = db.conn().await;
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let (mut done, mut max_seen, mut max_tenant) = (0usize, 0i64, 0i64);
+            let mut idle = 0;
+            while idle < 200 {
+                let jobs = fetch(&mut conn, 3).await;
+                if jobs.is_empty() {
+                    idle += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                idle = 0;
+                // Sampled from the database while this fetcher holds its jobs.
+                max_seen = max_seen
+                    .max(count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'active'").await);
+                max_tenant = max_tenant.max(
+                    count(
+                        &mut conn,
+                        "SELECT 1 FROM jobs WHERE state = 'active' AND tenant_id = ( \
+                           SELECT tenant_id FROM jobs WHERE state = 'active' \
+                            GROUP BY tenant_id ORDER BY count(*) DESC LIMIT 1)",
+                    )
+                    .await,
+                );
+                complete(&mut conn, &jobs).await;
+                done += jobs.len();
+            }
+            (done, max_seen, max_tenant)
+        }));
+    }
+    let (mut done, mut max_seen, mut max_tenant) = (0, 0, 0);
+    for task in tasks {
+        let (d, m, mt) = task.await.unwrap();
+        done += d;
+        max_seen = max_seen.max(m);
+        max_tenant = max_tenant.max(mt);
+    }
+    assert_eq!(done, 600, "every job done once");
+    assert!(max_seen <= CAP, "{max_seen} active with a cap of {CAP}");
+    assert!(
+        max_tenant <= PER_TENANT,
+        "{max_tenant} of one tenant, cap {PER_TENANT}"
+    );
+    assert!(max_seen >= 2, "the fetchers overlapped");
+}
+
+#[tokio::test]
+async fn a_rate_limit_spends_tokens_that_refill_on_the_database_clock() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    send(&mut conn, "a", 50).await;
+    let rate = Limits {
+        rate: Some(Rate {
+            count: 5,
+            per: Duration::from_secs(60),
+            burst: None,
+        }),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &rate)
+        .await
+        .unwrap();
+    assert_eq!(fetch(&mut conn, 100).await.len(), 5, "a full bucket");
+    assert!(fetch(&mut conn, 100).await.is_empty(), "an empty bucket");
+    // 24 s later (the bucket's clock moved back instead): 2 tokens.
+    conn.batch_execute("UPDATE queue_buckets SET refilled_at = refilled_at - interval '24 s'")
+        .await
+        .unwrap();
+    assert_eq!(fetch(&mut conn, 100).await.len(), 2);
+    // Never more than the burst, however long it was quiet.
+    conn.batch_execute("UPDATE queue_buckets SET refilled_at = refilled_at - interval '1 day'")
+        .await
+        .unwrap();
+    assert_eq!(fetch(&mut conn, 100).await.len(), 5);
+}
+
+#[tokio::test]
+async fn a_hold_stops_the_tenants_bucket_or_else_the_queues() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    send(&mut conn, "a", 3).await;
+    send(&mut conn, "b", 3).await;
+    // No per-tenant rate: a 429 holds the queue.
+    queue::hold(&mut conn, "q", Some(&t("a")), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(queue::held_until(&mut conn, "q", None)
+        .await
+        .unwrap()
+        .is_some());
+    assert!(fetch(&mut conn, 10).await.is_empty());
+    conn.batch_execute("DELETE FROM queue_buckets")
+        .await
+        .unwrap();
+
+    // A per-tenant rate: the 429 holds that tenant's bucket only.
+    let rate = Limits {
+        rate: Some(Rate {
+            count: 100,
+            per: Duration::from_secs(1),
+            burst: None,
+        }),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &rate)
+        .await
+        .unwrap();
+    queue::hold(&mut conn, "q", Some(&t("a")), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(queue::held_until(&mut conn, "q", Some(&t("a")))
+        .await
+        .unwrap()
+        .is_some());
+    let got = fetch(&mut conn, 10).await;
+    assert_eq!(per_tenant(&got), HashMap::from([("b".to_owned(), 3)]));
+    // Once the hold is over, a's jobs come.
+    conn.batch_execute(
+        "UPDATE queue_buckets SET held_until = clock_timestamp() - interval '1 ms', \
+                refilled_at = refilled_at - interval '61 s'",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        per_tenant(&fetch(&mut conn, 10).await),
+        HashMap::from([("a".to_owned(), 3)])
+    );
+}
+
+#[tokio::test]
+async fn weights_give_tenants_proportional_shares() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    send(&mut conn, "a", 20).await;
+    send(&mut conn, "b", 20).await;
+    let weight = |w| Limits {
+        weight: Some(w),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::Tenant(t("a")), &weight(3))
+        .await
+        .unwrap();
+    let got = fetch(&mut conn, 8).await;
+    assert_eq!(
+        per_tenant(&got),
+        HashMap::from([("a".into(), 6), ("b".into(), 2)])
+    );
+}
+
+#[tokio::test]
+async fn bad_limits_are_refused_with_a_typed_error_and_write_nothing() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let refused = [
+        (
+            Scope::Queue,
+            Limits {
+                weight: Some(2),
+                ..Limits::default()
+            },
+        ),
+        (
+            Scope::EveryTenant,
+            Limits {
+                weight: Some(0),
+                ..Limits::default()
+            },
+        ),
+        (
+            Scope::Queue,
+            Limits {
+                rate: Some(Rate {
+                    count: 0,
+                    per: Duration::from_secs(1),
+                    burst: None,
+                }),
+                ..Limits::default()
+            },
+        ),
+        (
+            Scope::Queue,
+            Limits {
+                rate: Some(Rate {
+                    count: 1,
+                    per: Duration::ZERO,
+                    burst: None,
+                }),
+                ..Limits::default()
+            },
+        ),
+    ];
+    for (scope, limits) in refused {
+        let err = queue::set_limits(&mut conn, "q", &scope, &limits)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RepoError::Invalid(DomainError::InvalidOption(_))),
+            "{scope} {limits:?}: {err:?}"
+        );
+    }
+    let err = queue::pause(&mut conn, "bad queue!", &Scope::Queue)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RepoError::Invalid(_)), "{err:?}");
+    assert_eq!(count(&mut conn, "SELECT 1 FROM queue_controls").await, 0);
+}

@@ -1,0 +1,401 @@
+-- Fair fetch across tenants: a job carries its tenant, and a fetch gives every
+-- tenant with ready jobs of a queue a share, instead of oldest-first across all.
+--
+-- tenant_id  the tenant the job works for ('' for a job of no tenant: a plain
+--            queue job). Set by `send` from `JobToSend::tenant`; a stage's job
+--            carries its anfrage's tenant.
+ALTER TABLE jobs
+    ADD COLUMN tenant_id text NOT NULL DEFAULT ''
+        CONSTRAINT jobs_tenant_id_check
+        CHECK (tenant_id = '' OR (tenant_id ~ '^[a-z0-9][a-z0-9_-]*$' AND length(tenant_id) <= 63));
+
+-- The fetch walks the tenants of a queue with ready jobs (a skip scan over
+-- (queue, tenant_id)) and, per tenant, its jobs in priority order: one index for
+-- both, in place of (queue, priority DESC, id).
+DROP INDEX jobs_fetch_idx;
+CREATE INDEX jobs_fetch_idx ON jobs (queue, tenant_id, priority DESC, id)
+    WHERE state IN ('created', 'retry');
+
+-- Leases per (queue, tenant): what concurrency caps count. Still keyed so that
+-- only conditions on the lease can choose it (see 000020).
+DROP INDEX jobs_lease_idx;
+CREATE INDEX jobs_lease_idx ON jobs (queue, tenant_id, lease_expires_at)
+    WHERE lease_expires_at IS NOT NULL;
+
+-- Pause, concurrency caps, rate limits and tenant weights, per queue (a stage's
+-- queue is its name), enforced by the fetch in the database, so they hold across
+-- every worker process.
+--
+-- scope  ''      the queue as a whole
+--        '*'     every tenant of the queue (the default of each)
+--        a slug  that tenant (a NULL column inherits the '*' row's value)
+--
+-- paused          no job of the scope is fetched (running ones finish)
+-- max_active      at most this many active jobs of the scope at once ('' : of
+--                 the queue; '*' or a slug: of each tenant); an active job holds
+--                 its slot until it is completed, failed, released, or its
+--                 lease expires and maintenance takes it back
+-- rate_count,     at most rate_count fetches per rate_period_ms, as a token
+-- rate_period_ms  bucket on the database clock holding at most rate_burst
+-- rate_burst      tokens (default rate_count); per tenant for '*' and slugs
+-- weight          a tenant's share of a fetch relative to the others (tenant
+--                 scopes only; default 1)
+CREATE TABLE queue_controls (
+    queue          text    NOT NULL
+        CHECK (queue ~ '^[A-Za-z0-9_.:-]+$' AND length(queue) <= 100),
+    scope          text    NOT NULL
+        CHECK (scope IN ('', '*')
+               OR (scope ~ '^[a-z0-9][a-z0-9_-]*$' AND length(scope) <= 63)),
+    paused         boolean NOT NULL DEFAULT false,
+    max_active     integer CHECK (max_active >= 0),
+    rate_count     integer CHECK (rate_count >= 1),
+    rate_period_ms bigint  CHECK (rate_period_ms >= 1),
+    rate_burst     integer CHECK (rate_burst >= 1),
+    weight         integer CHECK (weight >= 1 AND weight <= 1000),
+    updated_at     timestamptz NOT NULL DEFAULT now(),
+    updated_by     text    NOT NULL DEFAULT current_user,
+    PRIMARY KEY (queue, scope),
+    CONSTRAINT queue_controls_rate_ck CHECK ((rate_count IS NULL) = (rate_period_ms IS NULL)),
+    CONSTRAINT queue_controls_burst_ck CHECK (rate_burst IS NULL OR rate_count IS NOT NULL),
+    CONSTRAINT queue_controls_weight_ck CHECK (weight IS NULL OR scope <> '')
+);
+
+-- The token buckets: one per queue ('') and per (queue, tenant) with a rate. A
+-- missing row is a full bucket. held_until: a stage was told to wait (HTTP 429
+-- with Retry-After), so no job of the bucket is fetched before then.
+CREATE TABLE queue_buckets (
+    queue       text NOT NULL,
+    tenant_id   text NOT NULL,
+    tokens      double precision NOT NULL,
+    refilled_at timestamptz NOT NULL,
+    held_until  timestamptz,
+    PRIMARY KEY (queue, tenant_id)
+);
+
+-- The tokens of a bucket now: refilled at rate_count per rate_period_ms since
+-- refilled_at, at most the burst; none while held.
+CREATE FUNCTION idemstage_bucket_tokens(b queue_buckets, rate_count integer,
+                                        rate_period_ms bigint, rate_burst integer)
+RETURNS double precision
+LANGUAGE sql STABLE
+AS $$
+SELECT CASE
+    WHEN (b).held_until > clock_timestamp() THEN 0
+    WHEN rate_count IS NULL THEN 'Infinity'::float8
+    WHEN (b).queue IS NULL THEN coalesce(rate_burst, rate_count)::float8
+    ELSE least(coalesce(rate_burst, rate_count)::float8,
+               (b).tokens + rate_count::float8
+                 * (extract(epoch FROM clock_timestamp() - (b).refilled_at) * 1000)
+                 / rate_period_ms)
+END
+$$;
+
+-- One queue without controls: the fair shares alone.
+CREATE FUNCTION idemstage_fetch_plain(v_queue text, v_n integer)
+RETURNS TABLE (id text, queue text, tenant_id text, payload text, priority integer,
+               singleton_key text, attempt integer, retry_count integer,
+               retry_limit integer, expire_in_ms bigint, lease_expires_at timestamptz,
+               created_at timestamptz, last_error text)
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = public, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH RECURSIVE tenants AS (
+        (SELECT j.tenant_id FROM jobs j
+          WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+          ORDER BY j.tenant_id LIMIT 1)
+        UNION ALL
+        SELECT (SELECT j.tenant_id FROM jobs j
+                 WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+                   AND j.tenant_id > t.tenant_id
+                 ORDER BY j.tenant_id LIMIT 1)
+          FROM tenants t
+         WHERE t.tenant_id IS NOT NULL
+    ), heads AS (
+        SELECT t.tenant_id, h.priority, h.id
+          FROM tenants t
+          CROSS JOIN LATERAL (
+              SELECT j.priority, j.id FROM jobs j
+               WHERE j.queue = v_queue AND j.tenant_id = t.tenant_id
+                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+               ORDER BY j.priority DESC, j.id
+               LIMIT 1) h
+         WHERE t.tenant_id IS NOT NULL
+         ORDER BY h.priority DESC, h.id
+         LIMIT v_n
+    ), shares AS (
+        SELECT heads.tenant_id,
+               row_number() OVER (ORDER BY heads.priority DESC, heads.id) AS turn,
+               ceil(v_n::numeric / count(*) OVER ())::integer AS share
+          FROM heads
+    ), candidates AS (
+        SELECT c.ctid, c.id, s.turn,
+               row_number() OVER (PARTITION BY s.tenant_id ORDER BY c.priority DESC, c.id) AS rank
+          FROM shares s
+          CROSS JOIN LATERAL (
+              SELECT j.ctid, j.priority, j.id FROM jobs j
+               WHERE j.queue = v_queue AND j.tenant_id = s.tenant_id
+                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+               ORDER BY j.priority DESC, j.id
+               LIMIT s.share
+               FOR UPDATE SKIP LOCKED) c
+    ), next AS (
+        SELECT ctid, id, rank, turn FROM candidates ORDER BY rank, turn LIMIT v_n
+    ), leased AS (
+        UPDATE jobs j
+           SET state = 'active',
+               attempt = j.attempt + 1,
+               started_at = now(),
+               lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
+         WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
+        RETURNING j.id, j.queue, j.tenant_id, j.payload::text AS payload, j.priority,
+                  j.singleton_key, j.attempt, j.retry_count, j.retry_limit,
+                  j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error
+    )
+    -- In fetch order (RETURNING has none): round-robin over the tenants.
+    SELECT l.id::text, l.queue, l.tenant_id, l.payload, l.priority, l.singleton_key,
+           l.attempt, l.retry_count, l.retry_limit, l.expire_in_ms, l.lease_expires_at,
+           l.created_at, l.last_error
+      FROM leased l JOIN next n ON n.id = l.id
+     ORDER BY n.rank, n.turn;
+END
+$$;
+
+-- One queue with controls: per tenant its pause, cap, bucket and weight (a
+-- tenant's own row, else the queue's '*' row); the fair shares among the tenants
+-- with room, weighted; the tenants' buckets pay for what was leased.
+CREATE FUNCTION idemstage_fetch_controlled(v_queue text, v_n integer)
+RETURNS TABLE (id text, queue text, tenant_id text, payload text, priority integer,
+               singleton_key text, attempt integer, retry_count integer,
+               retry_limit integer, expire_in_ms bigint, lease_expires_at timestamptz,
+               created_at timestamptz, last_error text)
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = public, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH RECURSIVE tenants AS (
+        (SELECT j.tenant_id FROM jobs j
+          WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+          ORDER BY j.tenant_id LIMIT 1)
+        UNION ALL
+        SELECT (SELECT j.tenant_id FROM jobs j
+                 WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+                   AND j.tenant_id > t.tenant_id
+                 ORDER BY j.tenant_id LIMIT 1)
+          FROM tenants t
+         WHERE t.tenant_id IS NOT NULL
+    ), ctl AS (
+        SELECT t.tenant_id,
+               coalesce(s.paused, false) OR coalesce(d.paused, false) AS paused,
+               coalesce(s.max_active, d.max_active) AS max_active,
+               -- A rate is per tenant; jobs of no tenant have none of their own.
+               CASE WHEN t.tenant_id = '' THEN NULL
+                    WHEN s.rate_count IS NOT NULL THEN s.rate_count
+                    ELSE d.rate_count END AS rate_count,
+               CASE WHEN s.rate_count IS NOT NULL THEN s.rate_period_ms
+                    ELSE d.rate_period_ms END AS rate_period_ms,
+               CASE WHEN s.rate_count IS NOT NULL THEN s.rate_burst
+                    ELSE d.rate_burst END AS rate_burst,
+               coalesce(s.weight, d.weight, 1) AS weight
+          FROM tenants t
+          LEFT JOIN queue_controls d ON d.queue = v_queue AND d.scope = '*'
+          LEFT JOIN queue_controls s
+                 ON s.queue = v_queue AND s.scope = t.tenant_id AND t.tenant_id <> ''
+         WHERE t.tenant_id IS NOT NULL
+    ), room AS (
+        SELECT c.tenant_id, c.weight, c.rate_count, k.tokens,
+               CASE WHEN c.paused THEN 0
+                    ELSE least(
+                        CASE WHEN c.max_active IS NULL THEN v_n
+                             ELSE greatest(c.max_active - (
+                                 SELECT count(*) FROM jobs a
+                                  WHERE a.queue = v_queue AND a.tenant_id = c.tenant_id
+                                    AND a.lease_expires_at IS NOT NULL), 0)
+                        END,
+                        CASE WHEN k.tokens >= v_n THEN v_n ELSE floor(k.tokens)::integer END)
+               END AS room
+          FROM ctl c
+          LEFT JOIN queue_buckets b ON b.queue = v_queue AND b.tenant_id = c.tenant_id
+          CROSS JOIN LATERAL (
+              SELECT idemstage_bucket_tokens(b, c.rate_count, c.rate_period_ms,
+                                             c.rate_burst) AS tokens) k
+    ), heads AS (
+        SELECT r.tenant_id, r.room, r.weight, r.rate_count, r.tokens, h.priority, h.id
+          FROM room r
+          CROSS JOIN LATERAL (
+              SELECT j.priority, j.id FROM jobs j
+               WHERE j.queue = v_queue AND j.tenant_id = r.tenant_id
+                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+               ORDER BY j.priority DESC, j.id
+               LIMIT 1) h
+         WHERE r.room > 0
+         ORDER BY h.priority DESC, h.id
+         LIMIT v_n
+    ), shares AS (
+        SELECT heads.tenant_id, heads.weight, heads.rate_count, heads.tokens,
+               row_number() OVER (ORDER BY heads.priority DESC, heads.id) AS turn,
+               least(heads.room,
+                     ceil(v_n::numeric * heads.weight / sum(heads.weight) OVER ()))::integer
+                   AS share
+          FROM heads
+    ), candidates AS (
+        SELECT c.ctid, c.id, s.turn, s.weight,
+               row_number() OVER (PARTITION BY s.tenant_id ORDER BY c.priority DESC, c.id) AS rank
+          FROM shares s
+          CROSS JOIN LATERAL (
+              SELECT j.ctid, j.priority, j.id FROM jobs j
+               WHERE j.queue = v_queue AND j.tenant_id = s.tenant_id
+                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+               ORDER BY j.priority DESC, j.id
+               LIMIT s.share
+               FOR UPDATE SKIP LOCKED) c
+    ), next AS (
+        -- Weighted round-robin: a tenant of weight w takes w turns per round.
+        SELECT ctid, id, rank::float8 / weight AS round, turn FROM candidates
+         ORDER BY 3, turn LIMIT v_n
+    ), leased AS (
+        UPDATE jobs j
+           SET state = 'active',
+               attempt = j.attempt + 1,
+               started_at = now(),
+               lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
+         WHERE j.ctid = ANY(ARRAY(SELECT ctid FROM next))
+        RETURNING j.id, j.queue, j.tenant_id, j.payload::text AS payload, j.priority,
+                  j.singleton_key, j.attempt, j.retry_count, j.retry_limit,
+                  j.expire_in_ms, j.lease_expires_at, j.created_at, j.last_error
+    ), spent AS (
+        INSERT INTO queue_buckets AS b (queue, tenant_id, tokens, refilled_at)
+        SELECT v_queue, s.tenant_id, s.tokens - n.leased, clock_timestamp()
+          FROM (SELECT l.tenant_id, count(*) AS leased FROM leased l GROUP BY l.tenant_id) n
+          JOIN shares s ON s.tenant_id = n.tenant_id
+         WHERE s.rate_count IS NOT NULL
+        ON CONFLICT (queue, tenant_id) DO UPDATE
+           SET tokens = excluded.tokens, refilled_at = excluded.refilled_at
+    )
+    SELECT l.id::text, l.queue, l.tenant_id, l.payload, l.priority, l.singleton_key,
+           l.attempt, l.retry_count, l.retry_limit, l.expire_in_ms, l.lease_expires_at,
+           l.created_at, l.last_error
+      FROM leased l JOIN next n ON n.id = l.id
+     ORDER BY n.round, n.turn;
+END
+$$;
+
+-- idemstage_fetch(queues, n): leases up to n ready jobs of the queues and returns
+-- them. Per queue, the tenants with ready jobs take turns in the order of their
+-- first job (priority, then age: the tenant that has waited longest first); at
+-- most n tenants are served, each gets an equal share of n (rounded up), and the
+-- jobs are interleaved round-robin (every tenant's first job in turn order, then
+-- every tenant's second, ...; within a tenant by priority, then age), so one
+-- tenant's backlog cannot take a fetch from the others. With several queues,
+-- each gets ceil(n / queues) first (in random order, so that none is always
+-- first), then the queues that filled their share get what is left.
+--
+-- FOR UPDATE SKIP LOCKED per tenant: concurrent fetchers pass each other's rows.
+-- The locked rows are leased through a TID scan of their ctids: a row locked by
+-- the statement cannot move until it ends, so the ctid still names it, and there
+-- is no join for the planner to get wrong (joined on id, it costed the CTE at its
+-- LIMIT and hashed a sequential scan of the table for every fetch). ARRAY(...)
+-- hides the batch size from the planner, which would otherwise cost one random
+-- page read per TID. A row that another transaction changed after the
+-- statement's snapshot is locked (as its newest version) but not visible to the
+-- TID scan: it is left as it was and fetched next time.
+--
+-- Controls (queue_controls): a queue with a cap or a rate is fetched under the
+-- row lock of its controls, so fetchers of that queue take turns, and each
+-- counts active jobs and tokens in a statement that starts after the previous
+-- fetcher committed: no two of them fill the same free slot. Queues without are
+-- not serialized, and a queue without any control row takes the plain path.
+CREATE FUNCTION idemstage_fetch(p_queues text[], p_limit integer)
+RETURNS TABLE (id text, queue text, tenant_id text, payload text, priority integer,
+               singleton_key text, attempt integer, retry_count integer,
+               retry_limit integer, expire_in_ms bigint, lease_expires_at timestamptz,
+               created_at timestamptz, last_error text)
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = public, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_queue text;
+    v_share integer;
+    v_got integer;
+    v_remaining integer := p_limit;
+    v_full text[] := '{}';
+    v_pass integer;
+    v_n integer;
+    v_controlled boolean;
+    v_ctl queue_controls;
+    v_bucket queue_buckets;
+    v_active bigint;
+    v_tokens double precision;
+BEGIN
+    IF p_limit IS NULL OR p_limit <= 0 OR cardinality(p_queues) IS NULL THEN
+        RETURN;
+    END IF;
+    -- Take turns on the capped and rate-limited queues (in a fixed order: no
+    -- deadlock between fetchers of overlapping queue sets).
+    PERFORM 1 FROM queue_controls c
+     WHERE c.queue = ANY(p_queues)
+       AND (c.max_active IS NOT NULL OR c.rate_count IS NOT NULL)
+     ORDER BY c.queue, c.scope
+       FOR UPDATE;
+    v_share := ceil(p_limit::numeric / cardinality(p_queues));
+    -- Pass 1: every queue its share, in random order (none is always first);
+    -- pass 2: what is left, to the queues that filled their share.
+    FOR v_pass IN 1..2 LOOP
+        FOR v_queue IN
+            SELECT u.q FROM unnest(CASE WHEN v_pass = 1 THEN p_queues ELSE v_full END)
+                   AS u(q) ORDER BY random()
+        LOOP
+            EXIT WHEN v_remaining <= 0;
+            v_n := CASE WHEN v_pass = 1 THEN least(v_share, v_remaining) ELSE v_remaining END;
+            v_controlled := EXISTS (SELECT 1 FROM queue_controls c WHERE c.queue = v_queue)
+                OR EXISTS (SELECT 1 FROM queue_buckets b
+                            WHERE b.queue = v_queue AND b.held_until > clock_timestamp());
+            IF NOT v_controlled THEN
+                RETURN QUERY SELECT * FROM idemstage_fetch_plain(v_queue, v_n);
+            ELSE
+                -- The queue as a whole: paused, its cap, its bucket.
+                SELECT * INTO v_ctl FROM queue_controls c WHERE c.queue = v_queue AND c.scope = '';
+                IF v_ctl.paused THEN
+                    CONTINUE;
+                END IF;
+                IF v_ctl.max_active IS NOT NULL THEN
+                    SELECT count(*) INTO v_active FROM jobs a
+                     WHERE a.queue = v_queue AND a.lease_expires_at IS NOT NULL;
+                    v_n := least(v_n, greatest(v_ctl.max_active - v_active, 0));
+                END IF;
+                SELECT * INTO v_bucket FROM queue_buckets b
+                 WHERE b.queue = v_queue AND b.tenant_id = '';
+                v_tokens := idemstage_bucket_tokens(v_bucket, v_ctl.rate_count,
+                                                    v_ctl.rate_period_ms, v_ctl.rate_burst);
+                IF v_tokens < v_n THEN
+                    v_n := floor(v_tokens);
+                END IF;
+                IF v_n <= 0 THEN
+                    CONTINUE;
+                END IF;
+                RETURN QUERY SELECT * FROM idemstage_fetch_controlled(v_queue, v_n);
+            END IF;
+            GET DIAGNOSTICS v_got = ROW_COUNT;
+            IF v_controlled AND v_ctl.rate_count IS NOT NULL AND v_got > 0 THEN
+                INSERT INTO queue_buckets AS b (queue, tenant_id, tokens, refilled_at)
+                VALUES (v_queue, '', v_tokens - v_got, clock_timestamp())
+                ON CONFLICT (queue, tenant_id) DO UPDATE
+                   SET tokens = excluded.tokens, refilled_at = excluded.refilled_at;
+            END IF;
+            v_remaining := v_remaining - v_got;
+            IF v_pass = 1 AND v_got = v_n THEN
+                v_full := v_full || v_queue;
+            END IF;
+        END LOOP;
+        EXIT WHEN v_remaining <= 0 OR cardinality(p_queues) = 1;
+    END LOOP;
+END
+$$;
