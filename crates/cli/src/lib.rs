@@ -11,7 +11,7 @@
 //! ```
 //!
 //! That binary has `migrate` (the core's migrations, then the team's), `enqueue`,
-//! `worker` and `status`. This crate's own `idemstage` binary is [`run`]: the same
+//! `worker`, `status`, and the stage controls `pause`, `resume` and `limit`. This crate's own `idemstage` binary is [`run`]: the same
 //! for the built-in example pipeline, plus `demo` and `bench`. Exit codes: 0
 //! success, 1 failure (an invariant broken, an unexpected error), 2 bad input or
 //! usage, 3 database unavailable.
@@ -82,6 +82,14 @@ enum Command {
     Worker(cli::worker::Args),
     /// Stage x status counts and queue state counts.
     Status(cli::status::Args),
+    /// Stop fetching a stage's jobs (or one tenant's): durable, seen by every
+    /// worker at its next fetch; running jobs finish.
+    Pause(cli::controls::PauseArgs),
+    /// Undo `pause`; idle workers are woken at once.
+    Resume(cli::controls::PauseArgs),
+    /// Set or show a stage's concurrency cap, rate limit and tenant weights,
+    /// enforced by the fetch across all workers.
+    Limit(cli::controls::LimitArgs),
     /// The main job: duplicate sends, many workers, injected crashes; then a report
     /// checked against the database.
     Demo(cli::demo::Args),
@@ -140,6 +148,9 @@ async fn run_async(mut app: App) -> ExitCode {
             Command::Enqueue(args) => cli::enqueue::run(&url, args, app.pipeline).await,
             Command::Worker(args) => cli::worker::run(&url, args, app.pipeline).await,
             Command::Status(args) => cli::status::run(&url, args).await,
+            Command::Pause(args) => cli::controls::pause(&url, args, true).await,
+            Command::Resume(args) => cli::controls::pause(&url, args, false).await,
+            Command::Limit(args) => cli::controls::limit(&url, args).await,
             Command::Demo(_) | Command::Bench(_) if app.pipeline.is_some() => Err(cli::BadInput(
                 "demo and bench run the built-in example pipeline only".into(),
             )

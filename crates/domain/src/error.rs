@@ -160,16 +160,30 @@ pub enum StageError {
     /// The body ran longer than its policy's `timeout` (the duration); retryable.
     #[error("stage body exceeded its deadline of {0:?}")]
     TimedOut(std::time::Duration),
+    /// A service the body calls refused for now (an HTTP 429 with Retry-After):
+    /// not the stage's failure. The attempt is given back without counting, the
+    /// job runs again after `retry_after`, and the stage's bucket (the tenant's,
+    /// if the stage has a per-tenant rate, else the stage's) is held until then,
+    /// so its other jobs wait too.
+    #[error("rate limited; retry after {retry_after:?}")]
+    RateLimited {
+        /// How long the service asked to wait.
+        retry_after: std::time::Duration,
+    },
 }
 
 impl StageError {
-    /// Whether another attempt may succeed: `Transient`, `Panicked`, `TimedOut`
-    /// and retryable `Repo` errors are; `Permanent` and `Invalid` are not.
+    /// Whether another attempt may succeed: `Transient`, `Panicked`, `TimedOut`,
+    /// `RateLimited` and retryable `Repo` errors are; `Permanent` and `Invalid`
+    /// are not.
     pub fn is_retryable(&self) -> bool {
         match self {
             StageError::Permanent(_) | StageError::Invalid(_) => false,
             StageError::Repo(e) => e.is_retryable(),
-            StageError::Transient(_) | StageError::Panicked(_) | StageError::TimedOut(_) => true,
+            StageError::Transient(_)
+            | StageError::Panicked(_)
+            | StageError::TimedOut(_)
+            | StageError::RateLimited { .. } => true,
         }
     }
 }

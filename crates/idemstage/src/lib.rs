@@ -118,11 +118,15 @@ pub use idemstage_stage::{
 };
 
 /// The job queue (layer 2): sending jobs (also inside a caller's transaction),
-/// and the outcome types of a job's lifecycle.
+/// the outcome types of a job's lifecycle, and the controls the fetch enforces
+/// (pause, caps, rate limits, holds, tenant weights).
 pub mod queue {
     pub use idemstage_domain::{
         FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
         JobState, JobToSend,
     };
-    pub use idemstage_persistence::queue::{send, send_batch, send_in};
+    pub use idemstage_persistence::queue::{
+        controls, held_until, hold, pause, resume, send, send_batch, send_in, set_limits, Limits,
+        PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope,
+    };
 }

@@ -25,6 +25,8 @@ pub struct Counters {
     pub fenced: AtomicU64,
     /// Attempts interrupted by a database error (released, not counted).
     pub interrupted: AtomicU64,
+    /// Attempts whose body said it was rate limited (released, not counted).
+    pub rate_limited: AtomicU64,
     /// Attempts that failed and will be retried.
     pub failed: AtomicU64,
     /// Attempts that failed for good: the run is `dead`.
@@ -52,6 +54,8 @@ pub struct CountersSnapshot {
     pub fenced: u64,
     /// [`Counters::interrupted`].
     pub interrupted: u64,
+    /// [`Counters::rate_limited`].
+    pub rate_limited: u64,
     /// [`Counters::failed`].
     pub failed: u64,
     /// [`Counters::dead`].
@@ -71,6 +75,7 @@ impl Counters {
             rejected: g(&self.rejected),
             fenced: g(&self.fenced),
             interrupted: g(&self.interrupted),
+            rate_limited: g(&self.rate_limited),
             failed: g(&self.failed),
             dead: g(&self.dead),
             exhausted: g(&self.exhausted),

@@ -160,6 +160,13 @@ impl JobHandler for PipelineHandler {
                     reason: "lease lost, or the upstream changed".into(),
                 })
             }
+            ExecutionOutcome::RateLimited { retry_after, .. } => {
+                Counters::bump(&c.rate_limited);
+                Err(HandlerError::DeferFor {
+                    after: retry_after,
+                    reason: format!("stage {} is rate limited", stage.name()),
+                })
+            }
             ExecutionOutcome::Interrupted { error, .. } => {
                 Counters::bump(&c.interrupted);
                 Err(HandlerError::DeferFor {

@@ -249,3 +249,73 @@ async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
         .unwrap();
     assert_eq!(stored.input_text, "1 Stk");
 }
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `pause`, `resume` and `limit` write the controls the fetch enforces, with
+/// typed outcomes in `--json`; bad values exit 2 and write nothing.
+#[tokio::test]
+async fn pause_resume_and_limit_set_the_stage_controls() {
+    let db = TestDb::new().await;
+    let pause = ["pause", "--stage", "extract", "--tenant", "acme", "--json"];
+    assert_eq!(json_of(&idemstage(&db, &pause))["outcome"], "paused");
+    assert_eq!(
+        json_of(&idemstage(&db, &pause))["outcome"],
+        "already_paused"
+    );
+    let resume = ["resume", "--stage", "extract", "--tenant", "acme", "--json"];
+    assert_eq!(json_of(&idemstage(&db, &resume))["outcome"], "resumed");
+    assert_eq!(json_of(&idemstage(&db, &resume))["outcome"], "not_paused");
+
+    let shown = json_of(&idemstage(
+        &db,
+        &[
+            "limit",
+            "--stage",
+            "extract",
+            "--every-tenant",
+            "--max-active",
+            "2",
+            "--rate",
+            "60/min",
+            "--json",
+        ],
+    ));
+    let every = shown["controls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["scope"] == "*")
+        .unwrap()
+        .clone();
+    assert_eq!(every["max_active"], 2);
+    assert_eq!(every["rate"]["count"], 60);
+    assert_eq!(every["rate"]["per_ms"], 60_000);
+
+    for bad in [
+        &["limit", "--stage", "extract", "--rate", "5/week"][..],
+        &["limit", "--stage", "extract", "--weight", "3"][..],
+        &["pause", "--stage", "Bad Stage"][..],
+        &["pause", "--stage", "extract", "--tenant", "Not A Slug"][..],
+    ] {
+        let out = idemstage(&db, bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        assert!(!out.stderr.is_empty(), "{bad:?}: no message");
+    }
+    let controls = json_of(&idemstage(
+        &db,
+        &["limit", "--stage", "extract", "--show", "--json"],
+    ));
+    assert_eq!(
+        controls["controls"].as_array().unwrap().len(),
+        2,
+        "{controls}"
+    );
+}

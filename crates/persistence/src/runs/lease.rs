@@ -8,7 +8,9 @@ use diesel::dsl::now;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{sanitize_error_text, ClaimToken, FailOutcome, RenewOutcome, RepoError};
+use idemstage_domain::{
+    sanitize_error_text, ClaimToken, FailOutcome, RenewOutcome, RepoError, TenantId,
+};
 
 use crate::cached::CachedExt;
 use crate::error::{map_diesel_error, TxError};
@@ -89,6 +91,21 @@ impl PgRunRepository {
             },
             None => FailOutcome::Fenced,
         })
+    }
+
+    /// Holds the bucket of `queue` for `tenant` (see [`crate::queue::hold`]) for
+    /// `after`: what a stage's [`StageError::RateLimited`] does after its claim is
+    /// released.
+    ///
+    /// [`StageError::RateLimited`]: idemstage_domain::StageError::RateLimited
+    pub async fn hold(
+        &self,
+        queue: &str,
+        tenant: &TenantId,
+        after: std::time::Duration,
+    ) -> Result<(), RepoError> {
+        let mut conn = self.conn().await?;
+        crate::queue::hold(&mut conn, queue, Some(tenant), after).await
     }
 
     /// Gives the lease back without counting the attempt (a shutdown, a database

@@ -63,6 +63,15 @@ pub enum ExecutionOutcome {
         /// The database error, as text.
         error: String,
     },
+    /// The body said a service it calls is rate limited
+    /// ([`StageError::RateLimited`]): the claim was given back uncounted and the
+    /// stage's bucket is held for `retry_after`.
+    RateLimited {
+        /// The attempt that was given back.
+        attempt: i32,
+        /// How long the service asked to wait.
+        retry_after: std::time::Duration,
+    },
     /// The body failed; the run is `failed` (claimable again) or, if `dead`, final.
     Failed {
         /// The attempt that failed.
@@ -282,6 +291,22 @@ impl Executor {
                 Ok(ExecutionOutcome::Fenced { attempt })
             }
             Ok(Completion::UpstreamChanged) => Ok(ExecutionOutcome::UpstreamChanged { attempt }),
+            Err(StageError::RateLimited { retry_after }) => {
+                tracing::info!(?retry_after, "stage rate limited; released, bucket held");
+                self.repo
+                    .release(
+                        &token,
+                        &format!("rate limited, not counted: retry after {retry_after:?}"),
+                    )
+                    .await?;
+                self.repo
+                    .hold(token.stage.as_str(), &token.tenant, retry_after)
+                    .await?;
+                Ok(ExecutionOutcome::RateLimited {
+                    attempt,
+                    retry_after,
+                })
+            }
             Err(error) if is_infrastructure(&error) => {
                 // The database, not the stage: give the claim back uncounted, so
                 // that an outage or a lock timeout cannot use up the stage's budget.

@@ -23,6 +23,7 @@ use idemstage_testkit::count;
 
 mod lineage;
 mod quantities;
+mod rate_limited;
 
 pub(crate) struct Fixture {
     _db: TestDb,

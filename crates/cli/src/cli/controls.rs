@@ -1,0 +1,178 @@
+//! `idemstage pause|resume|limit`: the stage controls the fetch enforces
+//! (`idemstage_persistence::queue::{pause, resume, set_limits}`). A stage's queue
+//! is its name.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use idemstage_domain::{StageName, TenantId};
+use idemstage_persistence::queue::{self, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+
+use super::BadInput;
+
+#[derive(clap::Args)]
+pub struct PauseArgs {
+    /// The stage (its queue)
+    #[arg(long)]
+    stage: String,
+    /// Only this tenant's jobs of the stage
+    #[arg(long)]
+    tenant: Option<String>,
+    /// One JSON object instead of a sentence
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct LimitArgs {
+    /// The stage (its queue)
+    #[arg(long)]
+    stage: String,
+    /// The limits of one tenant (else of the whole stage)
+    #[arg(long, conflicts_with = "every_tenant")]
+    tenant: Option<String>,
+    /// The limits each tenant has unless it has its own
+    #[arg(long)]
+    every_tenant: bool,
+    /// At most this many running at once in the scope
+    #[arg(long)]
+    max_active: Option<u32>,
+    /// At most N per period: N/s, N/min or N/h (e.g. 60/min)
+    #[arg(long)]
+    rate: Option<String>,
+    /// Tokens the rate's bucket holds at most (default: N)
+    #[arg(long, requires = "rate")]
+    burst: Option<u32>,
+    /// A tenant's share of a fetch against the others' (tenant scopes)
+    #[arg(long)]
+    weight: Option<u32>,
+    /// Only show the stage's controls
+    #[arg(long)]
+    show: bool,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+fn scope(tenant: Option<&str>, every_tenant: bool) -> anyhow::Result<Scope> {
+    Ok(match (tenant, every_tenant) {
+        (Some(t), _) => Scope::Tenant(TenantId::parse(t)?),
+        (None, true) => Scope::EveryTenant,
+        (None, false) => Scope::Queue,
+    })
+}
+
+fn parse_rate(text: &str, burst: Option<u32>) -> anyhow::Result<Rate> {
+    let bad = || {
+        BadInput(format!(
+            "--rate {text:?}: expected N/s, N/min or N/h, e.g. 60/min"
+        ))
+    };
+    let (count, unit) = text.split_once('/').ok_or_else(bad)?;
+    let count: u32 = count.trim().parse().map_err(|_| bad())?;
+    let per = match unit.trim() {
+        "s" | "sec" | "second" => Duration::from_secs(1),
+        "min" | "minute" => Duration::from_secs(60),
+        "h" | "hour" => Duration::from_secs(3600),
+        _ => return Err(bad().into()),
+    };
+    Ok(Rate { count, per, burst })
+}
+
+pub async fn pause(url: &str, args: PauseArgs, pause: bool) -> anyhow::Result<ExitCode> {
+    let stage = StageName::parse(&args.stage)?;
+    let scope = scope(args.tenant.as_deref(), false)?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let (outcome, changed) = if pause {
+        match queue::pause(&mut conn, stage.as_str(), &scope).await? {
+            PauseOutcome::Paused => ("paused", true),
+            PauseOutcome::AlreadyPaused => ("already_paused", false),
+        }
+    } else {
+        match queue::resume(&mut conn, stage.as_str(), &scope).await? {
+            ResumeOutcome::Resumed => ("resumed", true),
+            ResumeOutcome::NotPaused => ("not_paused", false),
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "stage": stage.as_str(),
+                "tenant": args.tenant,
+                "outcome": outcome,
+                "changed": changed,
+            })
+        );
+    } else {
+        println!("stage {stage}, {scope}: {}", outcome.replace('_', " "));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn limit(url: &str, args: LimitArgs) -> anyhow::Result<ExitCode> {
+    let stage = StageName::parse(&args.stage)?;
+    let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    if !args.show {
+        let limits = Limits {
+            max_active: args.max_active,
+            rate: args
+                .rate
+                .as_deref()
+                .map(|r| parse_rate(r, args.burst))
+                .transpose()?,
+            weight: args.weight,
+        };
+        queue::set_limits(&mut conn, stage.as_str(), &scope, &limits).await?;
+    }
+    let controls = queue::controls(&mut conn, Some(stage.as_str())).await?;
+    if args.json {
+        let rows: Vec<_> = controls
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "scope": match &c.scope {
+                        Scope::Queue => "".to_owned(),
+                        Scope::EveryTenant => "*".to_owned(),
+                        Scope::Tenant(t) => t.as_str().to_owned(),
+                    },
+                    "paused": c.paused,
+                    "max_active": c.limits.max_active,
+                    "rate": c.limits.rate.map(|r| serde_json::json!({
+                        "count": r.count,
+                        "per_ms": r.per.as_millis() as u64,
+                        "burst": r.burst,
+                    })),
+                    "weight": c.limits.weight,
+                    "updated_at": c.updated_at,
+                    "updated_by": c.updated_by,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "stage": stage.as_str(), "controls": rows })
+        );
+    } else {
+        for c in &controls {
+            let rate = c.limits.rate.map_or("-".to_owned(), |r| {
+                format!(
+                    "{}/{:?} burst {}",
+                    r.count,
+                    r.per,
+                    r.burst.unwrap_or(r.count)
+                )
+            });
+            println!(
+                "{:<20} paused {:<5} max_active {:<6} rate {:<24} weight {}",
+                c.scope.to_string(),
+                c.paused,
+                c.limits.max_active.map_or("-".into(), |m| m.to_string()),
+                rate,
+                c.limits.weight.map_or("-".into(), |w| w.to_string()),
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
