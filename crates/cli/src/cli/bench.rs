@@ -37,6 +37,9 @@ pub enum Scenario {
     Queue,
     /// Anfragen through the four example stages
     Pipeline,
+    /// The noisy neighbour: a tenant's backlog against nine quiet tenants, fair
+    /// fetch beside FIFO
+    Fairness,
 }
 
 #[derive(clap::Args)]
@@ -44,7 +47,7 @@ pub struct Args {
     scenario: Scenario,
     /// Concurrent tasks (claim, enqueue) or stage executions (pipeline)
     #[arg(long, default_value_t = 16)]
-    concurrency: usize,
+    pub concurrency: usize,
     /// Seconds per timed claim phase
     #[arg(long, default_value_t = 10.0)]
     duration_s: f64,
@@ -54,7 +57,7 @@ pub struct Args {
     /// Sends in the enqueue test (half of them reuse a queued singleton key) and jobs
     /// in the drain test
     #[arg(long, default_value_t = 20_000)]
-    jobs: u64,
+    pub jobs: u64,
     /// Jobs leased per fetch in the drain test
     #[arg(long, default_value_t = 256)]
     drain_batch: u32,
@@ -68,6 +71,9 @@ pub struct Args {
     /// Pause between two sends of the latency test
     #[arg(long, default_value_t = 20)]
     latency_gap_ms: u64,
+    /// fairness: seconds the quiet tenants send for
+    #[arg(long, default_value_t = 20.0)]
+    pub quiet_s: f64,
     /// Print one JSON object instead of the table
     #[arg(long)]
     json: bool,
@@ -87,6 +93,9 @@ const SKIP_STAGE: &str = "done";
 pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if args.concurrency == 0 || args.jobs == 0 || args.anfragen == 0 || args.latency_sends == 0 {
         return Err(BadInput("counts must be positive".into()).into());
+    }
+    if !args.quiet_s.is_finite() || args.quiet_s <= 0.0 {
+        return Err(BadInput("--quiet-s must be positive".into()).into());
     }
     if !args.duration_s.is_finite() || args.duration_s <= 0.0 {
         return Err(BadInput("--duration-s must be positive".into()).into());
@@ -115,6 +124,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Claim => claim(url, &args).await?,
         Scenario::Queue => queue_bench(url, &args).await?,
         Scenario::Pipeline => pipeline(url, &args).await?,
+        Scenario::Fairness => super::fairness::fairness(url, &args).await?,
     };
     let failed = report
         .get("violations")
@@ -151,11 +161,11 @@ fn per_s(n: u64, elapsed: Duration) -> f64 {
     round1(n as f64 / elapsed.as_secs_f64())
 }
 
-fn round1(x: f64) -> f64 {
+pub(super) fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
 
-fn round3(x: f64) -> f64 {
+pub(super) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
@@ -514,7 +524,7 @@ async fn drain(
 }
 
 /// The `q`-quantile of sorted samples (nearest rank).
-fn quantile(sorted: &[f64], q: f64) -> f64 {
+pub(super) fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -524,7 +534,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 /// A `QueueWorker` on `queue` at `--concurrency`, leasing up to that many jobs per
 /// fetch, with a pool of its own.
-async fn bench_worker<H: JobHandler>(
+pub(super) async fn bench_worker<H: JobHandler>(
     url: &str,
     args: &Args,
     queue: &str,

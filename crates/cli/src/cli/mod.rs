@@ -4,6 +4,7 @@ pub mod bench;
 pub mod controls;
 pub mod demo;
 pub mod enqueue;
+mod fairness;
 mod fixtures;
 pub mod status;
 pub mod worker;
