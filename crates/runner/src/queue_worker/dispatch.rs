@@ -68,10 +68,11 @@ impl<H: JobHandler> Dispatch<H> {
             while let Some(done) = self.running.try_join_next() {
                 log_join_error(done);
             }
-            self.start_buffered();
+            // Checked first: once stopping, buffered jobs are given back, not started.
             if shutdown.is_cancelled() {
                 break;
             }
+            self.start_buffered();
             if fetching.is_none() && paused.is_none() {
                 if let Some(limit) = self.fetch_limit() {
                     fetching = Some((limit, self.fetch(limit)));
