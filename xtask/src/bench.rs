@@ -101,6 +101,8 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
     let q_drain = num(&queue, "drain_per_s")?;
     let q_loops = num(&queue, "drain_loops")?;
     let q_worker = num(&queue, "worker_drain_per_s")?;
+    let q_worker_pf = num(&queue, "worker_drain_prefetch_per_s")?;
+    let q_prefetch = num(&queue, "worker_prefetch")?;
     let q_p50 = num(&queue, "latency_ms_p50")?;
     let q_p99 = num(&queue, "latency_ms_p99")?;
     let b_enq = num(&pgboss, "enqueue_per_s")?;
@@ -125,7 +127,7 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
         r#"{{
   "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}}},
   "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "insert_ratio": {r_ins}, "skip_ratio": {r_skip}}},
-  "queue": {{"enqueue_per_s": {q_enq}, "distinct_jobs_created": {q_distinct}, "drain_per_s": {q_drain}, "drain_loops": {q_loops}, "worker_drain_per_s": {q_worker}, "latency_ms_p50": {q_p50}, "latency_ms_p99": {q_p99}, "enqueue_ratio_vs_pgboss": {r_enq}, "drain_ratio_vs_pgboss": {r_drain}}},
+  "queue": {{"enqueue_per_s": {q_enq}, "distinct_jobs_created": {q_distinct}, "drain_per_s": {q_drain}, "drain_loops": {q_loops}, "worker_drain_per_s": {q_worker}, "worker_prefetch": {q_prefetch}, "worker_drain_prefetch_per_s": {q_worker_pf}, "latency_ms_p50": {q_p50}, "latency_ms_p99": {q_p99}, "enqueue_ratio_vs_pgboss": {r_enq}, "drain_ratio_vs_pgboss": {r_drain}}},
   "pgboss": {{"version": "{b_version}", "enqueue_policy": "short", "enqueue_per_s": {b_enq}, "distinct_jobs_created": {b_distinct}, "drain_per_s": {b_drain}, "drain_loops": {b_loops}, "latency_ms_p50": {b_p50}, "latency_ms_p99": {b_p99}}},
   "pipeline": {{"stages_per_s": {p_stages}, "pgbench_stages_per_s": {pg_stage:.1}, "ratio": {r_stage}, "worker_peak_rss_mb": {p_rss}}},
   "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}, "pgboss": {pgboss}}}
@@ -181,6 +183,13 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
     }
     println!(
         "| queue drain by a `QueueWorker`, concurrency 16, no-op handler (jobs/s) | {q_worker:.0} | | | |"
+    );
+    // Against our own raw loop at the same concurrency, when 16 loops ran.
+    let q16 = number(&queue, "drain_per_s_loops_16");
+    println!(
+        "| the same, prefetch {q_prefetch} (jobs/s) | {q_worker_pf:.0} | {} | {} | |",
+        q16.map_or(String::new(), |q| format!("raw loops, 16: {q:.0}")),
+        q16.map_or(String::new(), |q| format!("{:.2}", ratio(q_worker_pf, q))),
     );
     println!(
         "| enqueue, singleton keys (sends/s) | {q_enq:.0} ({q_distinct} jobs) | pg-boss {b_enq:.0} ({b_distinct} jobs) | {:.2} | ≥ 2: {} |",

@@ -33,7 +33,8 @@ pub struct PipelineWorkerConfig {
 
 impl PipelineWorkerConfig {
     /// The pool size a worker with this config needs: per stage execution, its
-    /// connection and its heartbeat's, plus the loop's and the completer's. A
+    /// connection and its heartbeat's, plus the loop's and the completer's (the
+    /// job lease keeper borrows one briefly, for one statement for all jobs). A
     /// smaller pool makes executions wait for connections (and time out).
     pub fn pool_size(&self) -> u32 {
         u32::try_from(self.concurrency * 2 + 2).unwrap_or(u32::MAX)

@@ -65,12 +65,20 @@ pub struct Args {
     /// reported as `drain_per_s`
     #[arg(long, value_delimiter = ',', default_value = "2,4,16")]
     drain_loops: Vec<usize>,
+    /// Jobs a `QueueWorker` fetches ahead (and leases per fetch) in the second
+    /// worker drain, `worker_drain_prefetch_per_s`; the first fetches only for free
+    /// slots (prefetch 0, batch = concurrency)
+    #[arg(long, default_value_t = 256)]
+    worker_prefetch: usize,
     /// Sends in the latency test
     #[arg(long, default_value_t = 300)]
     latency_sends: usize,
     /// Pause between two sends of the latency test
     #[arg(long, default_value_t = 20)]
     latency_gap_ms: u64,
+    /// fairness: jobs the worker fetches ahead (0: only for free slots)
+    #[arg(long, default_value_t = 16)]
+    pub fairness_prefetch: usize,
     /// fairness: seconds the quiet tenants send for
     #[arg(long, default_value_t = 20.0)]
     pub quiet_s: f64,
@@ -370,13 +378,18 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         .max_by(|a, b| a.per_s.total_cmp(&b.per_s))
         .context("no drain ran")?;
 
-    // (b2) The backlog again, worked off by a QueueWorker.
-    let (worker_per_s, worker_completed) = worker_drain(url, &mut conn, args).await?;
-    if worker_completed != args.jobs {
-        violations.push(format!(
-            "the drain worker completed {worker_completed} of {} jobs",
-            args.jobs
-        ));
+    // (b2) The backlog again, worked off by a QueueWorker: fetching for free slots
+    // only, then fetching ahead.
+    let mut worker_per_s = [0.0; 2];
+    for (i, prefetch) in [0, args.worker_prefetch].into_iter().enumerate() {
+        let (per_s, completed) = worker_drain(url, &mut conn, args, prefetch).await?;
+        if completed != args.jobs {
+            violations.push(format!(
+                "the drain worker with prefetch {prefetch} completed {completed} of {} jobs",
+                args.jobs
+            ));
+        }
+        worker_per_s[i] = per_s;
     }
 
     // (c) Pickup latency: sends to an idle worker, from the send's return to the
@@ -400,7 +413,9 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         "drain_batch": args.drain_batch,
         "drain_loops": fastest.loops,
         "drain_per_s": fastest.per_s,
-        "worker_drain_per_s": worker_per_s,
+        "worker_drain_per_s": worker_per_s[0],
+        "worker_prefetch": args.worker_prefetch,
+        "worker_drain_prefetch_per_s": worker_per_s[1],
         "latency_samples": samples,
         "latency_ms_p50": p50,
         "latency_ms_p99": p99,
@@ -441,16 +456,18 @@ async fn insert_drain_jobs(
 }
 
 /// The same backlog worked off by a `QueueWorker` (what an application runs):
-/// `concurrency` no-op handlers, each job completed on its own. Jobs/s from the
-/// worker's start to the last completion.
+/// `concurrency` no-op handlers, each job completed on its own; with `prefetch`,
+/// that many jobs fetched ahead, `prefetch` per fetch. Jobs/s from the worker's
+/// start to the last completion.
 async fn worker_drain(
     url: &str,
     conn: &mut diesel_async::AsyncPgConnection,
     args: &Args,
+    prefetch: usize,
 ) -> anyhow::Result<(f64, u64)> {
     insert_drain_jobs(conn, args.jobs).await?;
     let handler = handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
-    let worker = bench_worker(url, args, DRAIN_QUEUE, handler).await?;
+    let worker = bench_worker(url, args, DRAIN_QUEUE, prefetch, handler).await?;
     let stats = worker.stats();
     let shutdown = CancellationToken::new();
     let started = Instant::now();
@@ -532,12 +549,14 @@ pub(super) fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// A `QueueWorker` on `queue` at `--concurrency`, leasing up to that many jobs per
-/// fetch, with a pool of its own.
+/// A `QueueWorker` on `queue` at `--concurrency`, with a pool of its own, leasing
+/// up to that many jobs per fetch; with `prefetch`, fetching that many ahead, and
+/// up to that many per fetch.
 pub(super) async fn bench_worker<H: JobHandler>(
     url: &str,
     args: &Args,
     queue: &str,
+    prefetch: usize,
     handler: H,
 ) -> anyhow::Result<QueueWorker<H>> {
     let pool = idemstage_persistence::connect_pool(
@@ -554,7 +573,8 @@ pub(super) async fn bench_worker<H: JobHandler>(
         QueueWorkerConfig {
             queues: vec![queue.into()],
             concurrency: args.concurrency,
-            batch_size: args.concurrency as u32,
+            batch_size: u32::try_from(args.concurrency.max(prefetch)).unwrap_or(u32::MAX),
+            prefetch,
             ..QueueWorkerConfig::default()
         },
         handler,
@@ -574,7 +594,7 @@ async fn pickup_latency(
             async { Ok::<(), HandlerError>(()) }
         })
     };
-    let worker = bench_worker(url, args, LATENCY_QUEUE, handler).await?;
+    let worker = bench_worker(url, args, LATENCY_QUEUE, 0, handler).await?;
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(worker.run(shutdown.clone()));
     // Let the listener connect and the first (empty) fetch pass.

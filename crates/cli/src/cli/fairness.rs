@@ -41,6 +41,7 @@ pub async fn fairness(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "quiet_s": args.quiet_s,
         "handler_ms": HANDLER_TIME.as_millis() as u64,
         "concurrency": args.concurrency,
+        "prefetch": args.fairness_prefetch,
         "fair": fair,
         "fifo": fifo,
         "noisy_throughput_fair_vs_fifo": ratio,
@@ -95,7 +96,7 @@ async fn run_mode(url: &str, args: &Args, fair: bool) -> anyhow::Result<serde_js
             }
         })
     };
-    let worker = bench_worker(url, args, QUEUE, handler).await?;
+    let worker = bench_worker(url, args, QUEUE, args.fairness_prefetch, handler).await?;
     let shutdown = CancellationToken::new();
     let started = Instant::now();
     let running = tokio::spawn(worker.run(shutdown.clone()));

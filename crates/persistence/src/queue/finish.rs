@@ -4,7 +4,6 @@
 //! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
 //! nobody else holds the job.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
@@ -54,65 +53,6 @@ pub async fn complete(
     } else {
         JobCompleteOutcome::Fenced
     })
-}
-
-/// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
-/// Returns the `(id, attempt)` of every job it completed.
-pub(crate) const COMPLETE_MANY_SQL: &str = "\
-UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL
- WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
-   AND j.state = 'active'
-   AND ($1 -> j.id::text) @> to_jsonb(j.attempt)
-RETURNING j.id, j.attempt";
-
-/// Completes many jobs in one statement; outcomes are in input order.
-///
-/// The tokens travel as one JSON object `{id: [attempt, ...]}`, so the statement has
-/// no join for the planner to choose: the jobs are probed by primary key (the key
-/// array behind `ARRAY(...)` is costed at a few elements, so even a small table is
-/// not scanned whole) and each row's fence is a key lookup in the object. Joined
-/// with `unnest` of the tokens instead, the planner hashed a scan of the whole table
-/// on small tables, and, when statistics said no job was active, looped over every
-/// active job once per token.
-pub async fn complete_many(
-    conn: &mut AsyncPgConnection,
-    jobs: &[(JobId, i32)],
-) -> Result<Vec<JobCompleteOutcome>, RepoError> {
-    if jobs.is_empty() {
-        return Ok(Vec::new());
-    }
-    #[derive(diesel::QueryableByName)]
-    struct Done {
-        #[diesel(sql_type = Text)]
-        id: String,
-        #[diesel(sql_type = Integer)]
-        attempt: i32,
-    }
-    // Every token of a job goes along: the same job listed twice with different
-    // attempts completes if either is its current token.
-    let mut tokens: HashMap<String, Vec<i32>> = HashMap::with_capacity(jobs.len());
-    for (id, attempt) in jobs {
-        tokens.entry(id.to_string()).or_default().push(*attempt);
-    }
-    let rows: Vec<Done> = diesel::sql_query(COMPLETE_MANY_SQL)
-        .bind::<Jsonb, _>(serde_json::json!(tokens))
-        .cached()
-        .load(conn)
-        .await
-        .map_err(map_diesel_error)?;
-    // Keyed by (id, attempt): an entry with a stale token is Fenced even when
-    // another entry of the same job completed it.
-    let done: HashSet<(String, i32)> = rows.into_iter().map(|r| (r.id, r.attempt)).collect();
-    Ok(jobs
-        .iter()
-        .map(|(id, attempt)| {
-            if done.contains(&(id.to_string(), *attempt)) {
-                JobCompleteOutcome::Completed
-            } else {
-                JobCompleteOutcome::Fenced
-            }
-        })
-        .collect())
 }
 
 /// The failure transition shared by `fail` and lease expiry: `{retry}` decides

@@ -8,6 +8,7 @@
 //!
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
+mod batched;
 mod controls;
 mod defer;
 mod fetch;
@@ -16,15 +17,14 @@ mod listen;
 mod maintenance;
 mod send;
 
+pub use batched::{complete_many, renew_leases, retry_now_many};
 pub use controls::{
     controls, held_until, hold, pause, resume, set_limits, Limits, PauseOutcome, QueueControl,
     Rate, ResumeOutcome, Scope,
 };
 pub use defer::retry_after;
 pub use fetch::fetch;
-pub use finish::{
-    cancel, complete, complete_many, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome,
-};
+pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
 pub use listen::JobListener;
 pub use maintenance::{
     maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,
@@ -33,12 +33,11 @@ pub use maintenance::{
 pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
 
 // The statement texts, for `crate::statements`.
+pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL};
 pub(crate) use controls::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
 pub(crate) use fetch::FETCH_SQL;
-pub(crate) use finish::{
-    CANCEL_SQL, COMPLETE_MANY_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
-};
+pub(crate) use finish::{CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL};
 pub(crate) use maintenance::EXPIRE_SQL;
 pub(crate) use send::{SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL, SEND_LIVE_SINGLETON_SQL};
 

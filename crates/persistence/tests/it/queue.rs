@@ -1111,6 +1111,18 @@ async fn fenced_statements_probe_the_primary_key_when_statistics_say_no_job_is_a
         let outcomes = queue::complete_many(&mut conn, chunk).await.unwrap();
         assert!(outcomes.iter().all(|o| *o == JobCompleteOutcome::Completed));
     }
+    // The batched renewal and release share complete_many's fence.
+    let rest: Vec<(JobId, i32)> = jobs[510..].iter().map(|j| (j.id, j.attempt)).collect();
+    for chunk in rest.chunks(50).take(6) {
+        let renewed = queue::renew_leases(&mut conn, chunk).await.unwrap();
+        assert!(renewed
+            .iter()
+            .all(|o| matches!(o, RenewLeaseOutcome::Renewed { .. })));
+    }
+    for chunk in rest.chunks(50).skip(6) {
+        let released = queue::retry_now_many(&mut conn, chunk).await.unwrap();
+        assert!(released.iter().all(|o| *o == JobRetryOutcome::Requeued));
+    }
     for j in &jobs[500..510] {
         assert_eq!(
             queue::complete(&mut conn, j.id, j.attempt, None)
@@ -1127,8 +1139,82 @@ async fn fenced_statements_probe_the_primary_key_when_statistics_say_no_job_is_a
         "a fenced statement scanned the lease index"
     );
     assert!(
-        after.pkey - before.pkey >= 510,
-        "510 completions read {} primary-key entries",
+        after.pkey - before.pkey >= 1000,
+        "1000 fenced changes read {} primary-key entries",
         after.pkey - before.pkey
     );
+}
+
+/// The batched renewal and release are fenced per entry, like their single-job
+/// forms: a token that was taken over is `Fenced` and its row is left alone, the
+/// others are renewed (later lease end) or given back (`retry`, no retry counted,
+/// the listeners woken).
+#[tokio::test]
+async fn renew_leases_and_retry_now_many_fence_each_entry() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for i in 0..3 {
+        queue::send_in(&mut conn, &job("batch", json!(i), SendOptions::default()))
+            .await
+            .unwrap();
+    }
+    let jobs = queue::fetch(&mut conn, &["batch".to_owned()], 3)
+        .await
+        .unwrap();
+    let (a, b, c) = (&jobs[0], &jobs[1], &jobs[2]);
+    // c is taken over: given back and fetched again, under a new token.
+    queue::retry_now(&mut conn, c.id, c.attempt).await.unwrap();
+    let c2 = fetch_one(&mut conn, "batch").await;
+    assert_eq!((c2.id, c2.attempt), (c.id, c.attempt + 1));
+
+    let stale = (c.id, c.attempt);
+    let renewed = queue::renew_leases(&mut conn, &[(a.id, a.attempt), stale, (b.id, b.attempt)])
+        .await
+        .unwrap();
+    let [RenewLeaseOutcome::Renewed {
+        lease_expires_at: la,
+    }, RenewLeaseOutcome::Fenced, RenewLeaseOutcome::Renewed { .. }] = renewed[..]
+    else {
+        panic!("{renewed:?}");
+    };
+    assert!(la > a.lease_expires_at, "{la} <= {}", a.lease_expires_at);
+    assert_eq!(queue::renew_leases(&mut conn, &[]).await.unwrap(), vec![]);
+
+    // Listening from here on: only the release can notify.
+    let mut listener = db.conn().await;
+    listener
+        .batch_execute("LISTEN idemstage_jobs")
+        .await
+        .unwrap();
+    let released = queue::retry_now_many(&mut conn, &[stale, (b.id, b.attempt), (a.id, a.attempt)])
+        .await
+        .unwrap();
+    assert_eq!(
+        released,
+        vec![
+            JobRetryOutcome::Fenced,
+            JobRetryOutcome::Requeued,
+            JobRetryOutcome::Requeued
+        ]
+    );
+    for j in [a, b] {
+        let r = row(&mut conn, j.id).await;
+        assert_eq!((r.state.as_str(), r.retry_count), ("retry", 0));
+    }
+    // The new holder's job is untouched, and its token still works.
+    assert_eq!(row(&mut conn, c.id).await.state, "active");
+    assert_eq!(
+        queue::complete(&mut conn, c2.id, c2.attempt, None)
+            .await
+            .unwrap(),
+        JobCompleteOutcome::Completed
+    );
+    // The release woke the listeners of the queue.
+    let mut notifications = std::pin::pin!(listener.notifications_stream());
+    let n = tokio::time::timeout(Duration::from_secs(30), notifications.next())
+        .await
+        .expect("the release notified nobody")
+        .expect("stream ended")
+        .unwrap();
+    assert_eq!(n.payload, "batch");
 }

@@ -1,75 +1,113 @@
-//! Batched job completions: one task completes the jobs of many handlers.
+//! Batched job completions: one task completes the jobs of many handlers, and
+//! records (counts, logs) each outcome itself, so a handler's task ends, and its
+//! slot is free, as soon as it has handed its completion over.
 
-use idemstage_domain::{FetchedJob, JobCompleteOutcome, JobId, RepoError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstage_domain::{JobCompleteOutcome, JobId};
 use idemstage_persistence::queue;
 use idemstage_persistence::PgPool;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
+
+use super::stats::WorkerStats;
 
 /// Completes the jobs of many handlers with one `complete_many` each time: the
 /// completions that arrive while one statement runs go together in the next
 /// ("natural" batching, so a lone completion waits for nothing). One connection,
-/// one statement and one commit serve a whole batch.
+/// one statement and one commit serve a whole batch. Every completion is fenced on
+/// its job's `(id, attempt)`: one whose lease was taken over is not completed, and
+/// is counted as `fenced`.
 #[derive(Clone)]
 pub(super) struct Completer {
-    tx: mpsc::UnboundedSender<PendingCompletion>,
+    tx: mpsc::Sender<(JobId, i32)>,
 }
 
-struct PendingCompletion {
-    id: JobId,
-    attempt: i32,
-    reply: oneshot::Sender<Result<JobCompleteOutcome, RepoError>>,
-}
-
-/// Most completions per statement.
+/// Most completions per statement, and most completions waiting: a handler that
+/// finds this many waiting waits too (with its slot taken), so while the database
+/// is slow to complete, the worker stops fetching instead of piling up jobs.
 const COMPLETION_BATCH: usize = 256;
 
 impl Completer {
-    /// The loop ends when the last `Completer` is dropped.
-    pub(super) fn start(pool: PgPool) -> (Self, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (Self { tx }, tokio::spawn(completer_loop(pool, rx)))
+    /// The loop ends, after recording what it was handed, when the last
+    /// `Completer` is dropped.
+    pub(super) fn start(
+        pool: PgPool,
+        stats: Arc<WorkerStats>,
+        backoff_min: Duration,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(COMPLETION_BATCH);
+        (
+            Self { tx },
+            tokio::spawn(completer_loop(pool, rx, stats, backoff_min)),
+        )
     }
 
-    pub(super) async fn complete(&self, job: &FetchedJob) -> Result<JobCompleteOutcome, RepoError> {
-        let (reply, outcome) = oneshot::channel();
-        let stopped = || RepoError::Unavailable("the job completer has stopped".into());
-        self.tx
-            .send(PendingCompletion {
-                id: job.id,
-                attempt: job.attempt,
-                reply,
-            })
-            .map_err(|_| stopped())?;
-        outcome.await.map_err(|_| stopped())?
+    /// Hands the completion of the job's `attempt` over.
+    pub(super) async fn complete(&self, id: JobId, attempt: i32) {
+        if self.tx.send((id, attempt)).await.is_err() {
+            // Only if the completer's task died: the job's lease will expire.
+            tracing::error!(job = %id, "the job completer has stopped; the job's lease will expire");
+        }
     }
 }
 
-async fn completer_loop(pool: PgPool, mut rx: mpsc::UnboundedReceiver<PendingCompletion>) {
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < COMPLETION_BATCH {
-            match rx.try_recv() {
-                Ok(next) => batch.push(next),
-                Err(_) => break,
-            }
-        }
-        let tokens: Vec<(JobId, i32)> = batch.iter().map(|c| (c.id, c.attempt)).collect();
+async fn completer_loop(
+    pool: PgPool,
+    mut rx: mpsc::Receiver<(JobId, i32)>,
+    stats: Arc<WorkerStats>,
+    backoff_min: Duration,
+) {
+    let mut batch = Vec::with_capacity(COMPLETION_BATCH);
+    while rx.recv_many(&mut batch, COMPLETION_BATCH).await > 0 {
+        complete_batch(&pool, &batch, &stats, backoff_min).await;
+        batch.clear();
+    }
+}
+
+/// Completes `batch`, retrying transient database errors a few times. If that
+/// still fails, the jobs stay active until their leases expire and maintenance
+/// retries them. After a lost connection a retry may report `Fenced` because the
+/// first attempt did commit.
+async fn complete_batch(
+    pool: &PgPool,
+    batch: &[(JobId, i32)],
+    stats: &WorkerStats,
+    backoff_min: Duration,
+) {
+    const TRIES: u32 = 5;
+    let mut delay = backoff_min;
+    for tries in 1..=TRIES {
         let outcomes = async {
-            let mut conn = idemstage_persistence::get(&pool).await?;
-            queue::complete_many(&mut conn, &tokens).await
+            let mut conn = idemstage_persistence::get(pool).await?;
+            queue::complete_many(&mut conn, batch).await
         }
         .await;
-        // Each waiting handler gets its own outcome, or the error to retry on.
         match outcomes {
             Ok(outcomes) => {
-                for (pending, outcome) in batch.into_iter().zip(outcomes) {
-                    let _ = pending.reply.send(Ok(outcome));
+                let mut completed = 0;
+                for ((id, attempt), outcome) in batch.iter().zip(outcomes) {
+                    let what = match outcome {
+                        JobCompleteOutcome::Completed => {
+                            completed += 1;
+                            "completed"
+                        }
+                        JobCompleteOutcome::Fenced => "fenced",
+                    };
+                    tracing::debug!(job = %id, attempt, what, "job recorded");
                 }
+                WorkerStats::add(&stats.completed, completed);
+                WorkerStats::add(&stats.fenced, batch.len() as u64 - completed);
+                return;
+            }
+            Err(e) if e.is_retryable() && tries < TRIES => {
+                tracing::warn!(error = %e, jobs = batch.len(), "completing jobs failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
             }
             Err(e) => {
-                for pending in batch {
-                    let _ = pending.reply.send(Err(e.clone()));
-                }
+                tracing::error!(error = %e, jobs = batch.len(), "could not complete jobs; their leases will expire");
+                return;
             }
         }
     }

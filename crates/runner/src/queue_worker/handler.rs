@@ -74,8 +74,9 @@ pub enum Handled {
 /// any payload.
 ///
 /// The handler's own clock does not matter: while it runs, the worker renews the
-/// job's lease (at a third of `expire_in`); if the lease is taken over anyway,
-/// the handler is aborted and nothing is recorded. A panic fails the job
+/// job's lease (with the leases of all the jobs it holds, each at least every third
+/// of its `expire_in`); if the lease is taken over anyway, the handler is aborted
+/// (its future dropped) and nothing is recorded. A panic fails the job
 /// (retryable).
 pub trait JobHandler: Send + Sync + 'static {
     /// The payload type the job's JSON is deserialized into.

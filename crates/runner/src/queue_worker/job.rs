@@ -1,25 +1,50 @@
-//! One job's task: deserialize, run the handler (keeping the job leased, within
-//! its timeout), and record how it ended under the job's token.
+//! One job's task: deserialize, run the handler (while the worker's lease keeper
+//! keeps the job leased, within its timeout), and record how it ended under the
+//! job's token. A completion is handed to the completer, which records it in a
+//! batch, so the handler slot is free before the completion's round trip.
 
+use std::any::Any;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
-use idemstage_domain::{
-    FailKind, FetchedJob, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome, RepoError,
-};
+use idemstage_domain::{FailKind, FetchedJob, JobFailOutcome, JobId, JobRetryOutcome, RepoError};
 use idemstage_persistence::queue;
 use idemstage_persistence::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::Completer;
 use super::handler::{Handled, HandlerError, JobHandler};
+use super::lease::HeldLease;
 use super::stats::WorkerStats;
+
+/// What every job task of one worker shares.
+pub(super) struct JobContext<H> {
+    pub(super) pool: PgPool,
+    pub(super) completer: Completer,
+    pub(super) handler: H,
+    /// Cancelled when the shutdown grace is over: handlers still running are
+    /// aborted and their jobs given back.
+    pub(super) hard_stop: CancellationToken,
+    pub(super) stats: Arc<WorkerStats>,
+    pub(super) backoff_min: Duration,
+    pub(super) handler_timeout: Option<Duration>,
+}
 
 /// How a job's run ended, to be recorded under its token.
 enum Finish {
+    /// The completer completes it.
     Complete,
     /// Completed by the handler in its own transaction: nothing to write.
     AlreadyCompleted,
+    /// This task writes it.
+    Write(Write),
+}
+
+/// The outcomes written by the job's own task, one statement each.
+enum Write {
     Fail(String, FailKind),
     /// Shutdown: give the job back unfinished.
     Release,
@@ -29,130 +54,122 @@ enum Finish {
     DeferFor(Duration),
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The job's token and queue, for recording after the handler took the job.
+struct Token {
+    id: JobId,
+    attempt: i32,
+    queue: String,
+}
+
 pub(super) async fn run_job<H: JobHandler>(
-    pool: PgPool,
-    completer: Completer,
-    handler: Arc<H>,
+    cx: Arc<JobContext<H>>,
     job: FetchedJob,
-    _slot: tokio::sync::OwnedSemaphorePermit,
-    hard_stop: CancellationToken,
-    stats: Arc<WorkerStats>,
-    backoff_min: Duration,
-    handler_timeout: Option<Duration>,
+    lease: HeldLease,
 ) {
+    if lease.is_lost() {
+        // Taken over while it waited for a slot: someone else's job now.
+        tracing::warn!(job = %job.id, "job lease lost before its handler started; not run");
+        WorkerStats::add(&cx.stats.fenced, 1);
+        return;
+    }
+    let token = Token {
+        id: job.id,
+        attempt: job.attempt,
+        queue: job.queue.clone(),
+    };
     let finish = match job.payload_as::<H::Payload>() {
-        Err(e) => Finish::Fail(e.to_string(), FailKind::Permanent),
+        Err(e) => Finish::Write(Write::Fail(e.to_string(), FailKind::Permanent)),
         Ok(payload) => {
-            // Its own task, so that a panic is a JoinError here and not our unwind.
-            let (h, j) = (handler.clone(), job.clone());
-            let mut task = tokio::spawn(async move { h.handle(j, payload).await });
-            tokio::select! {
-                joined = &mut task => finish_of(joined),
-                // Our clock, but only for giving up on a handler: the database's
-                // clock decides the lease.
-                _ = async {
-                    match handler_timeout {
-                        Some(t) => tokio::time::sleep(t).await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    task.abort();
-                    Finish::Fail(
-                        format!("handler did not finish within {:?}", handler_timeout.unwrap_or_default()),
-                        FailKind::Retryable,
-                    )
+            // A panic is caught here (and fails the job), not unwound into the worker.
+            let handled = catch_unwind(cx.handler.handle(job, payload));
+            // Our clock, but only for giving up on a handler: the database's clock
+            // decides the lease.
+            let timeout = async {
+                match cx.handler_timeout {
+                    Some(t) => tokio::time::sleep(t).await,
+                    None => std::future::pending().await,
                 }
-                // The lease is renewed while the handler runs, so a job outlives a
-                // slow handler but not a dead worker. If the lease was taken over,
-                // the job is someone else's now: stop, and record nothing.
-                lost = keep_job_leased(&pool, &job) => {
-                    // A handler that completed the job itself ends its lease too:
-                    // if it has just returned, its result stands.
-                    if task.is_finished() {
-                        let finish = finish_of(task.await);
-                        record(&pool, &completer, &job, finish, &stats, backoff_min).await;
-                        return;
-                    }
-                    task.abort();
-                    tracing::warn!(job = %job.id, reason = %lost, "job lease lost; handler aborted");
-                    WorkerStats::add(&stats.fenced, 1);
+            };
+            tokio::select! {
+                // First: a handler that has just returned keeps its result, even if
+                // the lease keeper found the lease ended (a handler that completed
+                // the job itself ends its lease too).
+                biased;
+                handled = handled => finish_of(handled),
+                // The lease keeper renews the lease while the handler runs, so a job
+                // outlives a slow handler but not a dead worker. If the lease was
+                // taken over, the job is someone else's now: stop (dropping the
+                // handler's future aborts it), and record nothing.
+                _ = lease.lost() => {
+                    tracing::warn!(job = %token.id, "job lease lost (taken over after it expired); handler aborted");
+                    WorkerStats::add(&cx.stats.fenced, 1);
                     return;
                 }
-                _ = hard_stop.cancelled() => {
-                    task.abort();
-                    Finish::Release
-                }
+                _ = cx.hard_stop.cancelled() => Finish::Write(Write::Release),
+                _ = timeout => Finish::Write(Write::Fail(
+                    format!("handler did not finish within {:?}", cx.handler_timeout.unwrap_or_default()),
+                    FailKind::Retryable,
+                )),
             }
         }
     };
-    record(&pool, &completer, &job, finish, &stats, backoff_min).await;
+    // Recorded without renewing: the lease has at least two thirds left.
+    drop(lease);
+    match finish {
+        // Written by the handler: nothing to do.
+        Finish::AlreadyCompleted => {
+            WorkerStats::add(&cx.stats.completed, 1);
+            tracing::debug!(job = %token.id, attempt = token.attempt, what = "completed", "job recorded");
+        }
+        // The completer records it (and counts it) with the completions of other
+        // handlers; this waits only while its queue is full.
+        Finish::Complete => cx.completer.complete(token.id, token.attempt).await,
+        Finish::Write(write) => record(&cx, &token, write).await,
+    }
 }
 
-fn finish_of(joined: Result<Result<Handled, HandlerError>, tokio::task::JoinError>) -> Finish {
-    match joined {
+fn finish_of(handled: Result<Result<Handled, HandlerError>, Box<dyn Any + Send>>) -> Finish {
+    match handled {
         Ok(Ok(Handled::Complete)) => Finish::Complete,
         Ok(Ok(Handled::AlreadyCompleted)) => Finish::AlreadyCompleted,
-        Ok(Err(HandlerError::Retryable(m))) => Finish::Fail(m, FailKind::Retryable),
-        Ok(Err(HandlerError::Permanent(m))) => Finish::Fail(m, FailKind::Permanent),
-        Ok(Err(HandlerError::Defer { until, .. })) => Finish::Defer(until),
-        Ok(Err(HandlerError::DeferFor { after, .. })) => Finish::DeferFor(after),
-        Err(e) if e.is_panic() => Finish::Fail(
-            format!("handler panicked: {}", panic_message(e.into_panic())),
+        Ok(Err(HandlerError::Retryable(m))) => Finish::Write(Write::Fail(m, FailKind::Retryable)),
+        Ok(Err(HandlerError::Permanent(m))) => Finish::Write(Write::Fail(m, FailKind::Permanent)),
+        Ok(Err(HandlerError::Defer { until, .. })) => Finish::Write(Write::Defer(until)),
+        Ok(Err(HandlerError::DeferFor { after, .. })) => Finish::Write(Write::DeferFor(after)),
+        Err(panic) => Finish::Write(Write::Fail(
+            format!("handler panicked: {}", panic_message(panic)),
             FailKind::Retryable,
-        ),
-        Err(e) => Finish::Fail(format!("handler task ended: {e}"), FailKind::Retryable),
+        )),
     }
 }
 
-/// Renews the job's lease at a third of `expire_in` until it is refused (returns
-/// why). Database errors are retried at the next tick: the lease has slack.
-async fn keep_job_leased(pool: &PgPool, job: &FetchedJob) -> String {
-    let every = (job.expire_in / 3).max(Duration::from_millis(10));
-    loop {
-        tokio::time::sleep(every).await;
-        let renewed = async {
-            let mut conn = idemstage_persistence::get(pool).await?;
-            queue::renew_lease(&mut conn, job.id, job.attempt).await
+/// Polls `f`, turning a panic during a poll into `Err` with its payload (and not
+/// polling `f` again).
+async fn catch_unwind<F: Future>(f: F) -> Result<F::Output, Box<dyn Any + Send>> {
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(move |cx| {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f.as_mut().poll(cx))) {
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => Poll::Ready(Err(panic)),
         }
-        .await;
-        match renewed {
-            Ok(queue::RenewLeaseOutcome::Renewed { .. }) => {}
-            Ok(queue::RenewLeaseOutcome::Fenced) => {
-                return "the job was taken over (its lease had expired)".into()
-            }
-            Err(e) => tracing::warn!(job = %job.id, error = %e, "job lease renewal failed"),
-        }
-    }
+    })
+    .await
 }
 
-/// Records the outcome, retrying transient database errors a few times. If that
-/// still fails, the job stays active until its lease expires and maintenance
-/// retries it. After a lost connection a retry may report `Fenced` because the
-/// first attempt did commit; both end the job's lease here.
-async fn record(
-    pool: &PgPool,
-    completer: &Completer,
-    job: &FetchedJob,
-    finish: Finish,
-    stats: &WorkerStats,
-    backoff_min: Duration,
-) {
+/// Records a failure, a release or a deferral, retrying transient database errors
+/// a few times. If that still fails, the job stays active until its lease expires
+/// and maintenance retries it. After a lost connection a retry may report `Fenced`
+/// because the first attempt did commit; both end the job's lease here.
+async fn record<H>(cx: &JobContext<H>, job: &Token, write: Write) {
     const TRIES: u32 = 5;
-    let mut delay = backoff_min;
+    let stats = &cx.stats;
+    let mut delay = cx.backoff_min;
     for tries in 1..=TRIES {
         let result = async {
-            Ok::<_, RepoError>(match &finish {
-                // Written by the handler: nothing to do.
-                Finish::AlreadyCompleted => (&stats.completed, "completed"),
-                // Without a pooled connection of its own: the completer uses one
-                // for the completions of many handlers.
-                Finish::Complete => match completer.complete(job).await? {
-                    JobCompleteOutcome::Completed => (&stats.completed, "completed"),
-                    JobCompleteOutcome::Fenced => (&stats.fenced, "fenced"),
-                },
-                Finish::Fail(msg, kind) => {
-                    let mut conn = idemstage_persistence::get(pool).await?;
+            let mut conn = idemstage_persistence::get(&cx.pool).await?;
+            Ok::<_, RepoError>(match &write {
+                Write::Fail(msg, kind) => {
                     // Sanitised: a NUL or a huge message must not make the failure
                     // itself fail (and leave the job active until its lease ends).
                     let text = idemstage_domain::sanitize_error_text(msg);
@@ -164,22 +181,17 @@ async fn record(
                         JobFailOutcome::Fenced => (&stats.fenced, "fenced"),
                     }
                 }
-                Finish::Release => {
-                    let mut conn = idemstage_persistence::get(pool).await?;
-                    match queue::retry_now(&mut conn, job.id, job.attempt).await? {
-                        JobRetryOutcome::Requeued => (&stats.released, "released"),
-                        JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
-                    }
-                }
-                Finish::Defer(until) => {
-                    let mut conn = idemstage_persistence::get(pool).await?;
+                Write::Release => match queue::retry_now(&mut conn, job.id, job.attempt).await? {
+                    JobRetryOutcome::Requeued => (&stats.released, "released"),
+                    JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                },
+                Write::Defer(until) => {
                     match queue::retry_at(&mut conn, job.id, job.attempt, *until).await? {
                         JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
                     }
                 }
-                Finish::DeferFor(after) => {
-                    let mut conn = idemstage_persistence::get(pool).await?;
+                Write::DeferFor(after) => {
                     match queue::retry_after(&mut conn, job.id, job.attempt, *after).await? {
                         JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
                         JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
@@ -207,7 +219,7 @@ async fn record(
     }
 }
 
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+fn panic_message(payload: Box<dyn Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = payload.downcast_ref::<String>() {

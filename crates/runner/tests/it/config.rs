@@ -45,3 +45,33 @@ async fn maintenance_slower_than_the_job_lease_is_refused() {
     };
     assert_eq!(four.pool_size(), 10);
 }
+
+/// A worker may hold at most `MAX_HELD_JOBS` (running and fetched ahead): a larger
+/// prefetch is refused, naming the setting.
+#[tokio::test]
+async fn a_prefetch_beyond_what_a_worker_may_hold_is_refused() {
+    use idemstage_runner::queue_worker::MAX_HELD_JOBS;
+    use idemstage_runner::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
+    let db = idemstage_testkit::TestDb::new().await;
+    let handler = || handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
+    let config = QueueWorkerConfig {
+        queues: vec!["q".into()],
+        concurrency: 16,
+        prefetch: MAX_HELD_JOBS - 16 + 1,
+        ..QueueWorkerConfig::default()
+    };
+    let err = QueueWorker::new(db.pool(2).await, db.url(), config.clone(), handler())
+        .err()
+        .expect("a prefetch beyond MAX_HELD_JOBS was accepted");
+    assert!(
+        matches!(&err, WorkerError::Config(m) if m.contains("prefetch")),
+        "{err}"
+    );
+    assert!(config.validate().is_err());
+    let fitting = QueueWorkerConfig {
+        prefetch: MAX_HELD_JOBS - 16,
+        ..config
+    };
+    assert!(fitting.validate().is_ok());
+    assert!(QueueWorker::new(db.pool(2).await, db.url(), fitting, handler()).is_ok());
+}

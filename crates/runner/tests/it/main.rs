@@ -4,6 +4,8 @@
 
 mod config;
 mod db_errors;
+mod leases;
+mod prefetch;
 mod queue_worker;
 mod shutdown;
 mod support;

@@ -21,9 +21,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// Deadline of every wait: turns a hang into a failure, asserts no duration.
-const DEADLINE: Duration = Duration::from_secs(60);
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
-fn config(queue: &str) -> QueueWorkerConfig {
+pub(crate) fn config(queue: &str) -> QueueWorkerConfig {
     QueueWorkerConfig {
         queues: vec![queue.to_owned()],
         concurrency: 2,
@@ -37,14 +37,14 @@ fn config(queue: &str) -> QueueWorkerConfig {
     }
 }
 
-struct Running {
-    stop: CancellationToken,
-    stats: Arc<WorkerStats>,
-    handle: JoinHandle<WorkerStatsSnapshot>,
+pub(crate) struct Running {
+    pub(crate) stop: CancellationToken,
+    pub(crate) stats: Arc<WorkerStats>,
+    pub(crate) handle: JoinHandle<WorkerStatsSnapshot>,
 }
 
 impl Running {
-    async fn shutdown(self) -> WorkerStatsSnapshot {
+    pub(crate) async fn shutdown(self) -> WorkerStatsSnapshot {
         self.stop.cancel();
         tokio::time::timeout(DEADLINE, self.handle)
             .await
@@ -53,7 +53,12 @@ impl Running {
     }
 }
 
-fn start<H: JobHandler>(pool: PgPool, url: &str, cfg: QueueWorkerConfig, handler: H) -> Running {
+pub(crate) fn start<H: JobHandler>(
+    pool: PgPool,
+    url: &str,
+    cfg: QueueWorkerConfig,
+    handler: H,
+) -> Running {
     let worker = QueueWorker::new(pool, url, cfg, handler).unwrap();
     let stats = worker.stats();
     let stop = CancellationToken::new();
@@ -65,7 +70,7 @@ fn start<H: JobHandler>(pool: PgPool, url: &str, cfg: QueueWorkerConfig, handler
     }
 }
 
-fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSend {
+pub(crate) fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSend {
     JobToSend {
         tenant: None,
         queue: queue.to_owned(),
@@ -74,7 +79,7 @@ fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSe
     }
 }
 
-async fn send(conn: &mut AsyncPgConnection, j: JobToSend) -> JobId {
+pub(crate) async fn send(conn: &mut AsyncPgConnection, j: JobToSend) -> JobId {
     match queue::send_in(conn, &j).await.unwrap() {
         SendResult::Sent(id) => id,
         SendResult::Duplicate => panic!("unexpected duplicate"),
@@ -82,16 +87,16 @@ async fn send(conn: &mut AsyncPgConnection, j: JobToSend) -> JobId {
 }
 
 #[derive(diesel::QueryableByName, Debug, Clone)]
-struct JobRow {
+pub(crate) struct JobRow {
     #[diesel(sql_type = Text)]
-    state: String,
+    pub(crate) state: String,
     #[diesel(sql_type = Integer)]
-    retry_count: i32,
+    pub(crate) retry_count: i32,
     #[diesel(sql_type = Nullable<Text>)]
-    last_error: Option<String>,
+    pub(crate) last_error: Option<String>,
 }
 
-async fn row(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
+pub(crate) async fn row(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
     diesel::sql_query("SELECT state, retry_count, last_error FROM jobs WHERE id = $1")
         .bind::<Text, _>(id.to_string())
         .get_result(conn)
@@ -101,7 +106,7 @@ async fn row(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
 
 /// Polls the job row until it reaches `state` (the database decides; the sleep only
 /// paces the polling).
-async fn wait_for_state(conn: &mut AsyncPgConnection, id: JobId, state: &str) -> JobRow {
+pub(crate) async fn wait_for_state(conn: &mut AsyncPgConnection, id: JobId, state: &str) -> JobRow {
     let deadline = Instant::now() + DEADLINE;
     loop {
         let r = row(conn, id).await;

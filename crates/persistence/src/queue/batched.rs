@@ -1,0 +1,182 @@
+//! The batched forms of the fenced statements: complete, renew or give back many
+//! jobs in one statement. Each entry is fenced on its own `(id, attempt, state =
+//! 'active')`, exactly as the single-job statement would be, and gets its own
+//! outcome, in input order.
+//!
+//! The tokens travel as one JSON object `{id: [attempt, ...]}`, so no statement has
+//! a join for the planner to choose: the jobs are probed by primary key (the key
+//! array behind `ARRAY(...)` is costed at a few elements, so even a small table is
+//! not scanned whole) and each row's fence is a key lookup in the object. Joined
+//! with `unnest` of the tokens instead, the planner hashed a scan of the whole table
+//! on small tables, and, when statistics said no job was active, looped over every
+//! active job once per token.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Integer, Jsonb, Text, Timestamptz};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
+
+use super::RenewLeaseOutcome;
+use crate::cached::CachedExt;
+use crate::error::map_diesel_error;
+
+/// The fence every batched statement shares: `$1` is the token object.
+macro_rules! fenced_by_tokens {
+    () => {
+        " WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
+   AND j.state = 'active'
+   AND ($1 -> j.id::text) @> to_jsonb(j.attempt)"
+    };
+}
+
+/// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
+/// Returns the `(id, attempt)` of every job it completed.
+pub(crate) const COMPLETE_MANY_SQL: &str = concat!(
+    "UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL\n",
+    fenced_by_tokens!(),
+    "\nRETURNING j.id, j.attempt"
+);
+
+/// `renew_leases`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
+/// attempt, lease_expires_at)` of every job whose lease it extended to `now() +
+/// expire_in`.
+pub(crate) const RENEW_LEASES_SQL: &str = concat!(
+    "UPDATE jobs j SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'\n",
+    fenced_by_tokens!(),
+    "\nRETURNING j.id, j.attempt, j.lease_expires_at"
+);
+
+/// `retry_now_many`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
+/// attempt)` of every job it gave back; wakes the listeners of their queues
+/// (PostgreSQL delivers one notification per distinct queue of the transaction).
+pub(crate) const RETRY_NOW_MANY_SQL: &str = concat!(
+    "WITH released AS (\n",
+    "UPDATE jobs j SET state = 'retry', start_after = now(), lease_expires_at = NULL\n",
+    fenced_by_tokens!(),
+    "\nRETURNING j.id, j.attempt, j.queue\n",
+    ")\n",
+    "SELECT id, attempt, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released"
+);
+
+#[derive(diesel::QueryableByName)]
+struct Token {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Lease {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+}
+
+/// The token object `$1`. Every token of a job goes along: the same job listed
+/// twice with different attempts is changed if either is its current token.
+fn tokens(jobs: &[(JobId, i32)]) -> serde_json::Value {
+    let mut tokens: HashMap<String, Vec<i32>> = HashMap::with_capacity(jobs.len());
+    for (id, attempt) in jobs {
+        tokens.entry(id.to_string()).or_default().push(*attempt);
+    }
+    serde_json::json!(tokens)
+}
+
+/// Runs `sql` for `jobs`; the rows it changed.
+async fn run<R>(
+    conn: &mut AsyncPgConnection,
+    sql: &'static str,
+    jobs: &[(JobId, i32)],
+) -> Result<Vec<R>, RepoError>
+where
+    R: diesel::QueryableByName<diesel::pg::Pg> + Send + 'static,
+{
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    diesel::sql_query(sql)
+        .bind::<Jsonb, _>(tokens(jobs))
+        .cached()
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)
+}
+
+/// Per entry of `jobs`, in input order, whether its token is among `changed`.
+/// Keyed by (id, attempt): an entry with a stale token is fenced even when another
+/// entry of the same job changed it.
+fn changed_in_order(jobs: &[(JobId, i32)], changed: Vec<Token>) -> Vec<bool> {
+    let done: HashSet<(String, i32)> = changed.into_iter().map(|r| (r.id, r.attempt)).collect();
+    jobs.iter()
+        .map(|(id, attempt)| done.contains(&(id.to_string(), *attempt)))
+        .collect()
+}
+
+/// Completes many jobs in one statement; outcomes are in input order, `Fenced` for
+/// every entry whose token is not the job's current one (or the job not active).
+pub async fn complete_many(
+    conn: &mut AsyncPgConnection,
+    jobs: &[(JobId, i32)],
+) -> Result<Vec<JobCompleteOutcome>, RepoError> {
+    let changed = run(conn, COMPLETE_MANY_SQL, jobs).await?;
+    Ok(changed_in_order(jobs, changed)
+        .into_iter()
+        .map(|done| {
+            if done {
+                JobCompleteOutcome::Completed
+            } else {
+                JobCompleteOutcome::Fenced
+            }
+        })
+        .collect())
+}
+
+/// Extends the leases of many jobs to `now() + expire_in` each (database clock) in
+/// one statement: what a worker sends for all the jobs it holds. Outcomes are in
+/// input order; `Fenced` means that job's lease was taken over, and its holder must
+/// stop.
+pub async fn renew_leases(
+    conn: &mut AsyncPgConnection,
+    jobs: &[(JobId, i32)],
+) -> Result<Vec<RenewLeaseOutcome>, RepoError> {
+    let rows: Vec<Lease> = run(conn, RENEW_LEASES_SQL, jobs).await?;
+    let renewed: HashMap<(String, i32), DateTime<Utc>> = rows
+        .into_iter()
+        .map(|r| ((r.id, r.attempt), r.lease_expires_at))
+        .collect();
+    Ok(jobs
+        .iter()
+        .map(
+            |(id, attempt)| match renewed.get(&(id.to_string(), *attempt)) {
+                Some(&lease_expires_at) => RenewLeaseOutcome::Renewed { lease_expires_at },
+                None => RenewLeaseOutcome::Fenced,
+            },
+        )
+        .collect())
+}
+
+/// Gives many jobs back for another worker now, without counting a failure (what a
+/// worker shutting down does with the jobs it fetched but never started), in one
+/// statement; wakes the listeners. Outcomes are in input order.
+pub async fn retry_now_many(
+    conn: &mut AsyncPgConnection,
+    jobs: &[(JobId, i32)],
+) -> Result<Vec<JobRetryOutcome>, RepoError> {
+    let changed = run(conn, RETRY_NOW_MANY_SQL, jobs).await?;
+    Ok(changed_in_order(jobs, changed)
+        .into_iter()
+        .map(|done| {
+            if done {
+                JobRetryOutcome::Requeued
+            } else {
+                JobRetryOutcome::Fenced
+            }
+        })
+        .collect())
+}

@@ -1,0 +1,120 @@
+//! A queue worker's settings, and the check of which settings work.
+
+use std::time::Duration;
+
+use idemstage_domain::queue::validate_queue_name;
+use idemstage_persistence::queue::MaintenanceConfig;
+
+/// The most jobs a worker may hold at once (`concurrency + prefetch`): more would
+/// claim a queue's backlog away from every other worker, and make the release at
+/// shutdown long.
+pub const MAX_HELD_JOBS: usize = 100_000;
+
+/// Settings of a [`QueueWorker`](super::QueueWorker). Durations are measured by the
+/// worker's clock (tokio time); job leases and retry times are the database's.
+#[derive(Clone, Debug)]
+pub struct QueueWorkerConfig {
+    /// The queues to fetch from; at least one (`PipelineWorker` fills in its stages).
+    pub queues: Vec<String>,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Jobs leased per fetch, at most: a fetch takes no more than the room left
+    /// for `concurrency + prefetch` jobs.
+    pub batch_size: u32,
+    /// Jobs fetched ahead, beyond those running: they wait in the worker for a free
+    /// handler slot, so a slot that frees up starts its next job without a round
+    /// trip. The worker fetches again when half of them are left (with 0: when a
+    /// slot is free and nothing waits), and never holds more than `concurrency +
+    /// prefetch` jobs. Their leases are renewed while they wait, and at shutdown
+    /// they are given back at once (not counted as a failure). For short handlers
+    /// a prefetch of a few hundred lets a worker fetch in batches; with long
+    /// handlers keep it small, since jobs waiting here are out of other workers'
+    /// reach. Default 0: only the jobs that can start are fetched.
+    pub prefetch: usize,
+    /// Fallback when no notification arrives (missed, or a delayed retry came due).
+    pub poll_interval: Duration,
+    /// Wake on LISTEN/NOTIFY; without it the worker only polls.
+    pub listen: bool,
+    /// How often queue maintenance runs (the first run at start): it puts jobs
+    /// whose lease ran out back in the queue, so keep it below the jobs' lease.
+    /// One worker per database maintains at a time.
+    pub maintenance_interval: Duration,
+    /// What a maintenance run does: retention of finished jobs, batch size.
+    pub maintenance: MaintenanceConfig,
+    /// On shutdown, how long in-flight handlers may finish; after that they are
+    /// aborted and their jobs given back (`retry_now`, not counted as a failure).
+    pub shutdown_grace: Duration,
+    /// Backoff after a database error: doubles from `min` up to `max`.
+    pub error_backoff_min: Duration,
+    /// The longest backoff after a database error.
+    pub error_backoff_max: Duration,
+    /// A handler still running after this long is aborted and its job failed
+    /// (retryable). `None`: no limit here (stages have their own timeout).
+    pub handler_timeout: Option<Duration>,
+}
+
+impl Default for QueueWorkerConfig {
+    fn default() -> Self {
+        Self {
+            queues: Vec::new(),
+            concurrency: 4,
+            batch_size: 10,
+            prefetch: 0,
+            poll_interval: Duration::from_secs(2),
+            listen: true,
+            maintenance_interval: Duration::from_secs(30),
+            maintenance: MaintenanceConfig::default(),
+            shutdown_grace: Duration::from_secs(30),
+            error_backoff_min: Duration::from_millis(100),
+            error_backoff_max: Duration::from_secs(10),
+            handler_timeout: None,
+        }
+    }
+}
+
+impl QueueWorkerConfig {
+    /// Checks the settings ([`QueueWorker::new`](super::QueueWorker::new) does):
+    /// refused without queues, with an invalid queue name, with a zero
+    /// `concurrency`, `batch_size`, `poll_interval` or `maintenance_interval`, or
+    /// with `concurrency + prefetch` above [`MAX_HELD_JOBS`]. The error names the
+    /// setting.
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        if self.queues.is_empty() {
+            return Err(WorkerError::Config("no queues to work".into()));
+        }
+        for q in &self.queues {
+            validate_queue_name(q).map_err(|e| WorkerError::Config(e.to_string()))?;
+        }
+        if self.concurrency == 0 || self.batch_size == 0 {
+            return Err(WorkerError::Config(
+                "concurrency and batch_size must be positive".into(),
+            ));
+        }
+        if self.poll_interval.is_zero() || self.maintenance_interval.is_zero() {
+            return Err(WorkerError::Config(
+                "poll_interval and maintenance_interval must be positive".into(),
+            ));
+        }
+        if self.held_limit() > MAX_HELD_JOBS {
+            return Err(WorkerError::Config(format!(
+                "concurrency {} + prefetch {} is more than the {MAX_HELD_JOBS} jobs a \
+                 worker may hold",
+                self.concurrency, self.prefetch
+            )));
+        }
+        Ok(())
+    }
+
+    /// The most jobs the worker holds at once: running and fetched ahead.
+    pub(super) fn held_limit(&self) -> usize {
+        self.concurrency.saturating_add(self.prefetch)
+    }
+}
+
+/// Why a worker could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The configuration is invalid (the text says which setting); fix it, do not retry.
+    #[error("invalid worker configuration: {0}")]
+    Config(String),
+}

@@ -1,0 +1,232 @@
+//! The fetch loop: keeps up to `concurrency` handlers busy from a buffer of fetched
+//! jobs, refills the buffer while the handlers run (one fetch at a time, never
+//! holding more than `concurrency + prefetch` jobs), and at shutdown gives back at
+//! once the jobs it never started, then waits for the running ones.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstage_domain::{FetchedJob, JobId, JobRetryOutcome, RepoError};
+use idemstage_persistence::queue;
+use tokio::sync::Notify;
+use tokio::task::{JoinError, JoinSet};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::config::QueueWorkerConfig;
+use super::handler::JobHandler;
+use super::job::{run_job, JobContext};
+use super::lease::{HeldLease, Leases};
+use super::stats::WorkerStats;
+
+type FetchFuture = Pin<Box<dyn Future<Output = Result<Vec<FetchedJob>, RepoError>> + Send>>;
+
+/// Most tokens per release statement at shutdown.
+const RELEASE_CHUNK: usize = 1000;
+
+pub(super) struct Dispatch<H> {
+    cx: Arc<JobContext<H>>,
+    config: QueueWorkerConfig,
+    queues: Arc<[String]>,
+    leases: Leases,
+    /// Fetched, leased, not started: oldest first.
+    buffer: VecDeque<(FetchedJob, HeldLease)>,
+    /// One task per started job, until its outcome is recorded or handed to the
+    /// completer.
+    running: JoinSet<()>,
+}
+
+impl<H: JobHandler> Dispatch<H> {
+    pub(super) fn new(cx: Arc<JobContext<H>>, config: QueueWorkerConfig, leases: Leases) -> Self {
+        Self {
+            cx,
+            queues: config.queues.clone().into(),
+            config,
+            leases,
+            buffer: VecDeque::new(),
+            running: JoinSet::new(),
+        }
+    }
+
+    /// Works until `shutdown`: starts buffered jobs on free slots, fetches when the
+    /// buffer runs low (and there is room), and after a fetch that found fewer jobs
+    /// than it asked for waits for a notification (`wake`) or the poll interval.
+    /// Returns with no fetch under way; its jobs are in the buffer.
+    pub(super) async fn run(&mut self, shutdown: &CancellationToken, wake: &Notify) {
+        let cfg = self.config.clone();
+        let mut fetching: Option<(u32, FetchFuture)> = None;
+        // Set after a short fetch (true: a wake-up ends the pause) or a failed one
+        // (false: only the backoff does): no fetch before `pause` has passed.
+        let mut paused: Option<bool> = None;
+        let pause = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(pause);
+        let mut backoff = cfg.error_backoff_min;
+        loop {
+            while let Some(done) = self.running.try_join_next() {
+                log_join_error(done);
+            }
+            // Checked first: once stopping, buffered jobs are given back, not started.
+            if shutdown.is_cancelled() {
+                break;
+            }
+            self.start_buffered();
+            if fetching.is_none() && paused.is_none() {
+                if let Some(limit) = self.fetch_limit() {
+                    fetching = Some((limit, self.fetch(limit)));
+                }
+            }
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                fetched = async { fetching.as_mut().expect("guarded").1.as_mut().await }, if fetching.is_some() => {
+                    let (limit, _) = fetching.take().expect("guarded");
+                    match fetched {
+                        Ok(jobs) => {
+                            backoff = cfg.error_backoff_min;
+                            if jobs.len() < limit as usize {
+                                // Nothing more waiting now: until a notification or
+                                // the poll interval.
+                                paused = Some(true);
+                                pause.as_mut().reset(Instant::now() + cfg.poll_interval);
+                            }
+                            self.hold(jobs);
+                        }
+                        Err(e) => {
+                            WorkerStats::add(&self.cx.stats.fetch_errors, 1);
+                            tracing::warn!(error = %e, retry_in = ?backoff, "fetch failed");
+                            paused = Some(false);
+                            pause.as_mut().reset(Instant::now() + backoff);
+                            backoff = (backoff * 2).min(cfg.error_backoff_max);
+                        }
+                    }
+                }
+                Some(done) = self.running.join_next(), if !self.running.is_empty() => log_join_error(done),
+                _ = wake.notified(), if paused == Some(true) => paused = None,
+                _ = &mut pause, if paused.is_some() => paused = None,
+            }
+        }
+        // A fetch under way has leased its jobs: take them, to give them back.
+        if let Some((_, fetch)) = fetching {
+            if let Ok(jobs) = fetch.await {
+                self.hold(jobs);
+            }
+        }
+    }
+
+    /// How many jobs to fetch now, if any: when the buffer is down to half the
+    /// prefetch (with no prefetch: empty, and a slot is free), as many as there is
+    /// room for, at most `batch_size`.
+    fn fetch_limit(&self) -> Option<u32> {
+        let held = self.running.len() + self.buffer.len();
+        let room = self.config.held_limit().saturating_sub(held);
+        if room == 0 || self.buffer.len() > self.config.prefetch / 2 {
+            return None;
+        }
+        Some(
+            u32::try_from(room)
+                .unwrap_or(u32::MAX)
+                .min(self.config.batch_size),
+        )
+    }
+
+    fn fetch(&self, limit: u32) -> FetchFuture {
+        let (pool, queues) = (self.cx.pool.clone(), self.queues.clone());
+        Box::pin(async move {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::fetch(&mut conn, &queues, limit).await
+        })
+    }
+
+    fn hold(&mut self, jobs: Vec<FetchedJob>) {
+        WorkerStats::add(&self.cx.stats.fetched, jobs.len() as u64);
+        let leases = self.leases.hold(&jobs);
+        self.buffer.extend(jobs.into_iter().zip(leases));
+    }
+
+    fn start_buffered(&mut self) {
+        while self.running.len() < self.config.concurrency {
+            let Some((job, lease)) = self.buffer.pop_front() else {
+                break;
+            };
+            self.running.spawn(run_job(self.cx.clone(), job, lease));
+        }
+    }
+
+    /// Gives back, at once, every job fetched but not started, so that another
+    /// worker can take it without waiting for its lease; not counted as a failure.
+    pub(super) async fn release_unstarted(&mut self) {
+        let unstarted: Vec<(FetchedJob, HeldLease)> = self.buffer.drain(..).collect();
+        let tokens: Vec<(JobId, i32)> = unstarted.iter().map(|(j, _)| (j.id, j.attempt)).collect();
+        for chunk in tokens.chunks(RELEASE_CHUNK) {
+            release(&self.cx, chunk).await;
+        }
+        // Their leases are renewed until here.
+        drop(unstarted);
+    }
+
+    /// Waits up to `grace` for the running handlers; then aborts the rest (their
+    /// jobs are given back) and waits for them to record that.
+    pub(super) async fn drain(&mut self, grace: Duration) {
+        let running = &mut self.running;
+        let drained = async {
+            while let Some(done) = running.join_next().await {
+                log_join_error(done);
+            }
+        };
+        if tokio::time::timeout(grace, drained).await.is_err() {
+            tracing::warn!(
+                ?grace,
+                still_running = self.running.len(),
+                "shutdown grace period over; giving the remaining jobs back"
+            );
+            self.cx.hard_stop.cancel();
+            while let Some(done) = self.running.join_next().await {
+                log_join_error(done);
+            }
+        }
+    }
+}
+
+/// One release statement for `tokens`, retrying transient errors a few times; if
+/// that still fails, the jobs wait for their leases to expire.
+async fn release<H>(cx: &JobContext<H>, tokens: &[(JobId, i32)]) {
+    const TRIES: u32 = 5;
+    let mut delay = cx.backoff_min;
+    for tries in 1..=TRIES {
+        let released = async {
+            let mut conn = idemstage_persistence::get(&cx.pool).await?;
+            queue::retry_now_many(&mut conn, tokens).await
+        }
+        .await;
+        match released {
+            Ok(outcomes) => {
+                let requeued = outcomes
+                    .iter()
+                    .filter(|o| **o == JobRetryOutcome::Requeued)
+                    .count() as u64;
+                WorkerStats::add(&cx.stats.released, requeued);
+                WorkerStats::add(&cx.stats.fenced, tokens.len() as u64 - requeued);
+                tracing::debug!(jobs = tokens.len(), requeued, "unstarted jobs given back");
+                return;
+            }
+            Err(e) if e.is_retryable() && tries < TRIES => {
+                tracing::warn!(error = %e, jobs = tokens.len(), "giving unstarted jobs back failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, jobs = tokens.len(), "could not give unstarted jobs back; their leases will expire");
+                return;
+            }
+        }
+    }
+}
+
+fn log_join_error(done: Result<(), JoinError>) {
+    if let Err(e) = done {
+        tracing::error!(error = %e, "job task failed");
+    }
+}
