@@ -11,7 +11,11 @@ ALTER TABLE jobs
 
 -- The fetch walks the tenants of a queue with ready jobs (a skip scan over
 -- (queue, tenant_id)) and, per tenant, its jobs in priority order: one index for
--- both, in place of (queue, priority DESC, id).
+-- both, in place of (queue, priority DESC, id). The skip scan's steps test
+-- start_after (only tenants with a job ready now), which also keeps them from
+-- being index-only scans: those cannot mark the entries of finished jobs dead
+-- in the index, so every fetch walked all of them (a fetch took 1.2 ms on a
+-- fresh backlog and 3.6 ms after 15,000 jobs of it had completed).
 DROP INDEX jobs_fetch_idx;
 CREATE INDEX jobs_fetch_idx ON jobs (queue, tenant_id, priority DESC, id)
     WHERE state IN ('created', 'retry');
@@ -106,11 +110,12 @@ BEGIN
     WITH RECURSIVE tenants AS (
         (SELECT j.tenant_id FROM jobs j
           WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+            AND j.start_after <= now()
           ORDER BY j.tenant_id LIMIT 1)
         UNION ALL
         SELECT (SELECT j.tenant_id FROM jobs j
                  WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
-                   AND j.tenant_id > t.tenant_id
+                   AND j.tenant_id > t.tenant_id AND j.start_after <= now()
                  ORDER BY j.tenant_id LIMIT 1)
           FROM tenants t
          WHERE t.tenant_id IS NOT NULL
@@ -126,11 +131,37 @@ BEGIN
          WHERE t.tenant_id IS NOT NULL
          ORDER BY h.priority DESC, h.id
          LIMIT v_n
-    ), shares AS (
+    ), fair AS (
         SELECT heads.tenant_id,
                row_number() OVER (ORDER BY heads.priority DESC, heads.id) AS turn,
+               count(*) OVER () AS tenants,
                ceil(v_n::numeric / count(*) OVER ())::integer AS share
           FROM heads
+    ), avail AS (
+        -- What each tenant has of its share (read, not locked; one tenant: all).
+        SELECT f.*,
+               CASE WHEN f.tenants = 1 THEN f.share
+                    ELSE (SELECT count(*) FROM (
+                              SELECT 1 FROM jobs j
+                               WHERE j.queue = v_queue AND j.tenant_id = f.tenant_id
+                                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+                               -- In index order, as the lock below reads: without it a
+                               -- generic plan may take a bitmap scan of the tenant's
+                               -- whole backlog.
+                               ORDER BY j.priority DESC, j.id
+                               LIMIT f.share) x)::integer
+               END AS avail
+          FROM fair f
+    ), shares AS (
+        -- The share the tenants with less did not use goes to those with more, so
+        -- that a fetch is still full when one tenant has the backlog.
+        SELECT a.*,
+               CASE WHEN a.avail < a.share THEN a.avail
+                    ELSE (a.share + ceil(greatest(v_n - sum(a.avail) OVER (), 0)::numeric
+                                          / count(*) FILTER (WHERE a.avail >= a.share) OVER ()
+                                    )::integer)
+               END AS take
+          FROM avail a
     ), candidates AS (
         SELECT c.ctid, c.id, s.turn,
                row_number() OVER (PARTITION BY s.tenant_id ORDER BY c.priority DESC, c.id) AS rank
@@ -140,7 +171,7 @@ BEGIN
                WHERE j.queue = v_queue AND j.tenant_id = s.tenant_id
                  AND j.state IN ('created', 'retry') AND j.start_after <= now()
                ORDER BY j.priority DESC, j.id
-               LIMIT s.share
+               LIMIT s.take
                FOR UPDATE SKIP LOCKED) c
     ), next AS (
         SELECT ctid, id, rank, turn FROM candidates ORDER BY rank, turn LIMIT v_n
@@ -182,11 +213,12 @@ BEGIN
     WITH RECURSIVE tenants AS (
         (SELECT j.tenant_id FROM jobs j
           WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
+            AND j.start_after <= now()
           ORDER BY j.tenant_id LIMIT 1)
         UNION ALL
         SELECT (SELECT j.tenant_id FROM jobs j
                  WHERE j.queue = v_queue AND j.state IN ('created', 'retry')
-                   AND j.tenant_id > t.tenant_id
+                   AND j.tenant_id > t.tenant_id AND j.start_after <= now()
                  ORDER BY j.tenant_id LIMIT 1)
           FROM tenants t
          WHERE t.tenant_id IS NOT NULL
@@ -237,13 +269,39 @@ BEGIN
          WHERE r.room > 0
          ORDER BY h.priority DESC, h.id
          LIMIT v_n
-    ), shares AS (
-        SELECT heads.tenant_id, heads.weight, heads.rate_count, heads.tokens,
+    ), fair AS (
+        SELECT heads.tenant_id, heads.weight, heads.rate_count, heads.tokens, heads.room,
                row_number() OVER (ORDER BY heads.priority DESC, heads.id) AS turn,
+               count(*) OVER () AS tenants,
                least(heads.room,
                      ceil(v_n::numeric * heads.weight / sum(heads.weight) OVER ()))::integer
                    AS share
           FROM heads
+    ), avail AS (
+        -- What each tenant has of its share (read, not locked; one tenant: all).
+        SELECT f.*,
+               CASE WHEN f.tenants = 1 THEN f.share
+                    ELSE (SELECT count(*) FROM (
+                              SELECT 1 FROM jobs j
+                               WHERE j.queue = v_queue AND j.tenant_id = f.tenant_id
+                                 AND j.state IN ('created', 'retry') AND j.start_after <= now()
+                               -- In index order, as the lock below reads: without it a
+                               -- generic plan may take a bitmap scan of the tenant's
+                               -- whole backlog.
+                               ORDER BY j.priority DESC, j.id
+                               LIMIT f.share) x)::integer
+               END AS avail
+          FROM fair f
+    ), shares AS (
+        -- The share the tenants with less did not use goes to those with more, so
+        -- that a fetch is still full when one tenant has the backlog.
+        SELECT a.*,
+               CASE WHEN a.avail < a.share THEN a.avail
+                    ELSE least(a.room, (a.share + ceil(greatest(v_n - sum(a.avail) OVER (), 0)::numeric
+                                          / count(*) FILTER (WHERE a.avail >= a.share) OVER ()
+                                    )::integer))
+               END AS take
+          FROM avail a
     ), candidates AS (
         SELECT c.ctid, c.id, s.turn, s.weight,
                row_number() OVER (PARTITION BY s.tenant_id ORDER BY c.priority DESC, c.id) AS rank
@@ -253,7 +311,7 @@ BEGIN
                WHERE j.queue = v_queue AND j.tenant_id = s.tenant_id
                  AND j.state IN ('created', 'retry') AND j.start_after <= now()
                ORDER BY j.priority DESC, j.id
-               LIMIT s.share
+               LIMIT s.take
                FOR UPDATE SKIP LOCKED) c
     ), next AS (
         -- Weighted round-robin: a tenant of weight w takes w turns per round.
@@ -289,7 +347,8 @@ $$;
 -- idemstage_fetch(queues, n): leases up to n ready jobs of the queues and returns
 -- them. Per queue, the tenants with ready jobs take turns in the order of their
 -- first job (priority, then age: the tenant that has waited longest first); at
--- most n tenants are served, each gets an equal share of n (rounded up), and the
+-- most n tenants are served, each gets an equal share of n (rounded up; what a
+-- tenant with fewer ready jobs cannot use goes to those with more), and the
 -- jobs are interleaved round-robin (every tenant's first job in turn order, then
 -- every tenant's second, ...; within a tenant by priority, then age), so one
 -- tenant's backlog cannot take a fetch from the others. With several queues,

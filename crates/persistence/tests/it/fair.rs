@@ -48,9 +48,14 @@ async fn a_backlog_of_one_tenant_does_not_take_the_fetch_from_the_others() {
         .await
         .unwrap();
     let tenants = tenants_of(&fetched);
-    // Oldest-first would be ten of A's. Fair: B and C are in, A gets the rest of
-    // its share (ceil(10 / 3) = 4), its longest-waiting first.
-    assert_eq!(tenants, ["a", "b", "c", "a", "a", "a"], "{tenants:?}");
+    // Oldest-first would be ten of A's. Fair: B and C are in first, in turn, and
+    // the shares they could not use (ceil(10 / 3) = 4 each) go to A: the fetch is
+    // still full.
+    assert_eq!(
+        tenants,
+        ["a", "b", "c", "a", "a", "a", "a", "a", "a", "a"],
+        "{tenants:?}"
+    );
     assert_eq!(
         fetched.iter().filter(|j| j.tenant.is_none()).count(),
         0,
@@ -61,7 +66,7 @@ async fn a_backlog_of_one_tenant_does_not_take_the_fetch_from_the_others() {
         .filter(|j| tenants_of(std::slice::from_ref(j))[0] == "a")
         .map(|j| j.payload["i"].as_u64().unwrap())
         .collect();
-    assert_eq!(a_ids, [0, 1, 2, 3], "within a tenant: oldest first");
+    assert_eq!(a_ids, [0, 1, 2, 3, 4, 5, 6, 7], "within a tenant: oldest first");
     // B and C have nothing left: the next fetch is A's alone, in full.
     let next = queue::fetch(&mut conn, &["q".to_owned()], 10)
         .await
@@ -107,6 +112,8 @@ async fn tenants_are_interleaved_round_robin_and_priority_orders_within_a_tenant
             ("-".into(), 0),
             ("b".into(), 0),
             ("a".into(), 1),
+            // The no-tenant job's unused share goes to the tenants with more.
+            ("b".into(), 1),
         ],
         "{order:?}"
     );
