@@ -20,6 +20,11 @@ pub struct Args {
     /// Stage executions at once
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
+    /// Jobs fetched ahead of free slots (leased and renewed while they wait; given
+    /// back at once on shutdown). 0: fetch only for free slots, which leaves
+    /// jobs to other workers, best for long stages
+    #[arg(long, default_value_t = 0)]
+    pub prefetch: usize,
     /// Queues (stage names) to work; default: every stage of the pipeline
     #[arg(long, value_delimiter = ',')]
     pub queues: Vec<String>,
@@ -109,6 +114,7 @@ impl Args {
             ..PipelineWorkerConfig::default()
         };
         config.queue.queues = self.queues.clone();
+        config.queue.prefetch = self.prefetch;
         config.queue.shutdown_grace = Duration::from_secs(self.grace_s);
         // Expired job leases are only recovered by maintenance: run it at least as
         // often as a lease lasts (PipelineWorker refuses a longer interval).

@@ -479,3 +479,16 @@ fn a_worker_for_a_queue_the_pipeline_does_not_know_refuses_to_start() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("unknown stage \"nosuch\""), "{stderr}");
 }
+
+#[tokio::test]
+async fn a_worker_asked_to_hold_too_many_jobs_refuses_to_start() {
+    let db = idemstage_testkit::example::db().await;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["worker", "--prefetch", "200000"])
+        .env("DATABASE_URL", db.url())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("prefetch 200000"), "{stderr}");
+}

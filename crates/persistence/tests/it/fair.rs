@@ -66,7 +66,11 @@ async fn a_backlog_of_one_tenant_does_not_take_the_fetch_from_the_others() {
         .filter(|j| tenants_of(std::slice::from_ref(j))[0] == "a")
         .map(|j| j.payload["i"].as_u64().unwrap())
         .collect();
-    assert_eq!(a_ids, [0, 1, 2, 3, 4, 5, 6, 7], "within a tenant: oldest first");
+    assert_eq!(
+        a_ids,
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        "within a tenant: oldest first"
+    );
     // B and C have nothing left: the next fetch is A's alone, in full.
     let next = queue::fetch(&mut conn, &["q".to_owned()], 10)
         .await
