@@ -49,43 +49,88 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
         output(&mut cmd)
     };
     let pgbench = find_pgbench()?;
-    let run_pgbench = |script: &str| -> Result<f64> {
+    let run_pgbench = |script: &str| -> Result<(f64, u64)> {
         let path = root.join("bench").join("pgbench").join(script);
-        eprintln!("xtask bench: pgbench {script}, {concurrency} clients, {duration} s");
-        let out = output(
-            Command::new(&pgbench)
-                .args([
-                    "-n",
-                    "-M",
-                    "simple",
-                    "-j",
-                    "2",
-                    "-c",
-                    &concurrency,
-                    "-T",
-                    &duration,
-                ])
-                .arg("-f")
-                .arg(&path)
-                .arg(url),
-        )?;
+        eprintln!("xtask bench: pgbench {script} (prepared), {concurrency} clients, {duration} s");
+        let mut cmd = Command::new(&pgbench);
+        cmd.args([
+            "-n",
+            "-M",
+            "prepared",
+            "-j",
+            "2",
+            "-c",
+            &concurrency,
+            "-T",
+            &duration,
+        ]);
+        for (name, value) in PGBENCH_VARIABLES {
+            cmd.arg("-D").arg(format!("{name}={value}"));
+        }
+        let out = output(cmd.arg("-f").arg(&path).arg(url))?;
         if let Some(line) = out.lines().find(|l| l.contains("aborted")) {
             bail!("pgbench {script}: {line}");
         }
-        out.lines()
+        let tps = out
+            .lines()
             .find_map(|l| l.strip_prefix("tps = "))
             .and_then(|l| l.split_whitespace().next())
             .and_then(|n| n.parse().ok())
-            .with_context(|| format!("no tps in pgbench output:\n{out}"))
+            .with_context(|| format!("no tps in pgbench output:\n{out}"))?;
+        let transactions = out
+            .lines()
+            .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+            .and_then(|l| l.split('/').next())
+            .and_then(|n| n.trim().parse().ok())
+            .with_context(|| format!("no transaction count in pgbench output:\n{out}"))?;
+        Ok((tps, transactions))
+    };
+    // What a script left in the database, so that a reference that silently did
+    // nothing (a claim without a source row inserts nothing and still commits)
+    // cannot pass for a fast one.
+    let check = |script: &str, what: &str, sql: &str, expected: u64| -> Result<()> {
+        let got = psql_number(url, sql)?;
+        if got != expected {
+            bail!("pgbench {script}: {what}: {got}, expected {expected} (`{sql}`)");
+        }
+        Ok(())
     };
 
     // Claim: the references first, each from the same fixtures as our timed run.
     ours("claim", &["--setup-only"])?;
-    let pg_insert = run_pgbench("claim_insert.sql")?;
+    let (pg_insert, n) = run_pgbench("claim_insert.sql")?;
+    check(
+        "claim_insert.sql",
+        "runs it claimed",
+        "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'running'",
+        n,
+    )?;
     ours("claim", &["--setup-only"])?;
-    let pg_skip = run_pgbench("claim_skip.sql")?;
+    let (pg_skip, _) = run_pgbench("claim_skip.sql")?;
+    check(
+        "claim_skip.sql",
+        "runs changed (a skip changes none)",
+        "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
+        0,
+    )?;
     ours("claim", &["--setup-only"])?;
-    let pg_stage = run_pgbench("stage.sql")?;
+    let (pg_stage, n) = run_pgbench("stage.sql")?;
+    for (what, sql) in [
+        (
+            "stage executions fenced",
+            "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+        ),
+        (
+            "audit entries",
+            "SELECT count(*) FROM audit_log WHERE action = 'anfrage.extracted'",
+        ),
+        (
+            "next jobs sent",
+            "SELECT count(*) FROM jobs WHERE queue = 'feasibility'",
+        ),
+    ] {
+        check("stage.sql", what, sql, n)?;
+    }
     let claim = ours("claim", &[])?;
     let queue = ours("queue", &[])?;
     let pipeline = ours("pipeline", &[])?;
@@ -261,6 +306,35 @@ fn flag(args: &[String], name: &str) -> Option<String> {
             args.iter()
                 .find_map(|a| a.strip_prefix(&format!("{name}=")).map(str::to_owned))
         })
+}
+
+/// The values `-D` gives the pgbench scripts: the binds that are the same in every
+/// execution (see the scripts' headers; the input hash is the fixtures' input text's,
+/// `cli::bench::INPUT`).
+const PGBENCH_VARIABLES: [(&str, &str); 6] = [
+    ("tenant", "bench"),
+    ("worker", "pgbench"),
+    ("idle_ms", "10000"),
+    ("done_stage", "done"),
+    ("next_queue", "feasibility"),
+    (
+        "input_hash",
+        "63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042",
+    ),
+];
+
+/// The number `sql` returns (one row, one column), read with psql.
+fn psql_number(url: &str, sql: &str) -> Result<u64> {
+    let out = output(
+        Command::new("psql")
+            .args(["-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"])
+            .arg(url)
+            .arg("-c")
+            .arg(sql),
+    )?;
+    out.trim()
+        .parse()
+        .with_context(|| format!("psql `{sql}` returned {out:?}"))
 }
 
 fn find_pgbench() -> Result<PathBuf> {

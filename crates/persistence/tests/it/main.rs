@@ -5,6 +5,7 @@ mod claim;
 mod claim_cost;
 mod foundation;
 mod isolation;
+mod pgbench_scripts;
 mod queue;
 mod start;
 mod support;
