@@ -1,8 +1,9 @@
 //! `cargo xtask bench`: our benchmarks and their references in one run, on one
-//! server. Ours: `idemstage bench claim|queue|pipeline --json` (release). The
-//! references: pgbench on the SQL the claim and a stage execution send
-//! (bench/pgbench/), and pg-boss doing the queue tests (bench/peers/). Writes
-//! `target/bench/report.json` and prints a markdown table.
+//! server, once per durability mode. Ours: `idemstage bench claim|queue|pipeline
+//! --json` (release). The references: pgbench on the SQL the claim and a stage
+//! execution send (bench/pgbench/, prepared mode), and three job queues doing the
+//! queue tests (bench/peers/: pg-boss and graphile-worker on Node.js, awa in Rust).
+//! Writes `target/bench/report.json` and prints a markdown table.
 //!
 //! No JSON library here (xtask stays dependency-free): the inputs are flat objects
 //! printed by our own tools, so numbers are picked out by key.
@@ -15,11 +16,51 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use crate::{cargo, project_root};
+use crate::{cargo, project_root, with_database_durable};
 
-pub fn run(url: &str, args: &[String]) -> Result<i32> {
-    let duration = flag(args, "--duration-s").unwrap_or_else(|| "10".into());
-    let concurrency = flag(args, "--concurrency").unwrap_or_else(|| "16".into());
+/// Flags of xtask itself, not passed on to `idemstage bench` and the peers.
+const OWN_FLAGS: [&str; 1] = ["--durable"];
+
+/// One row of the table: a measure, ours, a reference and their ratio.
+struct Row {
+    measure: String,
+    ours: String,
+    reference: String,
+    ratio: String,
+}
+
+/// One run of the suite on one server.
+struct Suite {
+    durable: bool,
+    json: String,
+    rows: Vec<Row>,
+}
+
+pub fn main(args: &[String]) -> Result<i32> {
+    let durable = flag(args, "--durable");
+    let external = env::var("DATABASE_URL").is_ok_and(|u| !u.is_empty());
+    let modes: Vec<Option<bool>> = match (durable.as_deref(), external) {
+        (None, true) => vec![None],
+        (None | Some("both"), false) => vec![Some(false), Some(true)],
+        (Some("off"), _) => vec![Some(false)],
+        (Some("on"), _) => vec![Some(true)],
+        (Some("both"), true) => {
+            bail!("--durable both needs the disposable cluster: with DATABASE_URL set, the server's settings are what they are (give --durable on|off to check them)")
+        }
+        (Some(other), _) => bail!("--durable {other:?}: give off, on or both"),
+    };
+    let pass: Vec<String> = {
+        let mut pass = Vec::new();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            if OWN_FLAGS.contains(&a.as_str()) {
+                it.next();
+            } else if !OWN_FLAGS.iter().any(|f| a.starts_with(&format!("{f}="))) {
+                pass.push(a.clone());
+            }
+        }
+        pass
+    };
     let root = project_root();
     let status = cargo()
         .args([
@@ -38,6 +79,190 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
     let target = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
+    let peers = Peers::prepare(&root)?;
+
+    let mut suites = Vec::new();
+    for mode in modes {
+        let suite = with_database_durable("idemstage_bench", mode, |url| {
+            let durable = server_durable(url)?;
+            if mode.is_some_and(|m| m != durable) {
+                bail!(
+                    "the server runs with fsync {}, not as --durable asks: stop the disposable cluster (cargo xtask db stop) or give the other mode",
+                    if durable { "on" } else { "off" }
+                );
+            }
+            suite(&root, &target, &peers, url, &pass, durable)
+        })?;
+        suites.push(suite);
+    }
+
+    let report = format!(
+        "{{\n  \"runs\": [\n{}\n  ]\n}}\n",
+        suites
+            .iter()
+            .map(|s| s.json.trim_end().to_owned())
+            .collect::<Vec<_>>()
+            .join(",\n")
+    );
+    let dir = target.join("bench");
+    fs::create_dir_all(&dir)?;
+    let path = dir.join("report.json");
+    fs::write(&path, &report)?;
+    print_table(&suites);
+    eprintln!("xtask bench: wrote {}", path.display());
+    Ok(0)
+}
+
+fn mode_name(durable: bool) -> &'static str {
+    if durable {
+        "durable"
+    } else {
+        "fsync off"
+    }
+}
+
+/// One markdown table, the runs side by side (they have the same rows).
+fn print_table(suites: &[Suite]) {
+    let mut header = String::from("| measure |");
+    let mut rule = String::from("|---|");
+    for s in suites {
+        let m = mode_name(s.durable);
+        header.push_str(&format!(" ours ({m}) | reference ({m}) | ratio |"));
+        rule.push_str("---:|---:|---:|");
+    }
+    println!("{header}\n{rule}");
+    let Some(first) = suites.first() else { return };
+    for (i, row) in first.rows.iter().enumerate() {
+        let mut line = format!("| {} |", row.measure);
+        for s in suites {
+            match s.rows.get(i) {
+                Some(r) => line.push_str(&format!(" {} | {} | {} |", r.ours, r.reference, r.ratio)),
+                None => line.push_str(" | | |"),
+            }
+        }
+        println!("{line}");
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}", a / b)
+    } else {
+        String::new()
+    }
+}
+
+/// Whether the server at `url` runs with fsync on.
+fn server_durable(url: &str) -> Result<bool> {
+    let out = output(
+        Command::new("psql")
+            .args(["-X", "-A", "-t", "-q", "-c", "SHOW fsync"])
+            .arg(url),
+    )?;
+    Ok(out.trim() == "on")
+}
+
+/// The 1-minute load average (other work on the machine shares its two cores).
+fn load_average() -> f64 {
+    fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The peers in bench/peers: how to run each, once built.
+struct Peers {
+    dir: PathBuf,
+    awa: PathBuf,
+}
+
+impl Peers {
+    /// `npm ci` if node_modules is missing; awa built in release, in its own
+    /// project and target dir (it is no member of our workspace).
+    fn prepare(root: &Path) -> Result<Peers> {
+        let dir = root.join("bench").join("peers");
+        if !dir.join("node_modules").exists() {
+            eprintln!("xtask bench: npm ci in {}", dir.display());
+            output(
+                Command::new("npm")
+                    .args(["ci", "--no-audit", "--no-fund"])
+                    .current_dir(&dir),
+            )?;
+        }
+        let awa_dir = dir.join("awa");
+        eprintln!(
+            "xtask bench: cargo build --release in {}",
+            awa_dir.display()
+        );
+        let status = cargo()
+            .args(["build", "--release", "--locked", "--manifest-path"])
+            .arg(awa_dir.join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(awa_dir.join("target"))
+            .env_remove("CARGO_TARGET_DIR")
+            .status()
+            .context("cargo build of bench/peers/awa")?;
+        if !status.success() {
+            bail!("bench/peers/awa: release build failed");
+        }
+        let awa = awa_dir
+            .join("target")
+            .join("release")
+            .join("idemstage-bench-awa");
+        Ok(Peers { dir, awa })
+    }
+
+    /// Runs one peer; its JSON, or why there is none (a peer that lost, repeated
+    /// or left a job exits non-zero: its numbers are not measurements).
+    fn run(&self, name: &str, url: &str, args: &[String]) -> Result<String, String> {
+        let mut cmd = match name {
+            "awa" => Command::new(&self.awa),
+            script => {
+                let mut c = Command::new("node");
+                c.arg(format!("{script}.mjs"));
+                c
+            }
+        };
+        cmd.current_dir(&self.dir).env("DATABASE_URL", url);
+        for key in [
+            "--jobs",
+            "--concurrency",
+            "--drain-batch",
+            "--drain-loops",
+            "--latency-sends",
+            "--latency-gap-ms",
+        ] {
+            if let Some(v) = flag(args, key) {
+                cmd.args([key, &v]);
+            }
+        }
+        eprintln!("xtask bench: peer {name}");
+        let out = output(&mut cmd).map_err(|e| format!("{e:#}"))?;
+        out.lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .map(str::to_owned)
+            .ok_or_else(|| format!("{name} printed no JSON"))
+    }
+}
+
+const PEERS: [(&str, &str); 3] = [
+    ("pgboss", "pg-boss"),
+    ("graphile", "graphile-worker"),
+    ("awa", "awa"),
+];
+
+fn suite(
+    root: &Path,
+    target: &Path,
+    peers: &Peers,
+    url: &str,
+    args: &[String],
+    durable: bool,
+) -> Result<Suite> {
+    let duration = flag(args, "--duration-s").unwrap_or_else(|| "10".into());
+    let concurrency = flag(args, "--concurrency").unwrap_or_else(|| "16".into());
+    let load_before = load_average();
     let bin = target.join("release").join("idemstage");
     let ours = |scenario: &str, extra: &[&str]| -> Result<String> {
         let mut cmd = Command::new(&bin);
@@ -45,51 +270,104 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
             .args(extra)
             .args(args)
             .env("DATABASE_URL", url);
-        eprintln!("xtask bench: idemstage bench {scenario} {}", args.join(" "));
+        eprintln!(
+            "xtask bench ({}): idemstage bench {scenario} {}",
+            mode_name(durable),
+            args.join(" ")
+        );
         output(&mut cmd)
     };
     let pgbench = find_pgbench()?;
-    let run_pgbench = |script: &str| -> Result<f64> {
+    let run_pgbench = |script: &str| -> Result<(f64, u64)> {
         let path = root.join("bench").join("pgbench").join(script);
-        eprintln!("xtask bench: pgbench {script}, {concurrency} clients, {duration} s");
-        let out = output(
-            Command::new(&pgbench)
-                .args([
-                    "-n",
-                    "-M",
-                    "simple",
-                    "-j",
-                    "2",
-                    "-c",
-                    &concurrency,
-                    "-T",
-                    &duration,
-                ])
-                .arg("-f")
-                .arg(&path)
-                .arg(url),
-        )?;
+        eprintln!("xtask bench: pgbench {script} (prepared), {concurrency} clients, {duration} s");
+        let mut cmd = Command::new(&pgbench);
+        cmd.args([
+            "-n",
+            "-M",
+            "prepared",
+            "-j",
+            "2",
+            "-c",
+            &concurrency,
+            "-T",
+            &duration,
+        ]);
+        for (name, value) in PGBENCH_VARIABLES {
+            cmd.arg("-D").arg(format!("{name}={value}"));
+        }
+        let out = output(cmd.arg("-f").arg(&path).arg(url))?;
         if let Some(line) = out.lines().find(|l| l.contains("aborted")) {
             bail!("pgbench {script}: {line}");
         }
-        out.lines()
+        let tps = out
+            .lines()
             .find_map(|l| l.strip_prefix("tps = "))
             .and_then(|l| l.split_whitespace().next())
             .and_then(|n| n.parse().ok())
-            .with_context(|| format!("no tps in pgbench output:\n{out}"))
+            .with_context(|| format!("no tps in pgbench output:\n{out}"))?;
+        let transactions = out
+            .lines()
+            .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+            .and_then(|l| l.split('/').next())
+            .and_then(|n| n.trim().parse().ok())
+            .with_context(|| format!("no transaction count in pgbench output:\n{out}"))?;
+        Ok((tps, transactions))
+    };
+    // What a script left in the database, so that a reference that silently did
+    // nothing (a claim without a source row inserts nothing and still commits)
+    // cannot pass for a fast one.
+    let check = |script: &str, what: &str, sql: &str, expected: u64| -> Result<()> {
+        let got = psql_number(url, sql)?;
+        if got != expected {
+            bail!("pgbench {script}: {what}: {got}, expected {expected} (`{sql}`)");
+        }
+        Ok(())
     };
 
     // Claim: the references first, each from the same fixtures as our timed run.
     ours("claim", &["--setup-only"])?;
-    let pg_insert = run_pgbench("claim_insert.sql")?;
+    let (pg_insert, n) = run_pgbench("claim_insert.sql")?;
+    check(
+        "claim_insert.sql",
+        "runs it claimed",
+        "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'running'",
+        n,
+    )?;
     ours("claim", &["--setup-only"])?;
-    let pg_skip = run_pgbench("claim_skip.sql")?;
+    let (pg_skip, _) = run_pgbench("claim_skip.sql")?;
+    check(
+        "claim_skip.sql",
+        "runs changed (a skip changes none)",
+        "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
+        0,
+    )?;
     ours("claim", &["--setup-only"])?;
-    let pg_stage = run_pgbench("stage.sql")?;
+    let (pg_stage, n) = run_pgbench("stage.sql")?;
+    for (what, sql) in [
+        (
+            "stage executions fenced",
+            "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+        ),
+        (
+            "audit entries",
+            "SELECT count(*) FROM audit_log WHERE action = 'anfrage.extracted'",
+        ),
+        (
+            "next jobs sent",
+            "SELECT count(*) FROM jobs WHERE queue = 'feasibility'",
+        ),
+    ] {
+        check("stage.sql", what, sql, n)?;
+    }
     let claim = ours("claim", &[])?;
     let queue = ours("queue", &[])?;
     let pipeline = ours("pipeline", &[])?;
-    let pgboss = run_pgboss(&root, url, args)?;
+    let peer_out: Vec<(&str, Result<String, String>)> = PEERS
+        .iter()
+        .map(|(script, label)| (*label, peers.run(script, url, args)))
+        .collect();
+    let load_after = load_average();
 
     let num = |json: &str, key: &str| -> Result<f64> {
         number(json, key).with_context(|| format!("no number {key:?} in {json}"))
@@ -105,143 +383,203 @@ pub fn run(url: &str, args: &[String]) -> Result<i32> {
     let q_prefetch = num(&queue, "worker_prefetch")?;
     let q_p50 = num(&queue, "latency_ms_p50")?;
     let q_p99 = num(&queue, "latency_ms_p99")?;
-    let b_enq = num(&pgboss, "enqueue_per_s")?;
-    let b_distinct = num(&pgboss, "distinct_jobs_created")?;
-    let b_drain = num(&pgboss, "drain_per_s")?;
-    let b_loops = num(&pgboss, "drain_loops")?;
-    let b_p50 = num(&pgboss, "latency_ms_p50")?;
-    let b_p99 = num(&pgboss, "latency_ms_p99")?;
-    let b_version = string(&pgboss, "version").unwrap_or_default();
     let p_stages = num(&pipeline, "stages_per_s")?;
     let p_rss = num(&pipeline, "worker_peak_rss_mb")?;
-    let ratio = |a: f64, b: f64| {
-        if b > 0.0 {
-            (a / b * 100.0).round() / 100.0
-        } else {
-            0.0
-        }
-    };
-    let durable = env::var("IDEMSTAGE_PG_DURABLE").as_deref() == Ok("1");
 
-    let report = format!(
-        r#"{{
-  "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}}},
-  "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "insert_ratio": {r_ins}, "skip_ratio": {r_skip}}},
-  "queue": {{"enqueue_per_s": {q_enq}, "distinct_jobs_created": {q_distinct}, "drain_per_s": {q_drain}, "drain_loops": {q_loops}, "worker_drain_per_s": {q_worker}, "worker_prefetch": {q_prefetch}, "worker_drain_prefetch_per_s": {q_worker_pf}, "latency_ms_p50": {q_p50}, "latency_ms_p99": {q_p99}, "enqueue_ratio_vs_pgboss": {r_enq}, "drain_ratio_vs_pgboss": {r_drain}}},
-  "pgboss": {{"version": "{b_version}", "enqueue_policy": "short", "enqueue_per_s": {b_enq}, "distinct_jobs_created": {b_distinct}, "drain_per_s": {b_drain}, "drain_loops": {b_loops}, "latency_ms_p50": {b_p50}, "latency_ms_p99": {b_p99}}},
-  "pipeline": {{"stages_per_s": {p_stages}, "pgbench_stages_per_s": {pg_stage:.1}, "ratio": {r_stage}, "worker_peak_rss_mb": {p_rss}}},
-  "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}, "pgboss": {pgboss}}}
-}}
-"#,
+    let mut rows = Vec::new();
+    let mut row = |measure: &str, ours: String, reference: String, ratio: String| {
+        rows.push(Row {
+            measure: measure.to_owned(),
+            ours,
+            reference,
+            ratio,
+        })
+    };
+    row(
+        "claim, insert path (claims/s)",
+        format!("{c_ins:.0}"),
+        format!("pgbench {pg_insert:.0}"),
+        ratio(c_ins, pg_insert),
+    );
+    row(
+        "claim, skip path (claims/s)",
+        format!("{c_skip:.0}"),
+        format!("pgbench {pg_skip:.0}"),
+        ratio(c_skip, pg_skip),
+    );
+    row(
+        "stage executions/s",
+        format!("{p_stages:.0}"),
+        format!("pgbench {pg_stage:.0}"),
+        ratio(p_stages, pg_stage),
+    );
+    // Each peer: its numbers, or why it has none.
+    let peer = |label: &str| -> Option<&String> {
+        peer_out
+            .iter()
+            .find(|(l, _)| *l == label)
+            .and_then(|(_, r)| r.as_ref().ok())
+    };
+    let failed = |label: &str| -> String {
+        peer_out
+            .iter()
+            .find(|(l, _)| *l == label)
+            .and_then(|(_, r)| r.as_ref().err())
+            .map(|e| format!("{label}: failed ({})", e.lines().next().unwrap_or("")))
+            .unwrap_or_default()
+    };
+    let peer_row = |rows: &mut Vec<Row>,
+                    measure: &str,
+                    ours_v: f64,
+                    ours_s: String,
+                    label: &str,
+                    key: &str,
+                    note: &dyn Fn(&str) -> String| {
+        let (reference, r) = match peer(label).and_then(|j| number(j, key).map(|v| (j, v))) {
+            Some((j, v)) => (format!("{label} {v:.0}{}", note(j)), ratio(ours_v, v)),
+            None => (failed(label), String::new()),
+        };
+        rows.push(Row {
+            measure: measure.to_owned(),
+            ours: ours_s,
+            reference,
+            ratio: r,
+        });
+    };
+    let none = |_: &str| String::new();
+    peer_row(
+        &mut rows,
+        "queue drain, raw batched API, each at its fastest loop count (jobs/s)",
+        q_drain,
+        format!("{q_drain:.0} ({q_loops} loops)"),
+        "pg-boss",
+        "drain_per_s",
+        &|j| format!(" ({} loops)", number(j, "drain_loops").unwrap_or(0.0)),
+    );
+    if let Some(q16) = number(&queue, "drain_per_s_loops_16") {
+        peer_row(
+            &mut rows,
+            "queue drain, raw batched API, 16 loops each (jobs/s)",
+            q16,
+            format!("{q16:.0}"),
+            "pg-boss",
+            "drain_per_s_loops_16",
+            &none,
+        );
+    }
+    for (label, key) in [
+        ("pg-boss", "worker_c16_per_s"),
+        ("graphile-worker", "worker_c16_per_s"),
+        ("graphile-worker", "worker_c16_batched_per_s"),
+        ("awa", "worker_c16_per_s"),
+    ] {
+        let config = key.replace("_per_s", "_config");
+        peer_row(
+            &mut rows,
+            "queue drain by a worker at concurrency 16, no-op handler (jobs/s)",
+            q_worker,
+            format!("{q_worker:.0} (QueueWorker)"),
+            label,
+            key,
+            &|j| format!(" ({})", string(j, &config).unwrap_or_default()),
+        );
+    }
+    for label in ["pg-boss", "graphile-worker", "awa"] {
+        peer_row(
+            &mut rows,
+            "queue drain by a worker as users run it for throughput (ours: QueueWorker with prefetch; peers: fastest documented worker configuration) (jobs/s)",
+            q_worker_pf,
+            format!("{q_worker_pf:.0} (QueueWorker, prefetch {q_prefetch})"),
+            label,
+            "fast_per_s",
+            &|j| format!(" ({})", string(j, "fast_config").unwrap_or_default()),
+        );
+    }
+    for label in ["pg-boss", "graphile-worker", "awa"] {
+        peer_row(
+            &mut rows,
+            "queue drain, each at its fastest (ours: raw API; peers: fastest documented worker configuration) (jobs/s)",
+            q_drain,
+            format!("{q_drain:.0} ({q_loops} loops)"),
+            label,
+            "fast_per_s",
+            &|j| format!(" ({})", string(j, "fast_config").unwrap_or_default()),
+        );
+    }
+    for label in ["pg-boss", "graphile-worker", "awa"] {
+        peer_row(
+            &mut rows,
+            "enqueue, refusing a duplicate key among live jobs (sends/s)",
+            q_enq,
+            format!("{q_enq:.0} ({q_distinct} jobs)"),
+            label,
+            "enqueue_per_s",
+            &|j| {
+                format!(
+                    " ({} jobs)",
+                    number(j, "distinct_jobs_created").unwrap_or(0.0)
+                )
+            },
+        );
+    }
+    for label in ["pg-boss", "graphile-worker", "awa"] {
+        let reference = match peer(label) {
+            Some(j) => format!(
+                "{label} {} / {}",
+                number(j, "latency_ms_p50").unwrap_or(f64::NAN),
+                number(j, "latency_ms_p99").unwrap_or(f64::NAN)
+            ),
+            None => failed(label),
+        };
+        rows.push(Row {
+            measure: "pickup latency p50 / p99 (ms)".into(),
+            ours: format!("{q_p50} / {q_p99}"),
+            reference,
+            ratio: String::new(),
+        });
+    }
+    rows.push(Row {
+        measure: "worker peak RSS (MB)".into(),
+        ours: format!("{p_rss}"),
+        reference: String::new(),
+        ratio: String::new(),
+    });
+    rows.push(Row {
+        measure: "load average (1 min) before / after".into(),
+        ours: format!("{load_before:.1} / {load_after:.1}"),
+        reference: String::new(),
+        ratio: String::new(),
+    });
+
+    let peers_json = peer_out
+        .iter()
+        .map(|(label, r)| match r {
+            Ok(j) => format!("\"{label}\": {}", j.trim()),
+            Err(e) => format!(
+                "\"{label}\": {{\"error\": \"{}\"}}",
+                e.lines().next().unwrap_or("").replace(['"', '\\'], "'")
+            ),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let json = format!(
+        r#"    {{
+      "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}, "load_before": {load_before}, "load_after": {load_after}}},
+      "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "pgbench_mode": "prepared"}},
+      "pipeline": {{"stages_per_s": {p_stages}, "pgbench_stages_per_s": {pg_stage:.1}, "worker_peak_rss_mb": {p_rss}}},
+      "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}}},
+      "peers": {{{peers_json}}}
+    }}"#,
         cpus = std::thread::available_parallelism().map_or(0, |n| n.get()),
-        r_ins = ratio(c_ins, pg_insert),
-        r_skip = ratio(c_skip, pg_skip),
-        r_enq = ratio(q_enq, b_enq),
-        r_drain = ratio(q_drain, b_drain),
-        r_stage = ratio(p_stages, pg_stage),
         claim = claim.trim(),
         queue = queue.trim(),
         pipeline = pipeline.trim(),
-        pgboss = pgboss.trim(),
     );
-    let dir = target.join("bench");
-    fs::create_dir_all(&dir)?;
-    let path = dir.join("report.json");
-    fs::write(&path, &report)?;
-
-    let check = |ok: bool| if ok { "met" } else { "MISSED" };
-    println!("| measure | ours | reference | ratio | target |");
-    println!("|---|---:|---:|---:|---|");
-    println!(
-        "| claim, insert path (claims/s) | {c_ins:.0} | pgbench {pg_insert:.0} | {:.2} | ≥ 0.85: {} |",
-        ratio(c_ins, pg_insert),
-        check(ratio(c_ins, pg_insert) >= 0.85)
-    );
-    println!(
-        "| claim, skip path (claims/s) | {c_skip:.0} | pgbench {pg_skip:.0} | {:.2} | ≥ 0.85: {} |",
-        ratio(c_skip, pg_skip),
-        check(ratio(c_skip, pg_skip) >= 0.85)
-    );
-    println!(
-        "| stage executions/s | {p_stages:.0} | pgbench {pg_stage:.0} | {:.2} | ≥ 0.7: {} |",
-        ratio(p_stages, pg_stage),
-        check(ratio(p_stages, pg_stage) >= 0.7)
-    );
-    println!(
-        "| queue drain, each at its fastest loop count (jobs/s) | {q_drain:.0} ({q_loops} loops) | pg-boss {b_version} {b_drain:.0} ({b_loops} loops) | {:.2} | ≥ 2.5: {} |",
-        ratio(q_drain, b_drain),
-        check(ratio(q_drain, b_drain) >= 2.5)
-    );
-    if let (Some(q16), Some(b16)) = (
-        number(&queue, "drain_per_s_loops_16"),
-        number(&pgboss, "drain_per_s_loops_16"),
-    ) {
-        println!(
-            "| queue drain, 16 loops each (jobs/s) | {q16:.0} | pg-boss {b16:.0} | {:.2} | |",
-            ratio(q16, b16)
-        );
-    }
-    println!(
-        "| queue drain by a `QueueWorker`, concurrency 16, no-op handler (jobs/s) | {q_worker:.0} | | | |"
-    );
-    // Against our own raw loop at the same concurrency, when 16 loops ran.
-    let q16 = number(&queue, "drain_per_s_loops_16");
-    println!(
-        "| the same, prefetch {q_prefetch} (jobs/s) | {q_worker_pf:.0} | {} | {} | |",
-        q16.map_or(String::new(), |q| format!("raw loops, 16: {q:.0}")),
-        q16.map_or(String::new(), |q| format!("{:.2}", ratio(q_worker_pf, q))),
-    );
-    println!(
-        "| enqueue, singleton keys (sends/s) | {q_enq:.0} ({q_distinct} jobs) | pg-boss {b_enq:.0} ({b_distinct} jobs) | {:.2} | ≥ 2: {} |",
-        ratio(q_enq, b_enq),
-        check(ratio(q_enq, b_enq) >= 2.0)
-    );
-    println!(
-        "| pickup latency p50 / p99 (ms) | {q_p50} / {q_p99} | pg-boss {b_p50} / {b_p99} | | ≤ 1 / ≤ 3: {} |",
-        check(q_p50 <= 1.0 && q_p99 <= 3.0)
-    );
-    println!(
-        "| worker peak RSS (MB) | {p_rss} | | | ≤ 40: {} |",
-        check(p_rss <= 40.0)
-    );
-    eprintln!("xtask bench: wrote {}", path.display());
-    Ok(0)
-}
-
-/// pg-boss from bench/peers (`npm ci` first if node_modules is missing).
-fn run_pgboss(root: &Path, url: &str, args: &[String]) -> Result<String> {
-    let peers = root.join("bench").join("peers");
-    if !peers.join("node_modules").exists() {
-        eprintln!("xtask bench: npm ci in {}", peers.display());
-        output(
-            Command::new("npm")
-                .args(["ci", "--no-audit", "--no-fund"])
-                .current_dir(&peers),
-        )?;
-    }
-    let mut cmd = Command::new("node");
-    cmd.arg("pgboss.mjs")
-        .current_dir(&peers)
-        .env("DATABASE_URL", url);
-    for key in [
-        "--jobs",
-        "--concurrency",
-        "--drain-batch",
-        "--drain-loops",
-        "--latency-sends",
-        "--latency-gap-ms",
-    ] {
-        if let Some(v) = flag(args, key) {
-            cmd.args([key, &v]);
-        }
-    }
-    eprintln!("xtask bench: pg-boss (node bench/peers/pgboss.mjs)");
-    let out = output(&mut cmd)?;
-    out.lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .map(str::to_owned)
-        .context("pg-boss printed no JSON")
+    Ok(Suite {
+        durable,
+        json,
+        rows,
+    })
 }
 
 /// Runs `cmd`; its stdout, or an error with its stderr.
@@ -270,6 +608,35 @@ fn flag(args: &[String], name: &str) -> Option<String> {
             args.iter()
                 .find_map(|a| a.strip_prefix(&format!("{name}=")).map(str::to_owned))
         })
+}
+
+/// The values `-D` gives the pgbench scripts: the binds that are the same in every
+/// execution (see the scripts' headers; the input hash is the fixtures' input text's,
+/// `cli::bench::INPUT`).
+const PGBENCH_VARIABLES: [(&str, &str); 6] = [
+    ("tenant", "bench"),
+    ("worker", "pgbench"),
+    ("idle_ms", "10000"),
+    ("done_stage", "done"),
+    ("next_queue", "feasibility"),
+    (
+        "input_hash",
+        "63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042",
+    ),
+];
+
+/// The number `sql` returns (one row, one column), read with psql.
+fn psql_number(url: &str, sql: &str) -> Result<u64> {
+    let out = output(
+        Command::new("psql")
+            .args(["-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"])
+            .arg(url)
+            .arg("-c")
+            .arg(sql),
+    )?;
+    out.trim()
+        .parse()
+        .with_context(|| format!("psql `{sql}` returned {out:?}"))
 }
 
 fn find_pgbench() -> Result<PathBuf> {

@@ -24,8 +24,11 @@ Commands:
   migrate [args] run `idemstage migrate [args]` against the database
   test [args]    run `cargo test --workspace [args]` against the database server
   demo [args]    run `idemstage demo [args]` (release) on database idemstage_demo
-  bench [args]   benchmarks and their references (pgbench, pg-boss) in one run on
-                 database idemstage_bench; writes target/bench/report.json.
+  bench [args]   benchmarks and their references (pgbench; pg-boss, graphile-worker
+                 and awa in bench/peers) in one run on database idemstage_bench,
+                 once per durability mode; writes target/bench/report.json.
+                 --durable off|on|both (default both; with DATABASE_URL: the
+                 server's own settings, once)
                  args (passed on): --duration-s S --concurrency N --jobs N --anfragen N
   soak [--minutes N]
                  run the soak test (release): N minutes (default 10) of random
@@ -88,7 +91,7 @@ fn run() -> Result<i32> {
             Ok(code)
         }
         // Ours and the references (pgbench, pg-boss) on one server, in one run.
-        "bench" => with_database("idemstage_bench", |url| bench::run(url, rest)),
+        "bench" => bench::main(rest),
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
         "soak" => {
@@ -204,12 +207,26 @@ fn db(args: &[String]) -> Result<i32> {
 /// Runs `f` with the URL of database `db`: DATABASE_URL unchanged if set, else
 /// the disposable cluster, started if needed and then stopped again afterwards.
 fn with_database(db: &str, f: impl FnOnce(&str) -> Result<i32>) -> Result<i32> {
+    with_database_durable(db, None, f)
+}
+
+/// [`with_database`], the disposable cluster started durable or not as `durable`
+/// says (`None`: as `IDEMSTAGE_PG_DURABLE`). A cluster that is already running
+/// keeps its settings: the caller checks them.
+fn with_database_durable<T>(
+    db: &str,
+    durable: Option<bool>,
+    f: impl FnOnce(&str) -> Result<T>,
+) -> Result<T> {
     if let Some(url) = env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()) {
         eprintln!("xtask: using DATABASE_URL (nothing is started or stopped)");
         return f(&url);
     }
     let cluster = pg::Cluster::discover()?;
-    let started = cluster.start()?;
+    let started = match durable {
+        Some(durable) => cluster.start_durable(durable)?,
+        None => cluster.start()?,
+    };
     // Armed before anything else can fail, so an early `?` still stops the cluster.
     let guard = StopGuard(started.by_us.then_some(&cluster));
     if started.by_us {
@@ -233,9 +250,9 @@ fn with_database(db: &str, f: impl FnOnce(&str) -> Result<i32>) -> Result<i32> {
     );
     let result = f(&url);
     let stopped = guard.stop();
-    let code = result?;
+    let value = result?;
     stopped?;
-    Ok(code)
+    Ok(value)
 }
 
 /// Stops the cluster it holds on `stop()` or, failing that, on drop (error

@@ -130,8 +130,16 @@ impl Cluster {
             .or_else(|| read_port_file(&self.port_file()))
     }
 
-    /// Starts the cluster unless it is already running (initialising it first if needed).
+    /// Starts the cluster unless it is already running (initialising it first if
+    /// needed), durable as `IDEMSTAGE_PG_DURABLE=1` says.
     pub fn start(&self) -> Result<Started> {
+        self.start_durable(env::var("IDEMSTAGE_PG_DURABLE").as_deref() == Ok("1"))
+    }
+
+    /// Starts the cluster unless it is already running, with fsync,
+    /// synchronous_commit and full_page_writes on if `durable`, else off. A running
+    /// cluster is left as it is: the caller checks its settings.
+    pub fn start_durable(&self, durable: bool) -> Result<Started> {
         if self.is_running()? {
             let port = self
                 .port(true)
@@ -141,7 +149,7 @@ impl Cluster {
         self.prepare_dirs()?;
         self.init_if_needed()?;
         let port = self.choose_port()?;
-        if let Err(err) = self.pg_ctl_start(port) {
+        if let Err(err) = self.pg_ctl_start(port, durable) {
             // A postmaster killed with -9 leaves postmaster.pid behind; PostgreSQL
             // usually copes, but not if e.g. the pid was reused meanwhile.
             if !self.remove_stale_pid_file()? {
@@ -149,7 +157,7 @@ impl Cluster {
             }
             // Give orphaned backends of the killed server a moment to exit.
             thread::sleep(Duration::from_secs(1));
-            self.pg_ctl_start(port)
+            self.pg_ctl_start(port, durable)
                 .context("start failed again after removing a stale postmaster.pid")?;
         }
         wait_for_tcp(port)?;
@@ -299,7 +307,7 @@ impl Cluster {
         Ok(port)
     }
 
-    fn pg_ctl_start(&self, port: u16) -> Result<()> {
+    fn pg_ctl_start(&self, port: u16, durable: bool) -> Result<()> {
         // pg_ctl hands -o to /bin/sh, hence the quoting. Unix socket paths are
         // limited to 107 bytes; with a deeper directory, go without the socket
         // (we connect over TCP anyway) rather than fail to start.
@@ -314,7 +322,7 @@ impl Cluster {
              -c shared_buffers=256MB"
         );
         // Durability is pointless for a throwaway cluster, except when benchmarking.
-        if env::var("IDEMSTAGE_PG_DURABLE").as_deref() != Ok("1") {
+        if !durable {
             opts.push_str(" -c fsync=off -c synchronous_commit=off -c full_page_writes=off");
         }
         let out = self

@@ -7,6 +7,7 @@ mod controls;
 mod fair;
 mod foundation;
 mod isolation;
+mod pgbench_scripts;
 mod queue;
 mod start;
 mod support;
