@@ -434,21 +434,31 @@ async fn insert_drain_jobs(
     conn: &mut diesel_async::AsyncPgConnection,
     jobs: u64,
 ) -> anyhow::Result<()> {
+    insert_backlog(conn, DRAIN_QUEUE, None, jobs, |i| json!({ "i": i })).await
+}
+
+/// Empties the tables, sends `jobs` jobs of `tenant` to `queue` (job `i` with
+/// `payload(i)`) in batches of 1,000, then `VACUUM ANALYZE`.
+pub(super) async fn insert_backlog(
+    conn: &mut diesel_async::AsyncPgConnection,
+    queue: &str,
+    tenant: Option<&TenantId>,
+    jobs: u64,
+    payload: impl Fn(u64) -> serde_json::Value,
+) -> anyhow::Result<()> {
     fixtures::reset(conn).await?;
-    let mut left = jobs;
     let mut i = 0u64;
-    while left > 0 {
-        let n = left.min(1000);
-        let batch: Vec<JobToSend> = (0..n)
+    while i < jobs {
+        let n = (jobs - i).min(1000);
+        let batch: Vec<JobToSend> = (i..i + n)
             .map(|k| JobToSend {
-                tenant: None,
-                queue: DRAIN_QUEUE.into(),
-                payload: json!({ "i": i + k }),
+                tenant: tenant.cloned(),
+                queue: queue.into(),
+                payload: payload(k),
                 options: SendOptions::default(),
             })
             .collect();
         queue::send_batch(conn, &batch).await?;
-        left -= n;
         i += n;
     }
     fixtures::vacuum_analyze(conn, &["jobs"]).await?;

@@ -132,11 +132,7 @@ pub async fn limit(url: &str, args: LimitArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|c| {
                 serde_json::json!({
-                    "scope": match &c.scope {
-                        Scope::Queue => "".to_owned(),
-                        Scope::EveryTenant => "*".to_owned(),
-                        Scope::Tenant(t) => t.as_str().to_owned(),
-                    },
+                    "scope": c.scope.as_key(),
                     "paused": c.paused,
                     "max_active": c.limits.max_active,
                     "rate": c.limits.rate.map(|r| serde_json::json!({

@@ -18,8 +18,7 @@ use idemstage_runner::{handler_fn, HandlerError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::bench::{bench_worker, quantile, round1, round3, Args};
-use super::fixtures;
+use super::bench::{bench_worker, insert_backlog, quantile, round1, round3, Args};
 
 const QUEUE: &str = "fair";
 const QUIET_TENANTS: usize = 9;
@@ -58,23 +57,15 @@ struct Seen {
 
 async fn run_mode(url: &str, args: &Args, fair: bool) -> anyhow::Result<serde_json::Value> {
     let mut conn = idemstage_persistence::connect(url).await?;
-    fixtures::reset(&mut conn).await?;
     let tenant = |slug: &str| fair.then(|| TenantId::parse(slug).expect("a valid slug"));
-    let mut left = args.jobs;
-    while left > 0 {
-        let n = left.min(1000);
-        let batch: Vec<JobToSend> = (0..n)
-            .map(|_| JobToSend {
-                queue: QUEUE.into(),
-                tenant: tenant("noisy"),
-                payload: json!({ "noisy": true }),
-                options: SendOptions::default(),
-            })
-            .collect();
-        queue::send_batch(&mut conn, &batch).await?;
-        left -= n;
-    }
-    fixtures::vacuum_analyze(&mut conn, &["jobs"]).await?;
+    insert_backlog(
+        &mut conn,
+        QUEUE,
+        tenant("noisy").as_ref(),
+        args.jobs,
+        |_| json!({ "noisy": true }),
+    )
+    .await?;
 
     let seen: Arc<Mutex<Seen>> = Arc::default();
     let handler = {

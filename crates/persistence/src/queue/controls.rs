@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::OptionalExtension;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::validate_queue_name;
 use idemstage_domain::{DomainError, RepoError, TenantId};
@@ -29,7 +30,9 @@ pub enum Scope {
 }
 
 impl Scope {
-    fn key(&self) -> &str {
+    /// The scope as `queue_controls.scope` stores it: `""` the queue, `"*"` every
+    /// tenant, else the tenant's slug.
+    pub fn as_key(&self) -> &str {
         match self {
             Scope::Queue => "",
             Scope::EveryTenant => "*",
@@ -190,7 +193,7 @@ pub async fn pause(
     validate_queue_name(queue)?;
     let row: Was = diesel::sql_query(PAUSE_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.key())
+        .bind::<Text, _>(scope.as_key())
         .get_result(conn)
         .await
         .map_err(map_diesel_error)?;
@@ -210,7 +213,7 @@ pub async fn resume(
     validate_queue_name(queue)?;
     let row: Was = diesel::sql_query(RESUME_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.key())
+        .bind::<Text, _>(scope.as_key())
         .get_result(conn)
         .await
         .map_err(map_diesel_error)?;
@@ -244,7 +247,7 @@ pub async fn set_limits(
     let rate = limits.rate.as_ref();
     diesel::sql_query(SET_LIMITS_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.key())
+        .bind::<Text, _>(scope.as_key())
         .bind::<Nullable<Integer>, _>(limits.max_active.map(|m| m as i32))
         .bind::<Nullable<Integer>, _>(rate.map(|r| r.count as i32))
         .bind::<Nullable<BigInt>, _>(rate.map(|r| millis(r.per)))
@@ -380,10 +383,7 @@ pub async fn held_until(
     .bind::<Text, _>(tenant.map_or("", |t| t.as_str()))
     .get_result(conn)
     .await
-    .map(Some)
-    .or_else(|e| match e {
-        diesel::result::Error::NotFound => Ok(None),
-        e => Err(map_diesel_error(e)),
-    })?;
+    .optional()
+    .map_err(map_diesel_error)?;
     Ok(row.and_then(|r| r.held_until))
 }
