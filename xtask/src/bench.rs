@@ -296,6 +296,7 @@ fn suite(
         for (name, value) in PGBENCH_VARIABLES {
             cmd.arg("-D").arg(format!("{name}={value}"));
         }
+        cmd.arg("-D").arg(format!("clients={concurrency}"));
         let out = output(cmd.arg("-f").arg(&path).arg(url))?;
         if let Some(line) = out.lines().find(|l| l.contains("aborted")) {
             bail!("pgbench {script}: {line}");

@@ -126,7 +126,7 @@ pub mod queue {
         JobState, JobToSend,
     };
     pub use idemstage_persistence::queue::{
-        controls, held_until, hold, pause, resume, send, send_batch, send_in, set_limits, Limits,
-        PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope,
+        controls, held_until, hold, pause, resume, send, send_batch, send_in, send_in_waking,
+        set_limits, Limits, Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope, Wake,
     };
 }

@@ -17,6 +17,7 @@ use idemstage_domain::{
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
+use crate::queue::Wake;
 use crate::schema::{anfragen, audit_log};
 
 /// How often insert-or-get retries when the row it conflicted with is gone again.
@@ -38,6 +39,9 @@ pub type FencedWrite<'a> = dyn for<'t, 'c> Fn(&'t mut FencedTx<'c>) -> BoxFuture
 pub struct FencedTx<'c> {
     conn: &'c mut AsyncPgConnection,
     token: ClaimToken,
+    wake: Wake,
+    /// Queues of jobs sent without a NOTIFY, to wake once the transaction committed.
+    to_wake: Vec<String>,
 }
 
 /// What a replacement of child rows did.
@@ -60,8 +64,18 @@ pub struct InsertOrGet<Id> {
 }
 
 impl<'c> FencedTx<'c> {
-    pub(crate) fn new(conn: &'c mut AsyncPgConnection, token: ClaimToken) -> Self {
-        Self { conn, token }
+    pub(crate) fn new(conn: &'c mut AsyncPgConnection, token: ClaimToken, wake: Wake) -> Self {
+        Self {
+            conn,
+            token,
+            wake,
+            to_wake: Vec::new(),
+        }
+    }
+
+    /// The queues to wake after the commit (jobs sent with `Wake::AfterCommit`).
+    pub(crate) fn into_to_wake(self) -> Vec<String> {
+        self.to_wake
     }
 
     /// The claim this transaction commits for: run, tenant, anfrage, stage, attempt.
@@ -177,9 +191,16 @@ impl<'c> FencedTx<'c> {
     }
 
     /// Sends a job in this transaction: it exists (and wakes workers) only if the
-    /// completion commits.
+    /// completion commits; the wake-up is the repository's [`Wake`].
     pub async fn send_job(&mut self, job: &JobToSend) -> Result<SendResult, RepoError> {
-        crate::queue::send_in(self.conn, job).await
+        let sent = crate::queue::send_in_waking(self.conn, job, self.wake).await?;
+        if self.wake == Wake::AfterCommit
+            && matches!(sent, SendResult::Sent(_))
+            && !self.to_wake.contains(&job.queue)
+        {
+            self.to_wake.push(job.queue.clone());
+        }
+        Ok(sent)
     }
 
     /// Completes the queue job this execution runs for, in this transaction, fenced

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstage_domain::{FetchedJob, RejectReason, RunStatus, SkipReason, WorkerId};
+use idemstage_persistence::queue::Wake;
 use idemstage_persistence::{PgPool, PgRunRepository};
 use idemstage_stage::{ExecutionOutcome, Executor, JobLease, Pipeline, StageJob};
 use tokio_util::sync::CancellationToken;
@@ -29,15 +30,21 @@ pub struct PipelineWorkerConfig {
     pub concurrency: usize,
     /// The queue loop's settings; `queues` empty means every stage of the pipeline.
     pub queue: QueueWorkerConfig,
+    /// When the next stage's job, sent in a stage's commit, wakes the workers of
+    /// its queue. The default, [`Wake::AfterCommit`], keeps the NOTIFY out of the
+    /// stage's commit: PostgreSQL serializes notifying commits, which caps a busy
+    /// pipeline (BENCHMARKS.md, "NOTIFY under load").
+    pub wake: Wake,
 }
 
 impl PipelineWorkerConfig {
     /// The pool size a worker with this config needs: per stage execution, its
-    /// connection and its heartbeat's, plus the loop's and the completer's (the
-    /// job lease keeper borrows one briefly, for one statement for all jobs). A
-    /// smaller pool makes executions wait for connections (and time out).
+    /// connection and its heartbeat's, plus the loop's, the completer's and the
+    /// notifier's (the job lease keeper borrows one briefly, for one statement for
+    /// all jobs). A smaller pool makes executions wait for connections (and time
+    /// out).
     pub fn pool_size(&self) -> u32 {
-        u32::try_from(self.concurrency * 2 + 2).unwrap_or(u32::MAX)
+        u32::try_from(self.concurrency * 2 + 3).unwrap_or(u32::MAX)
     }
 }
 
@@ -46,6 +53,7 @@ impl Default for PipelineWorkerConfig {
         Self {
             concurrency: 4,
             queue: QueueWorkerConfig::default(),
+            wake: Wake::default(),
         }
     }
 }
@@ -257,6 +265,7 @@ impl PipelineWorker {
     ///         shutdown_grace: Duration::from_secs(10),
     ///         ..QueueWorkerConfig::default()
     ///     },
+    ///     ..PipelineWorkerConfig::default()
     /// };
     /// let pool = idemstage::connect_pool(
     ///     url,
@@ -308,7 +317,7 @@ impl PipelineWorker {
             )));
         }
         let executor = Executor::new(
-            Arc::new(PgRunRepository::new(pool.clone())),
+            Arc::new(PgRunRepository::new(pool.clone()).with_wake(config.wake)),
             worker_id.clone(),
         );
         let handler = PipelineHandler {

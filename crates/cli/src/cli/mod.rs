@@ -53,3 +53,21 @@ pub async fn migrate(
     println!("applied {applied} migration(s)");
     Ok(ExitCode::SUCCESS)
 }
+
+/// `--wake`: [`idemstage_persistence::queue::Wake`] on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WakeArg {
+    /// NOTIFY inside the stage's commit
+    InCommit,
+    /// NOTIFY after the commit, from one notifier per process
+    AfterCommit,
+}
+
+impl From<WakeArg> for idemstage_persistence::queue::Wake {
+    fn from(w: WakeArg) -> Self {
+        match w {
+            WakeArg::InCommit => idemstage_persistence::queue::Wake::InCommit,
+            WakeArg::AfterCommit => idemstage_persistence::queue::Wake::AfterCommit,
+        }
+    }
+}

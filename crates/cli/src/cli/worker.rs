@@ -13,7 +13,7 @@ use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_stage::Pipeline;
 use tokio_util::sync::CancellationToken;
 
-use super::BadInput;
+use super::{BadInput, WakeArg};
 
 #[derive(clap::Args, Clone)]
 pub struct Args {
@@ -25,6 +25,10 @@ pub struct Args {
     /// jobs to other workers, best for long stages
     #[arg(long, default_value_t = 0)]
     pub prefetch: usize,
+    /// When the next stage's job wakes its workers: after-commit keeps the NOTIFY
+    /// out of the stage's commit (PostgreSQL serializes notifying commits)
+    #[arg(long, value_enum, default_value_t = WakeArg::AfterCommit)]
+    pub wake: WakeArg,
     /// Queues (stage names) to work; default: every stage of the pipeline
     #[arg(long, value_delimiter = ',')]
     pub queues: Vec<String>,
@@ -111,6 +115,7 @@ impl Args {
     pub fn worker_config(&self) -> PipelineWorkerConfig {
         let mut config = PipelineWorkerConfig {
             concurrency: self.concurrency,
+            wake: self.wake.into(),
             ..PipelineWorkerConfig::default()
         };
         config.queue.queues = self.queues.clone();

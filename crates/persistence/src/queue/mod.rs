@@ -15,6 +15,7 @@ mod fetch;
 mod finish;
 mod listen;
 mod maintenance;
+mod notifier;
 mod send;
 
 pub use batched::{complete_many, renew_leases, retry_now_many};
@@ -30,7 +31,8 @@ pub use maintenance::{
     maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,
     MAINTENANCE_LOCK_KEY,
 };
-pub use send::{send, send_batch, send_in, NOTIFY_CHANNEL};
+pub use notifier::{Notifier, Wake};
+pub use send::{send, send_batch, send_in, send_in_waking, NOTIFY_CHANNEL};
 
 // The statement texts, for `crate::statements`.
 pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL};
@@ -39,7 +41,11 @@ pub(crate) use defer::RETRY_AFTER_SQL;
 pub(crate) use fetch::FETCH_SQL;
 pub(crate) use finish::{CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL};
 pub(crate) use maintenance::EXPIRE_SQL;
-pub(crate) use send::{SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL, SEND_LIVE_SINGLETON_SQL};
+pub(crate) use notifier::NOTIFY_QUEUES_SQL;
+pub(crate) use send::{
+    SEND_ANY_CONFLICT_QUIET_SQL, SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL,
+    SEND_LIVE_SINGLETON_QUIET_SQL, SEND_LIVE_SINGLETON_SQL,
+};
 
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

@@ -9,7 +9,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::validate_queue_name;
 use idemstage_domain::{JobId, JobToSend, RepoError, SendResult};
 
-use super::millis;
+use super::{millis, Wake};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 use crate::PgPool;
@@ -20,7 +20,9 @@ pub const NOTIFY_CHANNEL: &str = "idemstage_jobs";
 
 /// Insert, then NOTIFY only if a row was inserted: one round trip.
 /// `{conflict}` is the ON CONFLICT clause; the live-singleton variant names the partial
-/// index `jobs_singleton_live_uq` by its columns and predicate.
+/// index `jobs_singleton_live_uq` by its columns and predicate. `{notify}` is the
+/// NOTIFY, or `false` for a send whose wake-up comes after the commit
+/// ([`Wake::AfterCommit`]).
 const SEND_SQL: &str = "\
 WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
@@ -33,7 +35,9 @@ WITH inserted AS (
     {conflict}
     RETURNING id, queue
 )
-SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM inserted";
+SELECT id, {notify} AS notified FROM inserted";
+
+const NOTIFY_IN_COMMIT: &str = "pg_notify('idemstage_jobs', queue) IS NULL";
 
 const LIVE_SINGLETON_CONFLICT: &str = "ON CONFLICT (queue, singleton_key) \
      WHERE singleton_key IS NOT NULL AND state IN ('created', 'retry', 'active') DO NOTHING";
@@ -43,9 +47,19 @@ const ANY_CONFLICT: &str = "ON CONFLICT DO NOTHING";
 /// Built once: the statement cache is keyed by the SQL text, so a text rebuilt per
 /// call costs an allocation and a hash of the whole statement every time.
 pub(crate) static SEND_LIVE_SINGLETON_SQL: LazyLock<String> =
-    LazyLock::new(|| SEND_SQL.replace("{conflict}", LIVE_SINGLETON_CONFLICT));
+    LazyLock::new(|| send_sql(LIVE_SINGLETON_CONFLICT, NOTIFY_IN_COMMIT));
 pub(crate) static SEND_ANY_CONFLICT_SQL: LazyLock<String> =
-    LazyLock::new(|| SEND_SQL.replace("{conflict}", ANY_CONFLICT));
+    LazyLock::new(|| send_sql(ANY_CONFLICT, NOTIFY_IN_COMMIT));
+pub(crate) static SEND_LIVE_SINGLETON_QUIET_SQL: LazyLock<String> =
+    LazyLock::new(|| send_sql(LIVE_SINGLETON_CONFLICT, "false"));
+pub(crate) static SEND_ANY_CONFLICT_QUIET_SQL: LazyLock<String> =
+    LazyLock::new(|| send_sql(ANY_CONFLICT, "false"));
+
+fn send_sql(conflict: &str, notify: &str) -> String {
+    SEND_SQL
+        .replace("{conflict}", conflict)
+        .replace("{notify}", notify)
+}
 
 #[derive(diesel::QueryableByName)]
 struct Inserted {
@@ -55,19 +69,34 @@ struct Inserted {
 
 /// Sends one job on the caller's connection (and so inside the caller's transaction,
 /// if one is open). A second live job with the same `(queue, singleton_key)` is a
-/// `Duplicate`, decided by the partial unique index `jobs_singleton_live_uq`.
+/// `Duplicate`, decided by the partial unique index `jobs_singleton_live_uq`. The
+/// send NOTIFYs its queue's listeners when the transaction commits
+/// ([`Wake::InCommit`]).
 pub async fn send_in(
     conn: &mut AsyncPgConnection,
     job: &JobToSend,
+) -> Result<SendResult, RepoError> {
+    send_in_waking(conn, job, Wake::InCommit).await
+}
+
+/// [`send_in`], waking the listeners as `wake` says. With [`Wake::AfterCommit`] the
+/// transaction sends no NOTIFY (and so takes no database-wide notify lock at
+/// commit): the caller passes the queue to its [`Notifier`](super::Notifier) once
+/// the transaction committed, or lets the workers' poll find the job.
+pub async fn send_in_waking(
+    conn: &mut AsyncPgConnection,
+    job: &JobToSend,
+    wake: Wake,
 ) -> Result<SendResult, RepoError> {
     validate_queue_name(&job.queue)?;
     job.options.validate()?;
     let o = &job.options;
     let id = JobId::new();
-    let sql: &str = if o.singleton_seconds.is_some() {
-        &SEND_ANY_CONFLICT_SQL
-    } else {
-        &SEND_LIVE_SINGLETON_SQL
+    let sql: &str = match (o.singleton_seconds.is_some(), wake) {
+        (true, Wake::InCommit) => &SEND_ANY_CONFLICT_SQL,
+        (false, Wake::InCommit) => &SEND_LIVE_SINGLETON_SQL,
+        (true, Wake::AfterCommit) => &SEND_ANY_CONFLICT_QUIET_SQL,
+        (false, Wake::AfterCommit) => &SEND_LIVE_SINGLETON_QUIET_SQL,
     };
     let inserted: Option<Inserted> = diesel::sql_query(sql)
         .bind::<Text, _>(id.to_string())

@@ -71,6 +71,7 @@ impl PgRunRepository {
         write: &FencedWrite<'_>,
     ) -> Result<CompleteOutcome, StageError> {
         let mut conn = self.conn().await?;
+        let wake = self.wake();
         let outcome = conn
             .transaction::<_, TxError, _>(async move |conn| {
                 crate::tenant::scope(conn, &token.tenant).await?;
@@ -78,7 +79,7 @@ impl PgRunRepository {
                 // the input this attempt read must still be current.
                 match check_lineage(conn, token).await? {
                     Lineage::Current => {}
-                    Lineage::Fenced => return Ok(CompleteOutcome::Fenced),
+                    Lineage::Fenced => return Ok((CompleteOutcome::Fenced, Vec::new())),
                     Lineage::Changed => {
                         // Nothing of the stage is written; the run becomes `stale`
                         // (claimable again, on the new upstream) in this transaction.
@@ -91,7 +92,7 @@ impl PgRunRepository {
                             .cached()
                             .execute(conn)
                             .await?;
-                        return Ok(CompleteOutcome::UpstreamChanged);
+                        return Ok((CompleteOutcome::UpstreamChanged, Vec::new()));
                     }
                 }
                 // The fence: it checks the token, marks success and locks the row,
@@ -104,7 +105,7 @@ impl PgRunRepository {
                     .execute(conn)
                     .await?;
                 if fenced_rows == 0 {
-                    return Ok(CompleteOutcome::Fenced);
+                    return Ok((CompleteOutcome::Fenced, Vec::new()));
                 }
                 // A first attempt cannot have succeeded before, so nothing was
                 // computed from an earlier success of it.
@@ -121,18 +122,28 @@ impl PgRunRepository {
                         .execute(conn)
                         .await?;
                 }
-                let mut tx = FencedTx::new(conn, token.clone());
+                let mut tx = FencedTx::new(conn, token.clone(), wake);
                 write(&mut tx).await.map_err(TxError::Stage)?;
-                Ok(CompleteOutcome::Committed)
+                Ok((CompleteOutcome::Committed, tx.into_to_wake()))
             })
             .await;
         match outcome {
-            Ok(CompleteOutcome::Fenced) => {
+            Ok((CompleteOutcome::Fenced, _)) => {
                 drop(conn);
                 self.record_fenced(token).await?;
                 Ok(CompleteOutcome::Fenced)
             }
-            Ok(o) => Ok(o),
+            Ok((CompleteOutcome::Committed, to_wake)) => {
+                // After a lost COMMIT that the re-read finds committed, nothing is
+                // woken here: the workers' poll finds those jobs.
+                if let Some(notifier) = &self.notifier {
+                    for queue in &to_wake {
+                        notifier.notify(queue);
+                    }
+                }
+                Ok(CompleteOutcome::Committed)
+            }
+            Ok((o, _)) => Ok(o),
             Err(e) => Err(e.into()),
         }
     }

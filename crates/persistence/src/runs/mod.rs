@@ -12,6 +12,7 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use idemstage_domain::{AnfrageId, RepoError, RunId, RunRecord, StageName, TenantId};
 
+use crate::queue::{Notifier, Wake};
 use crate::schema::pipeline_runs;
 use crate::PgPool;
 
@@ -26,12 +27,37 @@ const CONFLICT_RETRIES: u32 = 8;
 #[derive(Clone)]
 pub struct PgRunRepository {
     pool: PgPool,
+    /// `Some`: jobs sent by fenced completions are woken after the commit.
+    notifier: Option<Notifier>,
 }
 
 impl PgRunRepository {
-    /// A repository on `pool` (build it with [`connect_pool`](crate::connect_pool)).
+    /// A repository on `pool` (build it with [`connect_pool`](crate::connect_pool)),
+    /// whose fenced completions NOTIFY inside their commit ([`Wake::InCommit`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            notifier: None,
+        }
+    }
+
+    /// This repository with jobs sent by its fenced completions waking their
+    /// listeners as `wake` says. [`Wake::AfterCommit`] notifies through a
+    /// [`Notifier`] on the same pool (it borrows a connection per notification).
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.notifier = match wake {
+            Wake::InCommit => None,
+            Wake::AfterCommit => Some(Notifier::new(self.pool.clone())),
+        };
+        self
+    }
+
+    /// How jobs sent by fenced completions wake their listeners.
+    pub fn wake(&self) -> Wake {
+        match self.notifier {
+            Some(_) => Wake::AfterCommit,
+            None => Wake::InCommit,
+        }
     }
 
     /// The pool the repository takes its connections from.

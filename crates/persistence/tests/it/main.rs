@@ -14,3 +14,4 @@ mod support;
 mod team_tables;
 mod tenant_isolation;
 mod tenant_run_fks;
+mod wake;

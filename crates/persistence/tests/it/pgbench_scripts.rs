@@ -116,7 +116,7 @@ fn pgbench_stage_script_sends_the_registered_statements() {
             ("run_lineage_current", vec![RUN_ID, ":attempt"]),
             ("run_fence_success", vec![RUN_ID, ":attempt"]),
             (
-                "job_send",
+                "job_send_quiet",
                 vec![
                     "lpad((:r5)::text, 26, '0')",
                     ":next_queue",

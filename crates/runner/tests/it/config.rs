@@ -43,7 +43,7 @@ async fn maintenance_slower_than_the_job_lease_is_refused() {
         concurrency: 4,
         ..PipelineWorkerConfig::default()
     };
-    assert_eq!(four.pool_size(), 10);
+    assert_eq!(four.pool_size(), 11);
 }
 
 /// A worker may hold at most `MAX_HELD_JOBS` (running and fetched ahead): a larger
