@@ -40,6 +40,10 @@ pub enum Scenario {
     /// The noisy neighbour: a tenant's backlog against nine quiet tenants, fair
     /// fetch beside FIFO
     Fairness,
+    /// Concurrency caps under several worker processes, one of them SIGKILLed
+    Caps,
+    /// A rate limit on a stage, observed on the database clock
+    Rate,
 }
 
 #[derive(clap::Args)]
@@ -79,6 +83,24 @@ pub struct Args {
     /// fairness: jobs the worker fetches ahead (0: only for free slots)
     #[arg(long, default_value_t = 16)]
     pub fairness_prefetch: usize,
+    /// caps: worker processes (each at --concurrency)
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// caps: active jobs of the first stage at most, in all
+    #[arg(long, default_value_t = 8)]
+    pub stage_cap: u32,
+    /// caps: active jobs of the first stage at most, per tenant
+    #[arg(long, default_value_t = 3)]
+    pub tenant_cap: u32,
+    /// caps: anfragen per tenant (three tenants)
+    #[arg(long, default_value_t = 300)]
+    pub caps_anfragen: u64,
+    /// caps: seconds into the run at which one worker is SIGKILLed
+    #[arg(long, default_value_t = 2.0)]
+    pub kill_after_s: f64,
+    /// rate: the first stage's limit, per second
+    #[arg(long, default_value_t = 100)]
+    pub rate: u32,
     /// fairness: seconds the quiet tenants send for
     #[arg(long, default_value_t = 20.0)]
     pub quiet_s: f64,
@@ -105,6 +127,11 @@ const SKIP_STAGE: &str = "done";
 pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if args.concurrency == 0 || args.jobs == 0 || args.anfragen == 0 || args.latency_sends == 0 {
         return Err(BadInput("counts must be positive".into()).into());
+    }
+    if !args.kill_after_s.is_finite() || args.kill_after_s < 0.0 {
+        return Err(
+            BadInput("--kill-after-s must be a number of seconds, at least 0".into()).into(),
+        );
     }
     if !args.quiet_s.is_finite() || args.quiet_s <= 0.0 {
         return Err(BadInput("--quiet-s must be positive".into()).into());
@@ -137,6 +164,8 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Queue => queue_bench(url, &args).await?,
         Scenario::Pipeline => pipeline(url, &args).await?,
         Scenario::Fairness => super::fairness::fairness(url, &args).await?,
+        Scenario::Caps => super::limits::caps(url, &args).await?,
+        Scenario::Rate => super::limits::rate(url, &args).await?,
     };
     let failed = report
         .get("violations")

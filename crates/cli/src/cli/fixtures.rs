@@ -41,7 +41,8 @@ pub async fn current_database(conn: &mut AsyncPgConnection) -> Result<String, Re
 pub async fn reset(conn: &mut AsyncPgConnection) -> Result<(), RepoError> {
     diesel::sql_query(
         "TRUNCATE jobs, audit_log, calculation_results, feasibility_results,
-                  anfrage_extraktionen, dateien, pipeline_run_attempts, pipeline_runs, anfragen",
+                  anfrage_extraktionen, dateien, pipeline_run_attempts, pipeline_runs, anfragen,
+                  queue_controls, queue_buckets",
     )
     .execute(conn)
     .await
@@ -56,13 +57,25 @@ pub async fn insert_numbered_anfragen(
     n: u64,
     input_text: &str,
 ) -> Result<(), RepoError> {
+    insert_numbered_anfragen_from(conn, tenant, 0, n, input_text).await
+}
+
+/// Inserts numbered anfragen `from..from + n` of `tenant` (ids are unique across
+/// tenants, so each tenant takes its own range).
+pub async fn insert_numbered_anfragen_from(
+    conn: &mut AsyncPgConnection,
+    tenant: &str,
+    from: u64,
+    n: u64,
+    input_text: &str,
+) -> Result<(), RepoError> {
     diesel::sql_query(
         "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
          SELECT $1, lpad(($2 + g)::text, 26, '0'), $3, $4, 'bench/' || g
            FROM generate_series(0, $5 - 1) AS g",
     )
     .bind::<Text, _>(tenant)
-    .bind::<BigInt, _>(ANFRAGE_BASE as i64)
+    .bind::<BigInt, _>((ANFRAGE_BASE + from) as i64)
     .bind::<Text, _>(input_text)
     .bind::<Text, _>(idemstage_domain::input_hash_of(input_text.as_bytes()))
     .bind::<BigInt, _>(n as i64)
@@ -137,5 +150,14 @@ pub async fn count_jobs(
     .get_result(conn)
     .await
     .map_err(map_diesel_error)?;
+    Ok(row.n)
+}
+
+/// The `n` of a query `SELECT count(*) AS n ...` (no binds).
+pub async fn count_rows(conn: &mut AsyncPgConnection, sql: &str) -> Result<i64, RepoError> {
+    let row: Count = diesel::sql_query(sql)
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
     Ok(row.n)
 }

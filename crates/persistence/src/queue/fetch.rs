@@ -114,3 +114,35 @@ pub async fn fetch(
     }
     Ok(jobs)
 }
+
+/// `fetch_wait`: binds `$1` the queues (text[]); milliseconds or NULL.
+pub(crate) const FETCH_WAIT_SQL: &str = "SELECT idemstage_fetch_wait($1) AS ms";
+
+#[derive(diesel::QueryableByName)]
+struct WaitRow {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::BigInt>)]
+    ms: Option<i64>,
+}
+
+/// After a [`fetch`] that came back short: how long until a control of `queues`
+/// may let more of their ready jobs through (a rate-limited or held bucket
+/// refills, or, for a capped queue, a short re-check, since a slot frees whenever
+/// a job ends in any worker). `None`: no ready job waits for a control; wait for
+/// a notification or the poll interval. At least 10 ms.
+pub async fn fetch_wait(
+    conn: &mut AsyncPgConnection,
+    queues: &[String],
+) -> Result<Option<Duration>, RepoError> {
+    if queues.is_empty() {
+        return Ok(None);
+    }
+    let row: WaitRow = diesel::sql_query(FETCH_WAIT_SQL)
+        .bind::<Array<Text>, _>(queues)
+        .cached()
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    Ok(row
+        .ms
+        .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
+}

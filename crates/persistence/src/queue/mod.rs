@@ -24,7 +24,7 @@ pub use controls::{
     Rate, ResumeOutcome, Scope,
 };
 pub use defer::retry_after;
-pub use fetch::fetch;
+pub use fetch::{fetch, fetch_wait};
 pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
 pub use listen::JobListener;
 pub use maintenance::{
@@ -38,7 +38,7 @@ pub use send::{send, send_batch, send_in, send_in_waking, NOTIFY_CHANNEL};
 pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL};
 pub(crate) use controls::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
-pub(crate) use fetch::FETCH_SQL;
+pub(crate) use fetch::{FETCH_SQL, FETCH_WAIT_SQL};
 pub(crate) use finish::{CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL};
 pub(crate) use maintenance::EXPIRE_SQL;
 pub(crate) use notifier::NOTIFY_QUEUES_SQL;

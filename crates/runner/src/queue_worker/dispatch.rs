@@ -22,7 +22,10 @@ use super::job::{run_job, JobContext};
 use super::lease::{HeldLease, Leases};
 use super::stats::WorkerStats;
 
-type FetchFuture = Pin<Box<dyn Future<Output = Result<Vec<FetchedJob>, RepoError>> + Send>>;
+/// The jobs of a fetch and, when it came back short, how soon a control (a
+/// rate, a hold, a cap) may let more through.
+type FetchFuture =
+    Pin<Box<dyn Future<Output = Result<(Vec<FetchedJob>, Option<Duration>), RepoError>> + Send>>;
 
 /// Most tokens per release statement at shutdown.
 const RELEASE_CHUNK: usize = 1000;
@@ -84,13 +87,17 @@ impl<H: JobHandler> Dispatch<H> {
                 fetched = async { fetching.as_mut().expect("guarded").1.as_mut().await }, if fetching.is_some() => {
                     let (limit, _) = fetching.take().expect("guarded");
                     match fetched {
-                        Ok(jobs) => {
+                        Ok((jobs, control_wait)) => {
                             backoff = cfg.error_backoff_min;
                             if jobs.len() < limit as usize {
-                                // Nothing more waiting now: until a notification or
-                                // the poll interval.
+                                // Nothing more waiting now: until a notification,
+                                // the poll interval, or sooner when a control held
+                                // ready jobs back (no notification comes for a
+                                // refilled bucket or a slot freed elsewhere).
                                 paused = Some(true);
-                                pause.as_mut().reset(Instant::now() + cfg.poll_interval);
+                                let wait = control_wait
+                                    .map_or(cfg.poll_interval, |w| w.min(cfg.poll_interval));
+                                pause.as_mut().reset(Instant::now() + wait);
                             }
                             self.hold(jobs);
                         }
@@ -110,7 +117,7 @@ impl<H: JobHandler> Dispatch<H> {
         }
         // A fetch under way has leased its jobs: take them, to give them back.
         if let Some((_, fetch)) = fetching {
-            if let Ok(jobs) = fetch.await {
+            if let Ok((jobs, _)) = fetch.await {
                 self.hold(jobs);
             }
         }
@@ -136,7 +143,13 @@ impl<H: JobHandler> Dispatch<H> {
         let (pool, queues) = (self.cx.pool.clone(), self.queues.clone());
         Box::pin(async move {
             let mut conn = idemstage_persistence::get(&pool).await?;
-            queue::fetch(&mut conn, &queues, limit).await
+            let jobs = queue::fetch(&mut conn, &queues, limit).await?;
+            let wait = if jobs.len() < limit as usize {
+                queue::fetch_wait(&mut conn, &queues).await?
+            } else {
+                None
+            };
+            Ok((jobs, wait))
         })
     }
 

@@ -1,0 +1,1 @@
+DROP FUNCTION idemstage_fetch_wait(text[]);
