@@ -6,6 +6,7 @@ pub mod demo;
 pub mod enqueue;
 mod fairness;
 mod fixtures;
+pub mod ops;
 pub mod status;
 pub mod worker;
 
@@ -30,6 +31,15 @@ pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain() {
         if cause.is::<BadInput>() || cause.is::<DomainError>() {
             return ExitCode::from(2);
+        }
+        if let Some(ops) = cause.downcast_ref::<idemstage_persistence::ops::OpsError>() {
+            return match ops {
+                idemstage_persistence::ops::OpsError::Repo(RepoError::Unavailable(_)) => {
+                    ExitCode::from(3)
+                }
+                e if e.is_bad_request() => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            };
         }
         if let Some(repo) = cause.downcast_ref::<RepoError>() {
             return match repo {
