@@ -8,7 +8,7 @@ use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
 
 use super::inspect::JOBS_OF_ANFRAGE;
-use super::{audit, retry_conflicts, stored_hash, Actor, OpsError};
+use super::{audit, stored_hash, Actor, OpsError};
 
 /// What a cancelled stage was before.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -157,14 +157,18 @@ pub async fn cancel(
     anfrage: &AnfrageId,
     actor: &Actor,
 ) -> Result<CancelOutcome, OpsError> {
-    retry_conflicts(async || {
-        conn.transaction::<_, OpsError, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
-            cancel_in(conn, tenant, anfrage, actor).await
-        })
-        .await
-    })
-    .await
+    let mut tries = 0;
+    loop {
+        let result = conn
+            .transaction::<_, OpsError, _>(async |conn| {
+                crate::tenant::scope(conn, tenant).await?;
+                cancel_in(conn, tenant, anfrage, actor).await
+            })
+            .await;
+        if !super::again_after(&result, &mut tries).await {
+            return result;
+        }
+    }
 }
 
 async fn cancel_in(

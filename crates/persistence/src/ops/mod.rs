@@ -195,22 +195,18 @@ impl From<diesel::result::Error> for OpsError {
 /// How often a write is run again after a deadlock or serialization failure.
 const CONFLICT_RETRIES: u32 = 8;
 
-/// Runs `op` again (with a little backoff) while it fails with a conflict.
-async fn retry_conflicts<R, F>(mut op: F) -> Result<R, OpsError>
-where
-    F: AsyncFnMut() -> Result<R, OpsError>,
-{
-    let mut tries = 0;
-    loop {
-        match op().await {
-            Err(OpsError::Repo(RepoError::Conflict(msg))) if tries < CONFLICT_RETRIES => {
-                tries += 1;
-                tracing::debug!(tries, %msg, "operator command conflicted, retrying");
-                let jitter = rand::random::<u64>() % (5 << tries.min(6));
-                tokio::time::sleep(std::time::Duration::from_millis(jitter)).await;
-            }
-            other => return other,
+/// After a deadlock or serialization failure of the `tries`-th run: `true` (after
+/// a little backoff) if the write should run again.
+async fn again_after(result: &Result<impl Sized, OpsError>, tries: &mut u32) -> bool {
+    match result {
+        Err(OpsError::Repo(RepoError::Conflict(msg))) if *tries < CONFLICT_RETRIES => {
+            *tries += 1;
+            tracing::debug!(tries = *tries, %msg, "operator command conflicted, retrying");
+            let jitter = rand::random::<u64>() % (5 << (*tries).min(6));
+            tokio::time::sleep(std::time::Duration::from_millis(jitter)).await;
+            true
         }
+        _ => false,
     }
 }
 

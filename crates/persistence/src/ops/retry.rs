@@ -7,7 +7,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AnfrageId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId};
 use serde::Serialize;
 
-use super::{audit, retry_conflicts, stored_hash, Actor, OpsError, RetryRefusal};
+use super::{audit, stored_hash, Actor, OpsError, RetryRefusal};
 
 /// What a retry needs to know of the pipeline: a stage's fresh attempt budget
 /// and the job that starts it (with the pipeline's singleton key and send
@@ -147,14 +147,18 @@ pub async fn retry(
             return Err(OpsError::UnknownStage(s.to_string()));
         }
     }
-    retry_conflicts(async || {
-        conn.transaction::<_, OpsError, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
-            retry_in(conn, tenant, anfrage, stage, actor, planner).await
-        })
-        .await
-    })
-    .await
+    let mut tries = 0;
+    loop {
+        let result = conn
+            .transaction::<_, OpsError, _>(async |conn| {
+                crate::tenant::scope(conn, tenant).await?;
+                retry_in(conn, tenant, anfrage, stage, actor, planner).await
+            })
+            .await;
+        if !super::again_after(&result, &mut tries).await {
+            return result;
+        }
+    }
 }
 
 async fn retry_in(
