@@ -92,9 +92,9 @@ fn pipeline_stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName> 
 }
 
 /// `--actor`, else `$USER`, else the database's `current_user`.
-async fn actor(flag: Option<&str>, conn: &mut AsyncPgConnection) -> anyhow::Result<Actor> {
-    if let Some(name) = flag {
-        return Ok(Actor::parse(name)?);
+async fn actor(flag: Option<Actor>, conn: &mut AsyncPgConnection) -> anyhow::Result<Actor> {
+    if let Some(actor) = flag {
+        return Ok(actor);
     }
     if let Some(user) = std::env::var("USER").ok().filter(|u| !u.trim().is_empty()) {
         if let Ok(actor) = Actor::parse(&user) {
@@ -230,10 +230,7 @@ pub async fn retry(url: &str, args: RetryArgs, team: Option<Pipeline>) -> anyhow
         .transpose()?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = idemstage_persistence::connect(url).await?;
-    let actor = match flag_actor {
-        Some(a) => a,
-        None => actor(None, &mut conn).await?,
-    };
+    let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::retry(
         &mut conn,
         &tenant,
@@ -282,10 +279,7 @@ pub async fn cancel(url: &str, args: CancelArgs) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = idemstage_persistence::connect(url).await?;
-    let actor = match flag_actor {
-        Some(a) => a,
-        None => actor(None, &mut conn).await?,
-    };
+    let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &actor).await?;
     if args.json {
         let mut value = serde_json::to_value(&outcome)?;
