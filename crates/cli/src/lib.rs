@@ -11,7 +11,8 @@
 //! ```
 //!
 //! That binary has `migrate` (the core's migrations, then the team's), `enqueue`,
-//! `worker`, `status`, and the stage controls `pause`, `resume` and `limit`. This crate's own `idemstage` binary is [`run`]: the same
+//! `worker`, `status`, the stage controls `pause`, `resume` and `limit`, and the
+//! operator commands `inspect`, `retry`, `cancel` and `dead`. This crate's own `idemstage` binary is [`run`]: the same
 //! for the built-in example pipeline, plus `demo` and `bench`. Exit codes: 0
 //! success, 1 failure (an invariant broken, an unexpected error), 2 bad input or
 //! usage, 3 database unavailable.
@@ -90,6 +91,16 @@ enum Command {
     /// Set or show a stage's concurrency cap, rate limit and tenant weights,
     /// enforced by the fetch across all workers.
     Limit(cli::controls::LimitArgs),
+    /// The timeline of one anfrage: every stage's runs and attempts, its jobs.
+    Inspect(cli::ops::InspectArgs),
+    /// Give a dead stage (or every dead stage of an anfrage) a fresh attempt
+    /// budget and a new job.
+    Retry(cli::ops::RetryArgs),
+    /// Cancel an anfrage: its live jobs, and its unfinished stages (`cancelled`,
+    /// final; a running attempt is fenced).
+    Cancel(cli::ops::CancelArgs),
+    /// The dead-letter list: dead stages and failed jobs with their last errors.
+    Dead(cli::ops::DeadArgs),
     /// The main job: duplicate sends, many workers, injected crashes; then a report
     /// checked against the database.
     Demo(cli::demo::Args),
@@ -151,6 +162,10 @@ async fn run_async(mut app: App) -> ExitCode {
             Command::Pause(args) => cli::controls::pause(&url, args, true).await,
             Command::Resume(args) => cli::controls::pause(&url, args, false).await,
             Command::Limit(args) => cli::controls::limit(&url, args).await,
+            Command::Inspect(args) => cli::ops::inspect(&url, args, app.pipeline).await,
+            Command::Retry(args) => cli::ops::retry(&url, args, app.pipeline).await,
+            Command::Cancel(args) => cli::ops::cancel(&url, args).await,
+            Command::Dead(args) => cli::ops::dead(&url, args).await,
             Command::Demo(_) | Command::Bench(_) if app.pipeline.is_some() => Err(cli::BadInput(
                 "demo and bench run the built-in example pipeline only".into(),
             )

@@ -24,16 +24,20 @@ pub enum RunStatus {
     /// Its upstream succeeded again (or its input was replaced): its results are
     /// outdated, and it is claimable again with a fresh budget.
     Stale,
+    /// Final: an operator cancelled the anfrage before the stage was final
+    /// (`idemstage cancel`); never claimed again, and a running attempt is fenced.
+    Cancelled,
 }
 
 impl RunStatus {
     /// Every status.
-    pub const ALL: [RunStatus; 5] = [
+    pub const ALL: [RunStatus; 6] = [
         RunStatus::Running,
         RunStatus::Success,
         RunStatus::Failed,
         RunStatus::Dead,
         RunStatus::Stale,
+        RunStatus::Cancelled,
     ];
     /// The status as stored in `pipeline_runs.status`.
     pub fn as_str(self) -> &'static str {
@@ -43,7 +47,17 @@ impl RunStatus {
             RunStatus::Failed => "failed",
             RunStatus::Dead => "dead",
             RunStatus::Stale => "stale",
+            RunStatus::Cancelled => "cancelled",
         }
+    }
+
+    /// Whether the status is final: `success`, `dead` or `cancelled` (no claim
+    /// changes it, except a rerun of a success on new input).
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            RunStatus::Success | RunStatus::Dead | RunStatus::Cancelled
+        )
     }
 }
 
@@ -88,6 +102,12 @@ pub enum SkipReason {
         status: Option<RunStatus>,
         /// The upstream's lease end while it is `running`.
         lease_expires_at: Option<DateTime<Utc>>,
+    },
+    /// An operator cancelled the stage (`idemstage cancel`): final, nothing to do,
+    /// ever.
+    Cancelled {
+        /// The cancelled run.
+        run_id: RunId,
     },
 }
 

@@ -117,6 +117,18 @@ pub use idemstage_stage::{
     StageFlow, StageJob,
 };
 
+/// The operator commands (`idemstage inspect | retry | cancel | dead`): the
+/// timeline of an anfrage, a retry of its dead stages (a [`Pipeline`] is the
+/// [`RetryPlanner`](ops::RetryPlanner)), its cancel, the dead-letter list. Every
+/// write is tenant-scoped and recorded in `audit_log` with its [`Actor`](ops::Actor).
+pub mod ops {
+    pub use idemstage_persistence::ops::{
+        cancel, dead, inspect, retry, Actor, AnfrageTimeline, AttemptView, CancelOutcome,
+        CancelledFrom, CancelledJob, CancelledStage, DeadFilter, DeadLetters, DeadStage, FailedJob,
+        JobView, OpsError, RetriedStage, RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
+    };
+}
+
 /// The job queue (layer 2): sending jobs (also inside a caller's transaction),
 /// the outcome types of a job's lifecycle, and the controls the fetch enforces
 /// (pause, caps, rate limits, holds, tenant weights).

@@ -11,6 +11,8 @@
 //! - [`anfragen`]: registering an anfrage's input and sending its first job.
 //! - [`tenant`]: the row-level-security scope every tenant-scoped transaction
 //!   starts with.
+//! - [`ops`]: the operator commands: inspect an anfrage, retry a dead stage,
+//!   cancel an anfrage, list the dead letters.
 //!
 //! Errors are the domain's `RepoError`; `RepoError::is_retryable` says whether the
 //! same call may succeed later. Every function that takes `&mut AsyncPgConnection`
@@ -47,6 +49,7 @@ pub mod cached;
 pub mod db;
 pub mod error;
 pub mod fenced;
+pub mod ops;
 pub mod queue;
 pub mod report;
 pub mod runs;

@@ -14,7 +14,8 @@ use crate::schema::pipeline_runs;
 pub struct StageStatusCount {
     /// The stage name.
     pub stage: String,
-    /// The run status as stored (`running`, `success`, `failed`, `dead`, `stale`).
+    /// The run status as stored (`running`, `success`, `failed`, `dead`, `stale`,
+    /// `cancelled`).
     pub status: String,
     /// How many runs of `stage` are in `status`.
     pub count: i64,

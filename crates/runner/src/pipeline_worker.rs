@@ -125,7 +125,9 @@ impl JobHandler for PipelineHandler {
                     Handled::Complete
                 })
             }
-            ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. }) => {
+            ExecutionOutcome::Skipped(
+                SkipReason::AlreadySucceeded { .. } | SkipReason::Cancelled { .. },
+            ) => {
                 Counters::bump(&c.skipped);
                 Ok(Handled::Complete)
             }
@@ -145,7 +147,7 @@ impl JobHandler for PipelineHandler {
                 match (status, lease_expires_at) {
                     // Final without a success: nothing will ever be computed from it
                     // (its success, should it come, sends this stage's job anew).
-                    (Some(RunStatus::Dead), _) => Ok(Handled::Complete),
+                    (Some(RunStatus::Dead | RunStatus::Cancelled), _) => Ok(Handled::Complete),
                     (_, Some(lease)) => Err(HandlerError::Defer {
                         until: Some(lease + DEFER_SLACK),
                         reason: format!("upstream stage {upstream} is running"),

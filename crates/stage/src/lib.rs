@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 mod executor;
+mod ops;
 mod pipeline;
 mod start;
 

@@ -14,7 +14,7 @@ use idemstage::{map_diesel_error, RepoError};
 pub struct PipelineCheck {
     /// Anfragen registered.
     pub anfragen: i64,
-    /// Anfragen whose every expected stage is final (success or dead).
+    /// Anfragen whose every expected stage is final (success, dead or cancelled).
     pub anfragen_final: i64,
     /// `feasibility_results` rows that say feasible.
     pub feasible: i64,
@@ -40,7 +40,8 @@ pub struct PipelineCheck {
     /// success, and audit entries written by an attempt that did not succeed
     /// (must be 0).
     pub foreign_writes: i64,
-    /// Expected stages that are neither `success` nor `dead` (must be 0 at the end).
+    /// Expected stages that are not final (`success`, `dead` or `cancelled`; must be
+    /// 0 at the end). A cancelled stage is final: neither lost nor run again.
     pub lost_stages: i64,
     /// Audit entries naming a file id that does not exist (must be 0).
     pub dangling_audit: i64,
@@ -95,7 +96,7 @@ expected AS (
 open_stages AS (
     SELECT e.* FROM expected e
       LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
-     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead')
+     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
 ),
 -- The attempt whose writes stand: the current success, or for a run invalidated
 -- since (stale, and blocked if its upstream's rerun died), its last success.

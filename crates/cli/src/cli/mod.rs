@@ -7,6 +7,7 @@ pub mod enqueue;
 mod fairness;
 mod fixtures;
 mod limits;
+pub mod ops;
 pub mod status;
 pub mod worker;
 
@@ -31,6 +32,15 @@ pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain() {
         if cause.is::<BadInput>() || cause.is::<DomainError>() {
             return ExitCode::from(2);
+        }
+        if let Some(ops) = cause.downcast_ref::<idemstage_persistence::ops::OpsError>() {
+            return match ops {
+                idemstage_persistence::ops::OpsError::Repo(RepoError::Unavailable(_)) => {
+                    ExitCode::from(3)
+                }
+                e if e.is_bad_request() => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            };
         }
         if let Some(repo) = cause.downcast_ref::<RepoError>() {
             return match repo {

@@ -237,6 +237,9 @@ async fn explain_skip(
             }))
         }
         RunStatus::Dead => Some(ClaimOutcome::Exhausted { attempts }),
+        RunStatus::Cancelled => Some(ClaimOutcome::Skipped(SkipReason::Cancelled {
+            run_id: RunId::parse(&run_id)?,
+        })),
         RunStatus::Failed | RunStatus::Running if attempts >= max_attempts => {
             // Out of budget but not yet marked: mark it dead, if it is still in a
             // state the guard refused for that reason (a concurrent release or

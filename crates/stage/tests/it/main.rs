@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 use idemstage_testkit::count;
 
 mod lineage;
+mod ops;
 mod quantities;
 mod rate_limited;
 

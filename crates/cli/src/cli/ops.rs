@@ -1,0 +1,361 @@
+//! `idemstage inspect | retry | cancel | dead`: the operator commands
+//! (`idemstage_persistence::ops`). They connect as the `DATABASE_URL` user and
+//! name the tenant of every write, which runs scoped to it.
+
+use std::process::ExitCode;
+
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{AnfrageId, SendResult, StageName, TenantId};
+use idemstage_example::{self as example, Chaos};
+use idemstage_persistence::ops::{
+    self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, OpsError, RetryOutcome,
+};
+use idemstage_stage::Pipeline;
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// Tenant slug
+    #[arg(long)]
+    tenant: String,
+    /// Anfrage id (ULID)
+    #[arg(long)]
+    anfrage: String,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct RetryArgs {
+    /// Tenant slug
+    #[arg(long)]
+    tenant: String,
+    /// Anfrage id (ULID)
+    #[arg(long)]
+    anfrage: String,
+    /// Only this stage (default: every dead stage of the anfrage)
+    #[arg(long)]
+    stage: Option<String>,
+    /// Who is retrying, for the audit log (default: $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct CancelArgs {
+    /// Tenant slug
+    #[arg(long)]
+    tenant: String,
+    /// Anfrage id (ULID)
+    #[arg(long)]
+    anfrage: String,
+    /// Who is cancelling, for the audit log (default: $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct DeadArgs {
+    /// Only this tenant's
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this stage's
+    #[arg(long)]
+    stage: Option<String>,
+    /// At most this many dead stages (and failed jobs), newest first
+    #[arg(long, default_value_t = 1000)]
+    limit: u32,
+    /// One JSON object instead of tables
+    #[arg(long)]
+    json: bool,
+}
+
+/// The ids of a command, checked before the first connection: bad input writes
+/// nothing.
+fn ids(tenant: &str, anfrage: &str) -> anyhow::Result<(TenantId, AnfrageId)> {
+    Ok((TenantId::parse(tenant)?, AnfrageId::parse(anfrage)?))
+}
+
+/// A stage name that is a stage of `pipeline`.
+fn pipeline_stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName> {
+    let stage = StageName::parse(name)?;
+    if pipeline.stage(stage.as_str()).is_err() {
+        return Err(OpsError::UnknownStage(name.to_owned()).into());
+    }
+    Ok(stage)
+}
+
+/// `--actor`, else `$USER`, else the database's `current_user`.
+async fn actor(flag: Option<Actor>, conn: &mut AsyncPgConnection) -> anyhow::Result<Actor> {
+    if let Some(actor) = flag {
+        return Ok(actor);
+    }
+    if let Some(user) = std::env::var("USER").ok().filter(|u| !u.trim().is_empty()) {
+        if let Ok(actor) = Actor::parse(&user) {
+            return Ok(actor);
+        }
+    }
+    #[derive(diesel::QueryableByName)]
+    struct User {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+    let user: User = diesel::sql_query("SELECT current_user::text AS name")
+        .get_result(conn)
+        .await
+        .map_err(idemstage_persistence::map_diesel_error)?;
+    Ok(Actor::parse(&user.name)?)
+}
+
+fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
+    team.unwrap_or_else(|| example::pipeline(Chaos::default()))
+}
+
+pub async fn inspect(
+    url: &str,
+    args: InspectArgs,
+    team: Option<Pipeline>,
+) -> anyhow::Result<ExitCode> {
+    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let pipeline = pipeline_or_example(team);
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut timeline = ops::inspect(&mut conn, &tenant, &anfrage).await?;
+    // In the pipeline's order; a stage the pipeline does not know last.
+    let order = |s: &StageName| {
+        pipeline
+            .stages()
+            .iter()
+            .position(|p| p.name() == s)
+            .unwrap_or(usize::MAX)
+    };
+    timeline.stages.sort_by_key(|s| order(&s.stage));
+    if args.json {
+        let not_started: Vec<&str> = pipeline
+            .stages()
+            .iter()
+            .map(|s| s.name().as_str())
+            .filter(|name| timeline.stages.iter().all(|t| t.stage.as_str() != *name))
+            .collect();
+        let mut value = serde_json::to_value(&timeline)?;
+        value["not_started"] = serde_json::json!(not_started);
+        println!("{value}");
+    } else {
+        print_timeline(&timeline, &pipeline);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
+    println!(
+        "anfrage {} of tenant {} (input sha256 {}, registered {})",
+        t.anfrage, t.tenant, t.input_sha256, t.created_at
+    );
+    for run in &t.stages {
+        let upstream = match (&run.upstream_stage, run.upstream_attempt) {
+            (Some(stage), Some(attempt)) => format!(", read {stage} attempt {attempt}"),
+            _ => String::new(),
+        };
+        println!(
+            "\n{}: {}{} (run {}, attempts {}/{}, success attempt {}{upstream})",
+            run.stage,
+            run.status,
+            if run.lease_live { ", lease live" } else { "" },
+            run.run_id,
+            run.attempts,
+            run.max_attempts,
+            run.success_attempt.map_or("-".into(), |a| a.to_string()),
+        );
+        if let Some(e) = &run.last_error {
+            println!("  last error: {e}");
+        }
+        for a in &run.attempts_history {
+            println!(
+                "  attempt {:>3} {:<9} worker {} started {} finished {}{}{}{}",
+                a.attempt,
+                a.outcome,
+                a.worker_id,
+                a.started_at,
+                a.finished_at.map_or("-".into(), |f| f.to_string()),
+                a.lease_expires_at
+                    .map_or(String::new(), |l| format!(" lease {l}")),
+                a.upstream_attempt
+                    .map_or(String::new(), |u| format!(" upstream attempt {u}")),
+                a.error
+                    .as_ref()
+                    .map_or(String::new(), |e| format!(" error: {e}")),
+            );
+        }
+    }
+    for s in pipeline.stages() {
+        if t.stages.iter().all(|r| &r.stage != s.name()) {
+            println!("\n{}: not started", s.name());
+        }
+    }
+    println!("\njobs:");
+    if t.jobs.is_empty() {
+        println!("  none");
+    }
+    for j in &t.jobs {
+        println!(
+            "  {} {:<12} {:<9} deliveries {} retries {}/{} next run {}{}{}",
+            j.id,
+            j.queue,
+            j.state,
+            j.attempt,
+            j.retry_count,
+            j.retry_limit,
+            j.start_after,
+            j.lease_expires_at
+                .map_or(String::new(), |l| format!(" lease {l}")),
+            j.last_error
+                .as_ref()
+                .map_or(String::new(), |e| format!(" error: {e}")),
+        );
+    }
+}
+
+pub async fn retry(url: &str, args: RetryArgs, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let pipeline = pipeline_or_example(team);
+    let stage = args
+        .stage
+        .as_deref()
+        .map(|s| pipeline_stage(&pipeline, s))
+        .transpose()?;
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let actor = actor(flag_actor, &mut conn).await?;
+    let outcome = ops::retry(
+        &mut conn,
+        &tenant,
+        &anfrage,
+        stage.as_ref(),
+        &actor,
+        &pipeline,
+    )
+    .await?;
+    if args.json {
+        let mut value = serde_json::to_value(&outcome)?;
+        value["tenant"] = serde_json::json!(tenant);
+        value["anfrage"] = serde_json::json!(anfrage);
+        value["actor"] = serde_json::json!(actor);
+        println!("{value}");
+    } else {
+        match &outcome {
+            RetryOutcome::Retried { stages } => {
+                for s in stages {
+                    let job = match &s.job {
+                        SendResult::Sent(id) => format!("job {id}"),
+                        SendResult::Duplicate => "its live job".into(),
+                    };
+                    println!(
+                        "retried {} of anfrage {anfrage}: attempts {}/{}, {job}",
+                        s.stage, s.attempts, s.max_attempts
+                    );
+                }
+            }
+            RetryOutcome::NothingToRetry {
+                stage: Some(stage),
+                status,
+            } => println!(
+                "nothing to retry: stage {stage} is {} (the workers retry it)",
+                status.map_or("-".into(), |s| s.to_string())
+            ),
+            RetryOutcome::NothingToRetry { stage: None, .. } => {
+                println!("nothing to retry: anfrage {anfrage} has no dead stage")
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn cancel(url: &str, args: CancelArgs) -> anyhow::Result<ExitCode> {
+    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let actor = actor(flag_actor, &mut conn).await?;
+    let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &actor).await?;
+    if args.json {
+        let mut value = serde_json::to_value(&outcome)?;
+        value["tenant"] = serde_json::json!(tenant);
+        value["anfrage"] = serde_json::json!(anfrage);
+        value["actor"] = serde_json::json!(actor);
+        println!("{value}");
+    } else {
+        match &outcome {
+            CancelOutcome::Cancelled { stages, jobs } => {
+                for s in stages {
+                    let from = match &s.from {
+                        CancelledFrom::Running {
+                            attempt,
+                            lease_live: true,
+                        } => format!("running (attempt {attempt} fenced)"),
+                        CancelledFrom::Running { attempt, .. } => {
+                            format!("running, lease expired (attempt {attempt} fenced)")
+                        }
+                        CancelledFrom::Failed => "failed".into(),
+                        CancelledFrom::Stale => "stale".into(),
+                        CancelledFrom::Queued => "queued".into(),
+                    };
+                    println!("cancelled stage {} (was {from})", s.stage);
+                }
+                for j in jobs {
+                    println!("cancelled job {} on {} (was {})", j.id, j.queue, j.state);
+                }
+            }
+            CancelOutcome::NothingToCancel => {
+                println!("nothing to cancel: every stage of anfrage {anfrage} is final")
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn dead(url: &str, args: DeadArgs) -> anyhow::Result<ExitCode> {
+    let filter = DeadFilter {
+        tenant: args.tenant.as_deref().map(TenantId::parse).transpose()?,
+        stage: args.stage.as_deref().map(StageName::parse).transpose()?,
+        limit: Some(args.limit),
+    };
+    let mut conn = idemstage_persistence::connect(url).await?;
+    let letters = ops::dead(&mut conn, &filter).await?;
+    if args.json {
+        println!("{}", serde_json::to_value(&letters)?);
+    } else {
+        println!(
+            "{:<16} {:<26} {:<14} {:>8}  last error",
+            "tenant", "anfrage", "stage", "attempts"
+        );
+        for d in &letters.stages {
+            println!(
+                "{:<16} {:<26} {:<14} {:>8}  {}",
+                d.tenant.as_str(),
+                d.anfrage.to_string(),
+                d.stage.as_str(),
+                format!("{}/{}", d.attempts, d.max_attempts),
+                d.last_error.as_deref().unwrap_or("-")
+            );
+        }
+        if !letters.jobs.is_empty() {
+            println!("\nfailed jobs:");
+            for j in &letters.jobs {
+                println!(
+                    "{} {:<14} tenant {} anfrage {} retries {}: {}",
+                    j.id,
+                    j.queue,
+                    j.tenant.as_deref().unwrap_or("-"),
+                    j.anfrage.as_deref().unwrap_or("-"),
+                    j.retry_count,
+                    j.last_error.as_deref().unwrap_or("-")
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

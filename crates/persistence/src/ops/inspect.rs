@@ -1,0 +1,336 @@
+//! `inspect`: the timeline of one anfrage, read-only.
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
+use serde::Serialize;
+
+use super::OpsError;
+
+/// Everything the database knows about one anfrage's run through its pipeline.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AnfrageTimeline {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The anfrage.
+    pub anfrage: AnfrageId,
+    /// SHA-256 (hex) of its stored input.
+    pub input_sha256: String,
+    /// When it was registered (database clock).
+    pub created_at: DateTime<Utc>,
+    /// The database clock when this was read (to judge the leases by).
+    pub read_at: DateTime<Utc>,
+    /// Its stages that have a run, in the order they were first claimed.
+    pub stages: Vec<StageTimeline>,
+    /// Its jobs (payload naming its tenant and id), oldest first, of every
+    /// state; finished ones are deleted after their retention.
+    pub jobs: Vec<JobView>,
+}
+
+/// One stage's run and its attempts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StageTimeline {
+    /// The stage.
+    pub stage: StageName,
+    /// Its run.
+    pub run_id: RunId,
+    /// The run's status.
+    pub status: RunStatus,
+    /// Attempts claimed so far.
+    pub attempts: i32,
+    /// Its attempt budget.
+    pub max_attempts: i32,
+    /// The attempt whose results are current, if any.
+    pub success_attempt: Option<i32>,
+    /// The stage the latest attempt read from (`None`: the first stage, which
+    /// reads the anfrage's input).
+    pub upstream_stage: Option<StageName>,
+    /// That stage's successful attempt the latest attempt read.
+    pub upstream_attempt: Option<i32>,
+    /// The latest attempt's lease end (database clock).
+    pub lease_expires_at: DateTime<Utc>,
+    /// `running` with a lease that has not run out: a worker holds it.
+    pub lease_live: bool,
+    /// The run's last error (sanitised).
+    pub last_error: Option<String>,
+    /// Every attempt, in order.
+    pub attempts_history: Vec<AttemptView>,
+}
+
+/// One attempt of a stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AttemptView {
+    /// Its number (the fencing token).
+    pub attempt: i32,
+    /// The worker that claimed it.
+    pub worker_id: String,
+    /// When it was claimed.
+    pub started_at: DateTime<Utc>,
+    /// When it ended, if it did.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// `running`, `success`, `failed`, `abandoned`, `fenced` or `cancelled`.
+    pub outcome: String,
+    /// Its error (sanitised).
+    pub error: Option<String>,
+    /// SHA-256 (hex) of the input it was bound to.
+    pub input_hash: String,
+    /// The upstream's successful attempt it read (`None` for the first stage).
+    pub upstream_attempt: Option<i32>,
+    /// The lease, for the run's latest attempt only (earlier attempts' leases are
+    /// not kept).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// One job of the anfrage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct JobView {
+    /// The job.
+    pub id: JobId,
+    /// Its queue (a stage's queue is its name).
+    pub queue: String,
+    /// `created`, `retry`, `active`, `completed`, `cancelled` or `failed`.
+    pub state: String,
+    /// Deliveries so far (the job lease's fencing token).
+    pub attempt: i32,
+    /// Retryable failures counted so far.
+    pub retry_count: i32,
+    /// Failures allowed before it fails for good.
+    pub retry_limit: i32,
+    /// Not fetched before this (its next run, while `created` or `retry`).
+    pub start_after: DateTime<Utc>,
+    /// The end of its job lease while `active`.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// When it was completed, cancelled or failed.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When it was sent.
+    pub created_at: DateTime<Utc>,
+    /// Its last error.
+    pub last_error: Option<String>,
+}
+
+#[derive(QueryableByName)]
+struct AnfrageRow {
+    #[diesel(sql_type = Text)]
+    input_sha256: String,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    read_at: DateTime<Utc>,
+}
+
+#[derive(QueryableByName)]
+struct RunRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    stage: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Integer)]
+    max_attempts: i32,
+    #[diesel(sql_type = Nullable<Integer>)]
+    success_attempt: Option<i32>,
+    #[diesel(sql_type = Nullable<Text>)]
+    upstream_stage: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_attempt: Option<i32>,
+    #[diesel(sql_type = Timestamptz)]
+    lease_expires_at: DateTime<Utc>,
+    #[diesel(sql_type = Bool)]
+    lease_live: bool,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+}
+
+#[derive(QueryableByName)]
+struct AttemptRow {
+    #[diesel(sql_type = Text)]
+    run_id: String,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+    #[diesel(sql_type = Text)]
+    worker_id: String,
+    #[diesel(sql_type = Timestamptz)]
+    started_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    finished_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Text)]
+    outcome: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    error: Option<String>,
+    #[diesel(sql_type = Text)]
+    input_hash: String,
+    #[diesel(sql_type = Nullable<Integer>)]
+    upstream_attempt: Option<i32>,
+}
+
+#[derive(QueryableByName)]
+struct JobRow {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    queue: String,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = Integer)]
+    attempt: i32,
+    #[diesel(sql_type = Integer)]
+    retry_count: i32,
+    #[diesel(sql_type = Integer)]
+    retry_limit: i32,
+    #[diesel(sql_type = Timestamptz)]
+    start_after: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    lease_expires_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    completed_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+}
+
+const ANFRAGE_SQL: &str = "\
+SELECT input_sha256, created_at, clock_timestamp() AS read_at
+  FROM anfragen WHERE tenant_id = $1 AND id = $2";
+
+const RUNS_SQL: &str = "\
+SELECT id, stage, status, attempts, max_attempts, success_attempt, upstream_stage,
+       upstream_attempt, lease_expires_at,
+       (status = 'running' AND lease_expires_at >= clock_timestamp()) AS lease_live,
+       last_error
+  FROM pipeline_runs WHERE tenant_id = $1 AND anfrage_id = $2
+ ORDER BY created_at, id";
+
+const ATTEMPTS_SQL: &str = "\
+SELECT a.run_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error,
+       a.input_hash, a.upstream_attempt
+  FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+ WHERE r.tenant_id = $1 AND r.anfrage_id = $2
+ ORDER BY a.run_id, a.attempt";
+
+/// A stage job's payload names its tenant and anfrage (`StageJob`). `jobs` has
+/// no row-level security: the tenant is named here.
+pub(super) const JOBS_OF_ANFRAGE: &str =
+    "payload->>'tenant_id' = $1 AND payload->>'anfrage_id' = $2";
+
+/// The timeline of one anfrage: every run of it with every attempt (worker,
+/// start and end, the lease of the live one, outcome, error, the upstream
+/// attempt it read) and every job whose payload names it (state, deliveries,
+/// next run). Read-only, in one transaction scoped to `tenant` (so one
+/// consistent snapshot per statement of the tenant's rows only). An unknown
+/// anfrage (or one of another tenant) is `AnfrageNotFound`.
+///
+/// The jobs are found by their payload (`tenant_id`, `anfrage_id`), which scans
+/// the jobs table: an operator's read, not a worker's.
+pub async fn inspect(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+) -> Result<AnfrageTimeline, OpsError> {
+    let (head, runs, attempts, jobs) = conn
+        .transaction::<_, OpsError, _>(async |conn| {
+            crate::tenant::scope(conn, tenant).await?;
+            let bind = |sql: &'static str| {
+                diesel::sql_query(sql)
+                    .bind::<Text, _>(tenant.as_str().to_owned())
+                    .bind::<Text, _>(anfrage.to_string())
+            };
+            let head: Option<AnfrageRow> = bind(ANFRAGE_SQL)
+                .get_result(conn)
+                .await
+                .map(Some)
+                .or_else(|e| match e {
+                    diesel::result::Error::NotFound => Ok(None),
+                    e => Err(e),
+                })?;
+            let Some(head) = head else {
+                return Err(OpsError::AnfrageNotFound {
+                    tenant: tenant.clone(),
+                    anfrage: *anfrage,
+                });
+            };
+            let runs: Vec<RunRow> = bind(RUNS_SQL).load(conn).await?;
+            let attempts: Vec<AttemptRow> = bind(ATTEMPTS_SQL).load(conn).await?;
+            let jobs_sql = format!(
+                "SELECT id, queue, state, attempt, retry_count, retry_limit, start_after, \
+                        lease_expires_at, completed_at, created_at, last_error \
+                   FROM jobs WHERE {JOBS_OF_ANFRAGE} ORDER BY created_at, id"
+            );
+            let jobs: Vec<JobRow> = diesel::sql_query(jobs_sql)
+                .bind::<Text, _>(tenant.as_str())
+                .bind::<Text, _>(anfrage.to_string())
+                .load(conn)
+                .await?;
+            Ok((head, runs, attempts, jobs))
+        })
+        .await?;
+
+    let mut stages = Vec::with_capacity(runs.len());
+    for r in runs {
+        let history = attempts
+            .iter()
+            .filter(|a| a.run_id == r.id)
+            .map(|a| AttemptView {
+                attempt: a.attempt,
+                worker_id: a.worker_id.clone(),
+                started_at: a.started_at,
+                finished_at: a.finished_at,
+                outcome: a.outcome.clone(),
+                error: a.error.clone(),
+                input_hash: a.input_hash.clone(),
+                upstream_attempt: a.upstream_attempt,
+                lease_expires_at: (a.attempt == r.attempts).then_some(r.lease_expires_at),
+            })
+            .collect();
+        stages.push(StageTimeline {
+            stage: StageName::parse(&r.stage)?,
+            run_id: RunId::parse(&r.id)?,
+            status: r.status.parse()?,
+            attempts: r.attempts,
+            max_attempts: r.max_attempts,
+            success_attempt: r.success_attempt,
+            upstream_stage: r
+                .upstream_stage
+                .as_deref()
+                .map(StageName::parse)
+                .transpose()?,
+            upstream_attempt: r.upstream_attempt,
+            lease_expires_at: r.lease_expires_at,
+            lease_live: r.lease_live,
+            last_error: r.last_error,
+            attempts_history: history,
+        });
+    }
+    let jobs = jobs
+        .into_iter()
+        .map(|j| {
+            Ok(JobView {
+                id: JobId::parse(&j.id)?,
+                queue: j.queue,
+                state: j.state,
+                attempt: j.attempt,
+                retry_count: j.retry_count,
+                retry_limit: j.retry_limit,
+                start_after: j.start_after,
+                lease_expires_at: j.lease_expires_at,
+                completed_at: j.completed_at,
+                created_at: j.created_at,
+                last_error: j.last_error,
+            })
+        })
+        .collect::<Result<Vec<_>, OpsError>>()?;
+    Ok(AnfrageTimeline {
+        tenant: tenant.clone(),
+        anfrage: *anfrage,
+        input_sha256: head.input_sha256,
+        created_at: head.created_at,
+        read_at: head.read_at,
+        stages,
+        jobs,
+    })
+}
