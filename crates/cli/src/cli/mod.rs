@@ -6,6 +6,7 @@ pub mod demo;
 pub mod enqueue;
 mod fairness;
 mod fixtures;
+mod prometheus;
 pub mod status;
 pub mod worker;
 
