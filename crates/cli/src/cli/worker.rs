@@ -49,8 +49,8 @@ pub struct Args {
     pub rerun_on_new_input: bool,
     /// Serve Prometheus metrics on this address (GET /metrics), e.g.
     /// 127.0.0.1:9464; port 0 picks a free one. The bound address is printed on
-    /// stderr. The metrics (README, "Metrics"): jobs fetched/completed/retried/
-    /// failed per queue, stage outcomes and durations per stage, lease renewals,
+    /// stderr. The metrics (README, "Metrics"): jobs fetched, completed, retried
+    /// and failed per queue, stage outcomes and durations per stage, lease renewals,
     /// queue depth and oldest ready job's age (sampled from the database every
     /// second)
     #[arg(long, value_name = "ADDR")]
