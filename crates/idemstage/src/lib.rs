@@ -129,6 +129,20 @@ pub mod ops {
     };
 }
 
+/// The metrics the workers and the executor record through the `metrics` facade
+/// (their names, and `describe`): a no-op until the binary installs a `metrics`
+/// recorder. `idemstage_cli`'s `worker --metrics-listen ADDR` installs a
+/// Prometheus one; a team's own binary installs any recorder (e.g.
+/// `metrics-exporter-prometheus`'s), calls [`telemetry::describe`], and sets
+/// `QueueWorkerConfig::queue_gauges_interval` for the queue gauges. The list is
+/// in the README ("Metrics").
+pub mod telemetry {
+    pub use idemstage_runner::telemetry::*;
+    pub use idemstage_stage::telemetry::{
+        outcome_label, STAGE_DURATION, STAGE_LEASE_RENEWALS, STAGE_OUTCOMES,
+    };
+}
+
 /// The job queue (layer 2): sending jobs (also inside a caller's transaction),
 /// the outcome types of a job's lifecycle, and the controls the fetch enforces
 /// (pause, caps, rate limits, holds, tenant weights).

@@ -7,6 +7,7 @@
 pub mod counters;
 pub mod pipeline_worker;
 pub mod queue_worker;
+pub mod telemetry;
 
 pub use counters::{Counters, CountersSnapshot};
 pub use pipeline_worker::{PipelineWorker, PipelineWorkerConfig};

@@ -41,10 +41,11 @@ impl PipelineWorkerConfig {
     /// The pool size a worker with this config needs: per stage execution, its
     /// connection and its heartbeat's, plus the loop's, the completer's and the
     /// notifier's (the job lease keeper borrows one briefly, for one statement for
-    /// all jobs). A smaller pool makes executions wait for connections (and time
-    /// out).
+    /// all jobs), and one for the queue gauges' sampler if it runs. A smaller pool
+    /// makes executions wait for connections (and time out).
     pub fn pool_size(&self) -> u32 {
-        u32::try_from(self.concurrency * 2 + 3).unwrap_or(u32::MAX)
+        let gauges = usize::from(self.queue.queue_gauges_interval.is_some());
+        u32::try_from(self.concurrency * 2 + 3 + gauges).unwrap_or(u32::MAX)
     }
 }
 

@@ -11,6 +11,7 @@ mod executor;
 mod ops;
 mod pipeline;
 mod start;
+pub mod telemetry;
 
 pub use executor::{ExecutionOutcome, Executor, JobLease};
 pub use pipeline::{first_job, Pipeline, PipelineError, StageJob};

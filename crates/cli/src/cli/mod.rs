@@ -8,6 +8,7 @@ mod fairness;
 mod fixtures;
 mod limits;
 pub mod ops;
+mod prometheus;
 pub mod status;
 pub mod worker;
 

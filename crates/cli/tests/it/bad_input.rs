@@ -492,3 +492,21 @@ async fn a_worker_asked_to_hold_too_many_jobs_refuses_to_start() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("prefetch 200000"), "{stderr}");
 }
+
+#[test]
+fn a_worker_whose_metrics_address_is_taken_refuses_to_start_before_connecting() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["worker", "--metrics-listen", &addr])
+        // No server there: the address is refused first (exit 2, not 3).
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--metrics-listen {addr}")),
+        "{stderr}"
+    );
+}

@@ -5,6 +5,7 @@
 mod bad_input;
 mod cli;
 mod faults;
+mod metrics;
 mod ops;
 mod processes;
 mod soak;

@@ -11,6 +11,7 @@
 mod batched;
 mod controls;
 mod defer;
+mod depth;
 mod fetch;
 mod finish;
 mod listen;
@@ -24,6 +25,7 @@ pub use controls::{
     Rate, ResumeOutcome, Scope,
 };
 pub use defer::retry_after;
+pub use depth::{queue_depths, QueueDepth};
 pub use fetch::{fetch, fetch_wait};
 pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
 pub use listen::JobListener;

@@ -1218,3 +1218,92 @@ async fn renew_leases_and_retry_now_many_fence_each_entry() {
         .unwrap();
     assert_eq!(n.payload, "batch");
 }
+
+#[tokio::test]
+async fn queue_depths_count_ready_delayed_and_active_jobs_per_queue_and_the_oldest_ready_age() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for i in 0..3 {
+        sent(
+            queue::send_in(
+                &mut conn,
+                &job("depth_a", json!({ "i": i }), SendOptions::default()),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let later = SendOptions {
+        start_after: Some(Duration::from_secs(3600)),
+        ..SendOptions::default()
+    };
+    sent(
+        queue::send_in(&mut conn, &job("depth_a", json!({ "later": 1 }), later))
+            .await
+            .unwrap(),
+    );
+    let done = sent(
+        queue::send_in(
+            &mut conn,
+            &job("depth_b", json!({}), SendOptions::default()),
+        )
+        .await
+        .unwrap(),
+    );
+    // The oldest ready job of depth_a has been due for a minute.
+    diesel::sql_query(
+        "UPDATE jobs SET start_after = now() - interval '60 seconds' \
+         WHERE id = (SELECT id FROM jobs WHERE queue = 'depth_a' ORDER BY id LIMIT 1)",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let active = fetch_one(&mut conn, "depth_a").await;
+    let b = fetch_one(&mut conn, "depth_b").await;
+    assert_eq!(b.id, done);
+    assert_eq!(
+        queue::complete(&mut conn, b.id, b.attempt, None)
+            .await
+            .unwrap(),
+        JobCompleteOutcome::Completed
+    );
+    let queues: Vec<String> = ["depth_b", "depth_a", "depth_none"]
+        .map(str::to_owned)
+        .into();
+    let depths = queue::queue_depths(&mut conn, &queues).await.unwrap();
+    let shape: Vec<(&str, i64, i64, i64)> = depths
+        .iter()
+        .map(|d| (d.queue.as_str(), d.ready, d.delayed, d.active))
+        .collect();
+    // In the order asked; the completed job counts nowhere; a queue without jobs is zeros.
+    assert_eq!(
+        shape,
+        vec![
+            ("depth_b", 0, 0, 0),
+            ("depth_a", 2, 1, 1),
+            ("depth_none", 0, 0, 0)
+        ]
+    );
+    assert_eq!(depths[0].oldest_ready_s, 0.0);
+    assert_eq!(depths[2].oldest_ready_s, 0.0);
+    // The fetch took the oldest (the one due for a minute): the age is of the
+    // oldest ready job left, sent moments ago.
+    assert_eq!(row(&mut conn, active.id).await.state, "active");
+    assert!(
+        (0.0..60.0).contains(&depths[1].oldest_ready_s),
+        "{depths:?}"
+    );
+    // Once the other two are older, the age follows.
+    diesel::sql_query(
+        "UPDATE jobs SET start_after = now() - interval '90 seconds' \
+         WHERE queue = 'depth_a' AND state = 'created' AND start_after <= now()",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let depths = queue::queue_depths(&mut conn, &queues[1..2]).await.unwrap();
+    assert!(
+        (90.0..120.0).contains(&depths[0].oldest_ready_s),
+        "{depths:?}"
+    );
+}

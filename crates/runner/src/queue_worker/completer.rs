@@ -11,6 +11,7 @@ use idemstage_persistence::PgPool;
 use tokio::sync::mpsc;
 
 use super::stats::WorkerStats;
+use crate::telemetry;
 
 /// Completes the jobs of many handlers with one `complete_many` each time: the
 /// completions that arrive while one statement runs go together in the next
@@ -20,8 +21,11 @@ use super::stats::WorkerStats;
 /// is counted as `fenced`.
 #[derive(Clone)]
 pub(super) struct Completer {
-    tx: mpsc::Sender<(JobId, i32)>,
+    tx: mpsc::Sender<Completion>,
 }
+
+/// A job to complete: its token, and its queue (for the metrics).
+type Completion = ((JobId, i32), String);
 
 /// Most completions per statement, and most completions waiting: a handler that
 /// finds this many waiting waits too (with its slot taken), so while the database
@@ -43,9 +47,9 @@ impl Completer {
         )
     }
 
-    /// Hands the completion of the job's `attempt` over.
-    pub(super) async fn complete(&self, id: JobId, attempt: i32) {
-        if self.tx.send((id, attempt)).await.is_err() {
+    /// Hands the completion of the job's `attempt` (of `queue`) over.
+    pub(super) async fn complete(&self, id: JobId, attempt: i32, queue: String) {
+        if self.tx.send(((id, attempt), queue)).await.is_err() {
             // Only if the completer's task died: the job's lease will expire.
             tracing::error!(job = %id, "the job completer has stopped; the job's lease will expire");
         }
@@ -54,14 +58,21 @@ impl Completer {
 
 async fn completer_loop(
     pool: PgPool,
-    mut rx: mpsc::Receiver<(JobId, i32)>,
+    mut rx: mpsc::Receiver<Completion>,
     stats: Arc<WorkerStats>,
     backoff_min: Duration,
 ) {
+    let mut received = Vec::with_capacity(COMPLETION_BATCH);
     let mut batch = Vec::with_capacity(COMPLETION_BATCH);
-    while rx.recv_many(&mut batch, COMPLETION_BATCH).await > 0 {
-        complete_batch(&pool, &batch, &stats, backoff_min).await;
+    let mut queues = Vec::with_capacity(COMPLETION_BATCH);
+    while rx.recv_many(&mut received, COMPLETION_BATCH).await > 0 {
+        for (token, queue) in received.drain(..) {
+            batch.push(token);
+            queues.push(queue);
+        }
+        complete_batch(&pool, &batch, &queues, &stats, backoff_min).await;
         batch.clear();
+        queues.clear();
     }
 }
 
@@ -72,6 +83,7 @@ async fn completer_loop(
 async fn complete_batch(
     pool: &PgPool,
     batch: &[(JobId, i32)],
+    queues: &[String],
     stats: &WorkerStats,
     backoff_min: Duration,
 ) {
@@ -86,13 +98,17 @@ async fn complete_batch(
         match outcomes {
             Ok(outcomes) => {
                 let mut completed = 0;
-                for ((id, attempt), outcome) in batch.iter().zip(outcomes) {
+                for (((id, attempt), queue), outcome) in batch.iter().zip(queues).zip(outcomes) {
                     let what = match outcome {
                         JobCompleteOutcome::Completed => {
                             completed += 1;
+                            telemetry::count_job(telemetry::JOBS_COMPLETED, queue, 1);
                             "completed"
                         }
-                        JobCompleteOutcome::Fenced => "fenced",
+                        JobCompleteOutcome::Fenced => {
+                            telemetry::count_job(telemetry::JOBS_FENCED, queue, 1);
+                            "fenced"
+                        }
                     };
                     tracing::debug!(job = %id, attempt, what, "job recorded");
                 }

@@ -51,6 +51,11 @@ pub struct QueueWorkerConfig {
     /// A handler still running after this long is aborted and its job failed
     /// (retryable). `None`: no limit here (stages have their own timeout).
     pub handler_timeout: Option<Duration>,
+    /// How often to sample the depth of this worker's queues from the database
+    /// (one statement for all of them) into the gauges `idemstage_queue_depth` and
+    /// `idemstage_queue_oldest_ready_age_seconds` (see [`crate::telemetry`]).
+    /// `None` (the default): never, for a binary that installs no metrics recorder.
+    pub queue_gauges_interval: Option<Duration>,
 }
 
 impl Default for QueueWorkerConfig {
@@ -68,6 +73,7 @@ impl Default for QueueWorkerConfig {
             error_backoff_min: Duration::from_millis(100),
             error_backoff_max: Duration::from_secs(10),
             handler_timeout: None,
+            queue_gauges_interval: None,
         }
     }
 }
@@ -75,7 +81,8 @@ impl Default for QueueWorkerConfig {
 impl QueueWorkerConfig {
     /// Checks the settings ([`QueueWorker::new`](super::QueueWorker::new) does):
     /// refused without queues, with an invalid queue name, with a zero
-    /// `concurrency`, `batch_size`, `poll_interval` or `maintenance_interval`, or
+    /// `concurrency`, `batch_size`, `poll_interval`, `maintenance_interval` or
+    /// `queue_gauges_interval`, or
     /// with `concurrency + prefetch` above [`MAX_HELD_JOBS`]. The error names the
     /// setting.
     pub fn validate(&self) -> Result<(), WorkerError> {
@@ -93,6 +100,11 @@ impl QueueWorkerConfig {
         if self.poll_interval.is_zero() || self.maintenance_interval.is_zero() {
             return Err(WorkerError::Config(
                 "poll_interval and maintenance_interval must be positive".into(),
+            ));
+        }
+        if self.queue_gauges_interval.is_some_and(|i| i.is_zero()) {
+            return Err(WorkerError::Config(
+                "queue_gauges_interval must be positive".into(),
             ));
         }
         if self.held_limit() > MAX_HELD_JOBS {

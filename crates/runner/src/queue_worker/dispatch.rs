@@ -15,12 +15,14 @@ use tokio::sync::Notify;
 use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::config::QueueWorkerConfig;
 use super::handler::JobHandler;
 use super::job::{run_job, JobContext};
 use super::lease::{HeldLease, Leases};
 use super::stats::WorkerStats;
+use crate::telemetry;
 
 /// The jobs of a fetch and, when it came back short, how soon a control (a
 /// rate, a hold, a cap) may let more through.
@@ -103,6 +105,7 @@ impl<H: JobHandler> Dispatch<H> {
                         }
                         Err(e) => {
                             WorkerStats::add(&self.cx.stats.fetch_errors, 1);
+                            metrics::counter!(telemetry::FETCH_ERRORS).increment(1);
                             tracing::warn!(error = %e, retry_in = ?backoff, "fetch failed");
                             paused = Some(false);
                             pause.as_mut().reset(Instant::now() + backoff);
@@ -155,6 +158,9 @@ impl<H: JobHandler> Dispatch<H> {
 
     fn hold(&mut self, jobs: Vec<FetchedJob>) {
         WorkerStats::add(&self.cx.stats.fetched, jobs.len() as u64);
+        for job in &jobs {
+            telemetry::count_job(telemetry::JOBS_FETCHED, &job.queue, 1);
+        }
         let leases = self.leases.hold(&jobs);
         self.buffer.extend(jobs.into_iter().zip(leases));
     }
@@ -164,7 +170,17 @@ impl<H: JobHandler> Dispatch<H> {
             let Some((job, lease)) = self.buffer.pop_front() else {
                 break;
             };
-            self.running.spawn(run_job(self.cx.clone(), job, lease));
+            // The job's span: the stage execution's span (tenant, anfrage, stage,
+            // attempt) nests in it. At WARN, like that one, so that a job's warnings
+            // carry it under a filter of `warn`.
+            let span = tracing::warn_span!(
+                "job",
+                job = %job.id,
+                queue = %job.queue,
+                delivery = job.attempt
+            );
+            self.running
+                .spawn(run_job(self.cx.clone(), job, lease).instrument(span));
         }
     }
 
@@ -173,8 +189,12 @@ impl<H: JobHandler> Dispatch<H> {
     pub(super) async fn release_unstarted(&mut self) {
         let unstarted: Vec<(FetchedJob, HeldLease)> = self.buffer.drain(..).collect();
         let tokens: Vec<(JobId, i32)> = unstarted.iter().map(|(j, _)| (j.id, j.attempt)).collect();
-        for chunk in tokens.chunks(RELEASE_CHUNK) {
-            release(&self.cx, chunk).await;
+        let queues: Vec<&str> = unstarted.iter().map(|(j, _)| j.queue.as_str()).collect();
+        for (chunk, queues) in tokens
+            .chunks(RELEASE_CHUNK)
+            .zip(queues.chunks(RELEASE_CHUNK))
+        {
+            release(&self.cx, chunk, queues).await;
         }
         // Their leases are renewed until here.
         drop(unstarted);
@@ -203,9 +223,10 @@ impl<H: JobHandler> Dispatch<H> {
     }
 }
 
-/// One release statement for `tokens`, retrying transient errors a few times; if
-/// that still fails, the jobs wait for their leases to expire.
-async fn release<H>(cx: &JobContext<H>, tokens: &[(JobId, i32)]) {
+/// One release statement for `tokens` (of `queues`, one each), retrying transient
+/// errors a few times; if that still fails, the jobs wait for their leases to
+/// expire.
+async fn release<H>(cx: &JobContext<H>, tokens: &[(JobId, i32)], queues: &[&str]) {
     const TRIES: u32 = 5;
     let mut delay = cx.backoff_min;
     for tries in 1..=TRIES {
@@ -222,6 +243,13 @@ async fn release<H>(cx: &JobContext<H>, tokens: &[(JobId, i32)]) {
                     .count() as u64;
                 WorkerStats::add(&cx.stats.released, requeued);
                 WorkerStats::add(&cx.stats.fenced, tokens.len() as u64 - requeued);
+                for (outcome, queue) in outcomes.iter().zip(queues) {
+                    let name = match outcome {
+                        JobRetryOutcome::Requeued => telemetry::JOBS_RELEASED,
+                        JobRetryOutcome::Fenced => telemetry::JOBS_FENCED,
+                    };
+                    telemetry::count_job(name, queue, 1);
+                }
                 tracing::debug!(jobs = tokens.len(), requeued, "unstarted jobs given back");
                 return;
             }

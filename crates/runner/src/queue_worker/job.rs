@@ -19,6 +19,7 @@ use super::completer::Completer;
 use super::handler::{Handled, HandlerError, JobHandler};
 use super::lease::HeldLease;
 use super::stats::WorkerStats;
+use crate::telemetry;
 
 /// What every job task of one worker shares.
 pub(super) struct JobContext<H> {
@@ -70,6 +71,7 @@ pub(super) async fn run_job<H: JobHandler>(
         // Taken over while it waited for a slot: someone else's job now.
         tracing::warn!(job = %job.id, "job lease lost before its handler started; not run");
         WorkerStats::add(&cx.stats.fenced, 1);
+        telemetry::count_job(telemetry::JOBS_FENCED, &job.queue, 1);
         return;
     }
     let token = Token {
@@ -103,6 +105,7 @@ pub(super) async fn run_job<H: JobHandler>(
                 _ = lease.lost() => {
                     tracing::warn!(job = %token.id, "job lease lost (taken over after it expired); handler aborted");
                     WorkerStats::add(&cx.stats.fenced, 1);
+                    telemetry::count_job(telemetry::JOBS_FENCED, &token.queue, 1);
                     return;
                 }
                 _ = cx.hard_stop.cancelled() => Finish::Write(Write::Release),
@@ -119,11 +122,16 @@ pub(super) async fn run_job<H: JobHandler>(
         // Written by the handler: nothing to do.
         Finish::AlreadyCompleted => {
             WorkerStats::add(&cx.stats.completed, 1);
+            telemetry::count_job(telemetry::JOBS_COMPLETED, &token.queue, 1);
             tracing::debug!(job = %token.id, attempt = token.attempt, what = "completed", "job recorded");
         }
         // The completer records it (and counts it) with the completions of other
         // handlers; this waits only while its queue is full.
-        Finish::Complete => cx.completer.complete(token.id, token.attempt).await,
+        Finish::Complete => {
+            cx.completer
+                .complete(token.id, token.attempt, token.queue)
+                .await
+        }
         Finish::Write(write) => record(&cx, &token, write).await,
     }
 }
@@ -174,35 +182,50 @@ async fn record<H>(cx: &JobContext<H>, job: &Token, write: Write) {
                     // itself fail (and leave the job active until its lease ends).
                     let text = idemstage_domain::sanitize_error_text(msg);
                     match queue::fail(&mut conn, job.id, job.attempt, &text, *kind).await? {
-                        JobFailOutcome::Retrying { .. } | JobFailOutcome::Failed { .. } => {
-                            tracing::info!(job = %job.id, queue = %job.queue, error = %msg, "job failed");
-                            (&stats.failed, "failed")
+                        JobFailOutcome::Retrying { .. } => {
+                            tracing::info!(job = %job.id, queue = %job.queue, error = %msg, "job failed; will retry");
+                            (&stats.failed, telemetry::JOBS_RETRIED, "failed")
                         }
-                        JobFailOutcome::Fenced => (&stats.fenced, "fenced"),
+                        JobFailOutcome::Failed { .. } => {
+                            tracing::info!(job = %job.id, queue = %job.queue, error = %msg, "job failed");
+                            (&stats.failed, telemetry::JOBS_FAILED, "failed")
+                        }
+                        JobFailOutcome::Fenced => (&stats.fenced, telemetry::JOBS_FENCED, "fenced"),
                     }
                 }
                 Write::Release => match queue::retry_now(&mut conn, job.id, job.attempt).await? {
-                    JobRetryOutcome::Requeued => (&stats.released, "released"),
-                    JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                    JobRetryOutcome::Requeued => {
+                        (&stats.released, telemetry::JOBS_RELEASED, "released")
+                    }
+                    JobRetryOutcome::Fenced => (&stats.fenced, telemetry::JOBS_FENCED, "fenced"),
                 },
                 Write::Defer(until) => {
                     match queue::retry_at(&mut conn, job.id, job.attempt, *until).await? {
-                        JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
-                        JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                        JobRetryOutcome::Requeued => {
+                            (&stats.deferred, telemetry::JOBS_DEFERRED, "deferred")
+                        }
+                        JobRetryOutcome::Fenced => {
+                            (&stats.fenced, telemetry::JOBS_FENCED, "fenced")
+                        }
                     }
                 }
                 Write::DeferFor(after) => {
                     match queue::retry_after(&mut conn, job.id, job.attempt, *after).await? {
-                        JobRetryOutcome::Requeued => (&stats.deferred, "deferred"),
-                        JobRetryOutcome::Fenced => (&stats.fenced, "fenced"),
+                        JobRetryOutcome::Requeued => {
+                            (&stats.deferred, telemetry::JOBS_DEFERRED, "deferred")
+                        }
+                        JobRetryOutcome::Fenced => {
+                            (&stats.fenced, telemetry::JOBS_FENCED, "fenced")
+                        }
                     }
                 }
             })
         }
         .await;
         match result {
-            Ok((counter, what)) => {
+            Ok((counter, metric, what)) => {
                 WorkerStats::add(counter, 1);
+                telemetry::count_job(metric, &job.queue, 1);
                 tracing::debug!(job = %job.id, attempt = job.attempt, what, "job recorded");
                 return;
             }

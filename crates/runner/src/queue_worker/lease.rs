@@ -14,6 +14,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::telemetry;
+
 /// The jobs held and the keeper's schedule; cloned handles share it.
 #[derive(Clone)]
 pub(super) struct Leases {
@@ -38,6 +40,8 @@ struct Held {
     every: Duration,
     due: Instant,
     lost: CancellationToken,
+    /// The job's queue, for the metrics.
+    queue: Arc<str>,
 }
 
 /// Most tokens per renewal statement.
@@ -117,6 +121,7 @@ impl Leases {
                         every,
                         due,
                         lost: lost.clone(),
+                        queue: Arc::from(j.queue.as_str()),
                     },
                 );
                 HeldLease {
@@ -182,9 +187,13 @@ async fn keep_leases(
                             continue;
                         };
                         match outcome {
-                            RenewLeaseOutcome::Renewed { .. } => h.due = now + h.every,
+                            RenewLeaseOutcome::Renewed { .. } => {
+                                h.due = now + h.every;
+                                telemetry::count_job_renewal(&h.queue, "renewed");
+                            }
                             RenewLeaseOutcome::Fenced => {
                                 h.lost.cancel();
+                                telemetry::count_job_renewal(&h.queue, "lost");
                                 st.held.remove(key);
                             }
                         }
@@ -195,6 +204,7 @@ async fn keep_leases(
                     for key in chunk {
                         if let Some(h) = st.held.get_mut(key) {
                             h.due = now + backoff.min(h.every);
+                            telemetry::count_job_renewal(&h.queue, "error");
                         }
                     }
                     backoff = (backoff * 2).min(backoff_max);

@@ -1,4 +1,5 @@
-//! Queue maintenance, run periodically by every worker (one at a time per database).
+//! Queue maintenance, run periodically by every worker (one at a time per
+//! database), and the sampling of the queue gauges.
 
 use std::time::Duration;
 
@@ -34,6 +35,33 @@ pub(super) async fn maintenance_loop(
             }
             Ok(MaintenanceOutcome::Skipped) => {}
             Err(e) => tracing::warn!(error = %e, "queue maintenance failed"),
+        }
+    }
+}
+
+/// Samples the depth of `queues` every `interval` into the queue gauges, until
+/// `stop`. A failed sample leaves the gauges as they were.
+pub(super) async fn queue_gauges_loop(
+    pool: PgPool,
+    queues: Vec<String>,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let sampled = async {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::queue_depths(&mut conn, &queues).await
+        }
+        .await;
+        match sampled {
+            Ok(depths) => crate::telemetry::set_queue_gauges(&depths),
+            Err(e) => tracing::debug!(error = %e, "sampling the queue gauges failed"),
         }
     }
 }

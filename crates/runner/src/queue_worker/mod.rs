@@ -36,7 +36,7 @@ use dispatch::Dispatch;
 use job::JobContext;
 use lease::Leases;
 use listener::listen_loop;
-use maintenance::maintenance_loop;
+use maintenance::{maintenance_loop, queue_gauges_loop};
 
 /// A worker for any job queue: runs `H` for each job of its queues, at most
 /// `concurrency` at once, and completes or fails each job under its lease. A job
@@ -145,6 +145,14 @@ impl<H: JobHandler> QueueWorker<H> {
             cfg.maintenance_interval,
             background_stop.clone(),
         ));
+        if let Some(every) = cfg.queue_gauges_interval {
+            background.spawn(queue_gauges_loop(
+                self.pool.clone(),
+                cfg.queues.clone(),
+                every,
+                background_stop.clone(),
+            ));
+        }
         let leases_stop = CancellationToken::new();
         let (leases, leases_done) = Leases::start(
             self.pool.clone(),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use idemstage_domain::ClaimToken;
 use idemstage_persistence::PgRunRepository;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// Releases the claim (`PgRunRepository::release`: lease ended now, the attempt
 /// `abandoned` and given back to the budget) if dropped while armed. The release
@@ -14,6 +15,8 @@ pub(super) struct ReleaseOnDrop {
     pub(super) repo: Arc<PgRunRepository>,
     pub(super) token: Option<ClaimToken>,
     pub(super) tracker: TaskTracker,
+    /// The execution's span, for the release's log lines (it is dropped outside it).
+    pub(super) span: tracing::Span,
 }
 
 impl ReleaseOnDrop {
@@ -38,7 +41,8 @@ impl Drop for ReleaseOnDrop {
                     Ok(_) => tracing::info!(stage = %token.stage, anfrage = %token.anfrage, "abandoned stage released"),
                     Err(e) => tracing::warn!(error = %e, "releasing an abandoned stage failed; its lease will run out"),
                 }
-            },
+            }
+            .instrument(self.span.clone()),
             &runtime,
         );
     }

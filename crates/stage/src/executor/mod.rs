@@ -15,6 +15,7 @@ use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::{Pipeline, Stage, StageFlow, StageJob};
 
@@ -164,7 +165,35 @@ impl Executor {
         self.execute(pipeline, stage, job, Some(lease)).await
     }
 
+    /// One execution inside its span (`stage` with tenant, anfrage, stage, and
+    /// the attempt once claimed), counted and timed for the metrics.
     async fn execute(
+        &self,
+        pipeline: &Pipeline,
+        stage: &Arc<dyn Stage>,
+        job: &StageJob,
+        lease: Option<JobLease>,
+    ) -> Result<ExecutionOutcome, RepoError> {
+        // At WARN, not INFO: a span is recorded only if its level passes the
+        // filter, and the warnings of an execution (a failed attempt, a lost lease)
+        // must carry whose it is under a filter of `warn` too (the CLI's default).
+        let span = tracing::warn_span!(
+            "stage",
+            tenant = %job.tenant_id,
+            anfrage = %job.anfrage_id,
+            stage = %stage.name(),
+            attempt = tracing::field::Empty,
+        );
+        let started = std::time::Instant::now();
+        let outcome = self
+            .claim_and_run(pipeline, stage, job, lease)
+            .instrument(span)
+            .await;
+        crate::telemetry::record_execution(stage.name().as_str(), &outcome, started.elapsed());
+        outcome
+    }
+
+    async fn claim_and_run(
         &self,
         pipeline: &Pipeline,
         stage: &Arc<dyn Stage>,
@@ -209,14 +238,7 @@ impl Executor {
             stage: stage.name().clone(),
             attempt,
         };
-        let span = tracing::info_span!(
-            "stage",
-            tenant = %token.tenant,
-            anfrage = %token.anfrage,
-            stage = %token.stage,
-            attempt
-        );
-        let _enter = span.enter();
+        tracing::Span::current().record("attempt", attempt);
         // Until the outcome is known: if this future is dropped (its job's handler
         // aborted after the shutdown grace, say), the stage is given back at once
         // instead of staying `running` until its lease runs out.
@@ -224,6 +246,7 @@ impl Executor {
             repo: self.repo.clone(),
             token: Some(token.clone()),
             tracker: self.releases.clone(),
+            span: tracing::Span::current(),
         };
 
         // The heartbeat renews the lease while the body runs and reports a lost lease,
@@ -236,23 +259,34 @@ impl Executor {
             let repo = self.repo.clone();
             let token = token.clone();
             let (every, lease) = (policy.heartbeat, policy.lease);
-            tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(every);
-                ticker.tick().await;
-                loop {
+            tokio::spawn(
+                async move {
+                    let mut ticker = tokio::time::interval(every);
                     ticker.tick().await;
-                    match repo.renew_lease(&token, lease).await {
-                        Ok(RenewOutcome::Renewed { .. }) => {}
-                        Ok(RenewOutcome::Fenced) => {
-                            let _ = lost_tx.send(true);
-                            return;
+                    loop {
+                        ticker.tick().await;
+                        let stage = token.stage.as_str();
+                        match repo.renew_lease(&token, lease).await {
+                            Ok(RenewOutcome::Renewed { .. }) => {
+                                crate::telemetry::record_renewal(stage, "renewed");
+                            }
+                            // Counted as `lost` by the execution, unless its own
+                            // commit ended the lease.
+                            Ok(RenewOutcome::Fenced) => {
+                                let _ = lost_tx.send(true);
+                                return;
+                            }
+                            // A passing database problem: keep trying until the lease is
+                            // really gone; the fenced commit decides in the end.
+                            Err(e) => {
+                                crate::telemetry::record_renewal(stage, "error");
+                                tracing::warn!(error = %e, "lease renewal failed");
+                            }
                         }
-                        // A passing database problem: keep trying until the lease is
-                        // really gone; the fenced commit decides in the end.
-                        Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
                     }
                 }
-            })
+                .instrument(tracing::Span::current()),
+            )
         });
         let body = async {
             let prepared = AssertUnwindSafe(stage.prepare(&job))
@@ -262,17 +296,36 @@ impl Executor {
             self.commit(pipeline, stage, &job, &token, prepared, lease)
                 .await
         };
+        let timeout = policy.timeout;
+        let mut body = std::pin::pin!(async move {
+            tokio::time::timeout(timeout, body)
+                .await
+                .unwrap_or(Err(StageError::TimedOut(timeout)))
+        });
         let result = tokio::select! {
-            r = tokio::time::timeout(policy.timeout, body) => {
-                r.unwrap_or(Err(StageError::TimedOut(policy.timeout)))
-            }
+            // The body first: a result it has is the outcome.
+            biased;
+            r = &mut body => r,
             _ = async {
                 // A dropped sender (the heartbeat ended) is no evidence of a lost lease.
                 if lost_rx.wait_for(|lost| *lost).await.is_err() {
                     std::future::pending::<()>().await;
                 }
-            } => Ok(Completion::Fenced),
+            } => {
+                // The renewal found the lease gone. That may be this attempt's own
+                // commit (the renewal waited on the commit's row lock, then found the
+                // stage succeeded): the body is about to say so, so give it a moment
+                // before cancelling it, lest a success be reported as fenced.
+                match tokio::time::timeout(LOST_LEASE_GRACE, &mut body).await {
+                    Ok(r) => r,
+                    Err(_) => Ok(Completion::Fenced),
+                }
+            }
         };
+        if matches!(result, Ok(Completion::Fenced)) && *lost_rx.borrow() {
+            crate::telemetry::record_renewal(token.stage.as_str(), "lost");
+            tracing::warn!("stage lease lost (taken over); the attempt is fenced");
+        }
         drop(heartbeat);
         release.disarm();
 
@@ -346,6 +399,11 @@ impl Executor {
         }
     }
 }
+
+/// How long an execution whose lease renewal came back fenced still waits for its
+/// body's result before cancelling it: long enough for the reply to a commit that
+/// has just ended the lease itself.
+const LOST_LEASE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A failure of the database rather than of the stage body: retryable repository
 /// errors (timeouts, lost connections, conflicts that outlived their retries,

@@ -1,0 +1,70 @@
+//! The depth of queues, for gauges: one statement for every queue a worker works.
+
+use diesel::sql_types::{Array, BigInt, Double, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::RepoError;
+
+use crate::cached::CachedExt;
+use crate::error::map_diesel_error;
+
+/// Per queue of `$1` (text[]): its ready jobs (`created`/`retry` and due), its
+/// delayed ones (due later), its active ones, and how long the oldest ready job
+/// has been due, in seconds (0 without one). Each count is an index scan of its
+/// own partial index (`jobs_fetch_idx`, `jobs_lease_idx`) on one queue, so
+/// finished jobs, however many, are not read.
+pub(crate) const QUEUE_DEPTHS_SQL: &str = "\
+SELECT q.queue,
+       r.ready, r.delayed, a.active,
+       coalesce(extract(epoch FROM now() - r.oldest_ready), 0)::float8 AS oldest_ready_s
+  FROM unnest($1::text[]) WITH ORDINALITY AS q(queue, n)
+  CROSS JOIN LATERAL (
+       SELECT count(*) FILTER (WHERE j.start_after <= now()) AS ready,
+              count(*) FILTER (WHERE j.start_after > now()) AS delayed,
+              min(j.start_after) FILTER (WHERE j.start_after <= now()) AS oldest_ready
+         FROM jobs j
+        WHERE j.queue = q.queue AND j.state IN ('created', 'retry')) r
+  CROSS JOIN LATERAL (
+       SELECT count(*) AS active
+         FROM jobs j
+        WHERE j.queue = q.queue AND j.state = 'active'
+          AND j.lease_expires_at IS NOT NULL) a
+ ORDER BY q.n";
+
+/// How many jobs of one queue wait, and for how long (see [`queue_depths`]).
+#[derive(Clone, Debug, PartialEq, diesel::QueryableByName)]
+pub struct QueueDepth {
+    /// The queue (a stage's queue is its name).
+    #[diesel(sql_type = Text)]
+    pub queue: String,
+    /// Jobs fetchable now: `created` or `retry`, `start_after <= now()`.
+    #[diesel(sql_type = BigInt)]
+    pub ready: i64,
+    /// Jobs waiting for a later `start_after` (deferred, backing off, scheduled).
+    #[diesel(sql_type = BigInt)]
+    pub delayed: i64,
+    /// Jobs leased by a worker (`active`).
+    #[diesel(sql_type = BigInt)]
+    pub active: i64,
+    /// Seconds since the oldest ready job became due (its `start_after`), on the
+    /// database's clock; 0 when none is ready.
+    #[diesel(sql_type = Double)]
+    pub oldest_ready_s: f64,
+}
+
+/// The depth of each of `queues`, in their order (a queue without jobs has zeros),
+/// in one statement: what a worker samples for its queue gauges. It reads only the
+/// live jobs of those queues, through the fetch's and the lease's partial indexes.
+pub async fn queue_depths(
+    conn: &mut AsyncPgConnection,
+    queues: &[String],
+) -> Result<Vec<QueueDepth>, RepoError> {
+    if queues.is_empty() {
+        return Ok(Vec::new());
+    }
+    diesel::sql_query(QUEUE_DEPTHS_SQL)
+        .bind::<Array<Text>, _>(queues)
+        .cached()
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)
+}
