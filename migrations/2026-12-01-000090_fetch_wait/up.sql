@@ -2,8 +2,8 @@
 -- again, when the reason is a control rather than an empty queue: a rate-limited
 -- bucket refills at a known time, a held bucket at its held_until, and a capped
 -- queue frees a slot whenever one of its jobs ends in any worker (unknown here,
--- so a short re-check). NULL: no ready job of these queues waits for a control,
--- and the worker waits for a notification or its poll interval.
+-- so a short re-check). NULL: no ready job of these queues is under a rate or a
+-- cap, and the worker waits for a notification or its poll interval.
 CREATE FUNCTION idemstage_fetch_wait(p_queues text[])
 RETURNS bigint
 LANGUAGE sql STABLE
@@ -43,6 +43,9 @@ WITH waiting AS (
     END AS ms
       FROM buckets k
 )
-SELECT greatest(10, ceil(min(ms)))::bigint
-  FROM (SELECT ms FROM capped UNION ALL SELECT ms FROM refills WHERE ms > 0) x
+-- A bucket that has refilled a token since the fetch counted (the fetch took
+-- that long) waits 0: fetch again soon. (greatest() skips NULLs: without the
+-- CASE, no wait at all would read as 10 ms.)
+SELECT CASE WHEN min(ms) IS NULL THEN NULL ELSE greatest(10, ceil(min(ms)))::bigint END
+  FROM (SELECT ms FROM capped UNION ALL SELECT ms FROM refills WHERE ms IS NOT NULL) x
 $$;

@@ -40,8 +40,10 @@ const CAPS_TENANTS: [&str; 3] = ["cap-a", "cap-b", "cap-c"];
 /// Up to this much extra work per stage execution, so that slots stay taken long
 /// enough for the caps to bind.
 const CAPS_STAGE_DELAY_MS: u64 = 100;
-/// The workers' job lease: a killed worker's slots come back after it.
+/// The workers' job and stage leases: a killed worker's slots (its jobs) and its
+/// stages (its claims) come back after them.
 const CAPS_JOB_LEASE_MS: u64 = 2000;
+const CAPS_STAGE_LEASE_MS: u64 = 2000;
 const SAMPLE_GAP: Duration = Duration::from_millis(2);
 const RATE_WARMUP: Duration = Duration::from_secs(2);
 const RATE_WINDOW: Duration = Duration::from_secs(10);
@@ -54,9 +56,17 @@ fn first_stage() -> String {
         .to_owned()
 }
 
-/// Numbered anfragen `0..n` of each tenant, with their first jobs sent.
-async fn backlog(conn: &mut AsyncPgConnection, tenants: &[&str], n: u64) -> anyhow::Result<()> {
-    let pipeline = example::pipeline(Chaos::default());
+/// Numbered anfragen `0..n` of each tenant, with their first jobs sent, leased
+/// for `job_lease` once fetched.
+async fn backlog(
+    conn: &mut AsyncPgConnection,
+    tenants: &[&str],
+    n: u64,
+    job_lease: Duration,
+) -> anyhow::Result<()> {
+    let mut send = idemstage_stage::Pipeline::default_send_options();
+    send.expire_in = job_lease;
+    let pipeline = example::pipeline(Chaos::default()).with_send_options(send)?;
     let hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
     for (k, slug) in tenants.iter().enumerate() {
         let from = k as u64 * n;
@@ -96,6 +106,8 @@ struct Maxima {
     samples: u64,
     /// Samples in which the stage's cap was fully used.
     at_stage_cap: u64,
+    /// The sum of the samples' active jobs (for the mean).
+    active_sum: i64,
 }
 
 impl Maxima {
@@ -104,6 +116,9 @@ impl Maxima {
             "max_active_stage": self.stage,
             "max_active_per_tenant": self.per_tenant,
             "samples": self.samples,
+            "mean_active_stage": if self.samples == 0 { 0.0 } else {
+                round3(self.active_sum as f64 / self.samples as f64)
+            },
             "share_of_samples_at_stage_cap": if self.samples == 0 { 0.0 } else {
                 round3(self.at_stage_cap as f64 / self.samples as f64)
             },
@@ -122,7 +137,13 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let mut conn = idemstage_persistence::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     let per_tenant = args.caps_anfragen;
-    backlog(&mut conn, &CAPS_TENANTS, per_tenant).await?;
+    backlog(
+        &mut conn,
+        &CAPS_TENANTS,
+        per_tenant,
+        Duration::from_millis(CAPS_JOB_LEASE_MS),
+    )
+    .await?;
     queue::set_limits(
         &mut conn,
         &stage,
@@ -150,6 +171,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             .args(["worker", "--concurrency", &args.concurrency.to_string()])
             .args(["--stage-delay-ms", &CAPS_STAGE_DELAY_MS.to_string()])
             .args(["--job-lease-ms", &CAPS_JOB_LEASE_MS.to_string()])
+            .args(["--stage-lease-ms", &CAPS_STAGE_LEASE_MS.to_string()])
             .env("DATABASE_URL", url)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -236,6 +258,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "tenant_cap": args.tenant_cap,
         "stage_delay_ms_max": CAPS_STAGE_DELAY_MS,
         "job_lease_ms": CAPS_JOB_LEASE_MS,
+        "stage_lease_ms": CAPS_STAGE_LEASE_MS,
         "killed_worker_at_s": killed_at.map(|d| round3(d.as_secs_f64())),
         "before_kill": before.json(args.stage_cap),
         "after_kill": after.json(args.stage_cap),
@@ -271,6 +294,7 @@ async fn sample(
         };
         let total: i64 = rows.iter().map(|r| r.n).sum();
         m.samples += 1;
+        m.active_sum += total;
         m.stage = m.stage.max(total);
         for r in rows {
             let e = m.per_tenant.entry(r.tenant_id).or_default();
@@ -301,7 +325,13 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     // Enough that the backlog outlasts the measured window.
     let window_s = (RATE_WARMUP + RATE_WINDOW).as_secs();
     let n = u64::from(args.rate) * (window_s + 3);
-    backlog(&mut conn, &["bench"], n).await?;
+    backlog(
+        &mut conn,
+        &["bench"],
+        n,
+        idemstage_stage::Pipeline::default_send_options().expire_in,
+    )
+    .await?;
     queue::set_limits(
         &mut conn,
         &stage,

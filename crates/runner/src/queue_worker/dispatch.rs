@@ -69,6 +69,10 @@ impl<H: JobHandler> Dispatch<H> {
         let pause = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(pause);
         let mut backoff = cfg.error_backoff_min;
+        let mut control_misses: u32 = 0;
+        // The last short fetch was held back by a control: a job of this worker
+        // that ends frees a slot of it (a cap), so fetch again then.
+        let mut held_back = false;
         loop {
             while let Some(done) = self.running.try_join_next() {
                 log_join_error(done);
@@ -97,8 +101,19 @@ impl<H: JobHandler> Dispatch<H> {
                                 // ready jobs back (no notification comes for a
                                 // refilled bucket or a slot freed elsewhere).
                                 paused = Some(true);
-                                let wait = control_wait
-                                    .map_or(cfg.poll_interval, |w| w.min(cfg.poll_interval));
+                                // Fetches that find nothing while a control is said
+                                // to let jobs through soon (they are held by
+                                // something else: a paused tenant, other fetchers)
+                                // wait twice as long each time, up to the poll.
+                                held_back = control_wait.is_some();
+                                let wait = match control_wait {
+                                    Some(w) => {
+                                        let w = w.saturating_mul(1 << control_misses.min(16));
+                                        control_misses = if jobs.is_empty() { control_misses + 1 } else { 0 };
+                                        w.min(cfg.poll_interval)
+                                    }
+                                    None => cfg.poll_interval,
+                                };
                                 pause.as_mut().reset(Instant::now() + wait);
                             }
                             self.hold(jobs);
@@ -113,7 +128,13 @@ impl<H: JobHandler> Dispatch<H> {
                         }
                     }
                 }
-                Some(done) = self.running.join_next(), if !self.running.is_empty() => log_join_error(done),
+                Some(done) = self.running.join_next(), if !self.running.is_empty() => {
+                    log_join_error(done);
+                    if held_back && paused == Some(true) {
+                        paused = None;
+                        control_misses = 0;
+                    }
+                }
                 _ = wake.notified(), if paused == Some(true) => paused = None,
                 _ = &mut pause, if paused.is_some() => paused = None,
             }

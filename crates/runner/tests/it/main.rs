@@ -3,6 +3,7 @@
 //! The tests that run `idemstage` processes are in `crates/cli/tests/it/`.
 
 mod config;
+mod controls;
 mod db_errors;
 mod leases;
 mod prefetch;
