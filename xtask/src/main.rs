@@ -176,7 +176,15 @@ fn demo_console(url: &str) -> Result<()> {
     println!("xtask: (log in with it in a browser, or curl -H 'Authorization: Bearer {token}' ...); Ctrl-C stops it");
     run_status(
         cargo()
-            .args(["run", "--release", "-p", "idemstage-cli", "--bin", "idemstage", "--"])
+            .args([
+                "run",
+                "--release",
+                "-p",
+                "idemstage-cli",
+                "--bin",
+                "idemstage",
+                "--",
+            ])
             .args(["console", "--listen", &format!("127.0.0.1:{port}")])
             .env("DATABASE_URL", url)
             .env("IDEMSTAGE_CONSOLE_TOKEN", &token),
