@@ -50,19 +50,20 @@ impl PageError {
     }
 
     pub fn from_form(e: FormRejection) -> Self {
-        Self {
-            status: if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                StatusCode::PAYLOAD_TOO_LARGE
-            } else {
-                StatusCode::BAD_REQUEST
-            },
-            title: "Bad form".into(),
-            detail: format!(
-                "The form could not be read: {} (at most {} bytes).",
-                e.body_text(),
-                super::MAX_BODY_BYTES
-            ),
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Form too large",
+                &format!(
+                    "The console accepts forms of at most {} bytes. Nothing was changed.",
+                    super::MAX_BODY_BYTES
+                ),
+            );
         }
+        Self::bad_request(format!(
+            "The form could not be read: {}. Nothing was changed.",
+            e.body_text()
+        ))
     }
 
     pub fn from_query(e: QueryRejection) -> Self {
