@@ -23,7 +23,9 @@ Commands:
   db url         print the URL only (exit 1 if not running)
   migrate [args] run `idemstage migrate [args]` against the database
   test [args]    run `cargo test --workspace [args]` against the database server
-  demo [args]    run `idemstage demo [args]` (release) on database idemstage_demo
+  demo [args]    run `idemstage demo [args]` (release) on database idemstage_demo;
+                 with --console the web console stays up on its data afterwards
+                 (URL and a fresh token printed) until Ctrl-C
   bench [args]   benchmarks and their references (pgbench; pg-boss, graphile-worker
                  and awa in bench/peers) in one run on database idemstage_bench,
                  once per durability mode; writes target/bench/report.json.
@@ -120,16 +122,28 @@ fn run() -> Result<i32> {
                 )
             })
         }
-        "demo" => with_database(&format!("idemstage_{cmd}"), |url| {
-            run_status(
-                cargo()
-                    .args(["run", "--release", "-p", "idemstage-cli"])
-                    .args(["--bin", "idemstage", "--", cmd])
-                    // `cargo xtask demo -- --anfragen 10` works like without `--`.
-                    .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(rest))
-                    .env("DATABASE_URL", url),
-            )
-        }),
+        "demo" => {
+            // `cargo xtask demo --console [-- demo args]`: the console stays up on
+            // the demo's data after the report.
+            let console = rest.iter().any(|a| a == "--console");
+            let rest: Vec<String> = rest.iter().filter(|a| *a != "--console").cloned().collect();
+            with_database(&format!("idemstage_{cmd}"), |url| {
+                let code = run_status(
+                    cargo()
+                        .args(["run", "--release", "-p", "idemstage-cli"])
+                        .args(["--bin", "idemstage", "--", cmd])
+                        // `cargo xtask demo -- --anfragen 10` works like without `--`.
+                        .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(&rest))
+                        .env("DATABASE_URL", url),
+                )?;
+                // 0: sound, 1: an invariant broken (worth a look); else no data.
+                if !console || code > 1 {
+                    return Ok(code);
+                }
+                demo_console(url)?;
+                Ok(code)
+            })
+        }
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(0)
@@ -139,6 +153,43 @@ fn run() -> Result<i32> {
             Ok(2)
         }
     }
+}
+
+/// `idemstage console` on the demo's database with a random token, on
+/// 127.0.0.1:8080 (or a free port if that is taken), until Ctrl-C.
+fn demo_console(url: &str) -> Result<()> {
+    let mut bytes = [0u8; 24];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").context("open /dev/urandom")?,
+        &mut bytes,
+    )
+    .context("read /dev/urandom")?;
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let port = std::net::TcpListener::bind("127.0.0.1:8080")
+        .or_else(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .and_then(|l| l.local_addr())
+        .context("find a free port for the console")?
+        .port();
+    println!();
+    println!("xtask: the console on the demo's data: http://127.0.0.1:{port}/");
+    println!("xtask: access token: {token}");
+    println!("xtask: (log in with it in a browser, or curl -H 'Authorization: Bearer {token}' ...); Ctrl-C stops it");
+    run_status(
+        cargo()
+            .args([
+                "run",
+                "--release",
+                "-p",
+                "idemstage-cli",
+                "--bin",
+                "idemstage",
+                "--",
+            ])
+            .args(["console", "--listen", &format!("127.0.0.1:{port}")])
+            .env("DATABASE_URL", url)
+            .env("IDEMSTAGE_CONSOLE_TOKEN", &token),
+    )?;
+    Ok(())
 }
 
 fn db(args: &[String]) -> Result<i32> {

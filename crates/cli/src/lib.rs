@@ -12,7 +12,7 @@
 //!
 //! That binary has `migrate` (the core's migrations, then the team's), `enqueue`,
 //! `worker`, `status`, the stage controls `pause`, `resume` and `limit`, and the
-//! operator commands `inspect`, `retry`, `cancel` and `dead`. This crate's own `idemstage` binary is [`run`]: the same
+//! operator commands `inspect`, `retry`, `cancel` and `dead`, and the web `console`. This crate's own `idemstage` binary is [`run`]: the same
 //! for the built-in example pipeline, plus `demo` and `bench`. Exit codes: 0
 //! success, 1 failure (an invariant broken, an unexpected error), 2 bad input or
 //! usage, 3 database unavailable.
@@ -101,6 +101,10 @@ enum Command {
     Cancel(cli::ops::CancelArgs),
     /// The dead-letter list: dead stages and failed jobs with their last errors.
     Dead(cli::ops::DeadArgs),
+    /// The web console: overview, anfrage timelines, dead letters, retry, cancel,
+    /// pause and resume in a browser (token: $IDEMSTAGE_CONSOLE_TOKEN or
+    /// --token-file).
+    Console(cli::console::Args),
     /// The main job: duplicate sends, many workers, injected crashes; then a report
     /// checked against the database.
     Demo(cli::demo::Args),
@@ -166,6 +170,7 @@ async fn run_async(mut app: App) -> ExitCode {
             Command::Retry(args) => cli::ops::retry(&url, args, app.pipeline).await,
             Command::Cancel(args) => cli::ops::cancel(&url, args).await,
             Command::Dead(args) => cli::ops::dead(&url, args).await,
+            Command::Console(args) => cli::console::run(&url, args, app.pipeline).await,
             Command::Demo(_) | Command::Bench(_) if app.pipeline.is_some() => Err(cli::BadInput(
                 "demo and bench run the built-in example pipeline only".into(),
             )

@@ -1,6 +1,7 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
 pub mod bench;
+pub mod console;
 pub mod controls;
 pub mod demo;
 pub mod enqueue;

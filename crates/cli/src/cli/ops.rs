@@ -113,7 +113,7 @@ async fn actor(flag: Option<Actor>, conn: &mut AsyncPgConnection) -> anyhow::Res
     Ok(Actor::parse(&user.name)?)
 }
 
-fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
+pub(crate) fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
     team.unwrap_or_else(|| example::pipeline(Chaos::default()))
 }
 

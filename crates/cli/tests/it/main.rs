@@ -4,6 +4,7 @@
 
 mod bad_input;
 mod cli;
+mod console;
 mod faults;
 mod metrics;
 mod ops;

@@ -1,0 +1,225 @@
+//! The console's POSTs: retry, cancel (through `idemstage_persistence::ops`,
+//! which records the actor in `audit_log`), pause and resume (through
+//! `idemstage_persistence::queue`). Each checks, in this order: read-only mode
+//! (403), the form (413 / 400), its CSRF token (403), its ids (400 / 404); only
+//! then does it write.
+
+use axum::extract::rejection::FormRejection;
+use axum::extract::{Form, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::Extension;
+use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage_persistence::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
+use idemstage_persistence::queue::{self, PauseOutcome, ResumeOutcome, Scope};
+use serde::Deserialize;
+
+use super::auth::{check_csrf, Principal};
+use super::pages::{anfrage_href, done_page, known_stage, known_tenant, PageError};
+use super::Shared;
+
+#[derive(Deserialize)]
+pub(crate) struct ActionForm {
+    csrf: Option<String>,
+    tenant: Option<String>,
+    anfrage: Option<String>,
+    stage: Option<String>,
+}
+
+fn field(value: &Option<String>) -> Option<&str> {
+    value.as_deref().map(str::trim).filter(|v| !v.is_empty())
+}
+
+/// Read-only mode, the form, its CSRF token: what every action checks first.
+fn admit(
+    console: &Shared,
+    principal: &Principal,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<ActionForm, PageError> {
+    if console.read_only {
+        return Err(PageError::new(
+            StatusCode::FORBIDDEN,
+            "Read-only",
+            "This console runs with --read-only: it changes nothing.",
+        ));
+    }
+    let Form(form) = form.map_err(PageError::from_form)?;
+    check_csrf(principal, form.csrf.as_deref())?;
+    Ok(form)
+}
+
+fn ids(form: &ActionForm) -> Result<(TenantId, AnfrageId), PageError> {
+    let (Some(tenant), Some(anfrage)) = (field(&form.tenant), field(&form.anfrage)) else {
+        return Err(PageError::bad_request(
+            "The form needs a tenant and an anfrage. Nothing was changed.",
+        ));
+    };
+    Ok((TenantId::parse(tenant)?, AnfrageId::parse(anfrage)?))
+}
+
+pub(crate) async fn retry(
+    State(console): State<Shared>,
+    Extension(p): Extension<Principal>,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<Response, PageError> {
+    let form = admit(&console, &p, form)?;
+    let (tenant, anfrage) = ids(&form)?;
+    let stage = field(&form.stage)
+        .map(|s| known_stage(&console, s))
+        .transpose()?;
+    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let outcome = ops::retry(
+        &mut conn,
+        &tenant,
+        &anfrage,
+        stage.as_ref(),
+        &p.actor,
+        &console.pipeline,
+    )
+    .await?;
+    drop(conn);
+    tracing::info!(actor = %p.actor, %tenant, %anfrage, ?stage, "console: retry");
+    let back = (anfrage_href(&tenant, &anfrage), "The anfrage");
+    let (title, lines) = match &outcome {
+        RetryOutcome::Retried { stages } => (
+            "Retried",
+            stages
+                .iter()
+                .map(|s| {
+                    let job = match &s.job {
+                        SendResult::Sent(id) => format!("job {id}"),
+                        SendResult::Duplicate => "its live job".into(),
+                    };
+                    format!(
+                        "retried stage {} of anfrage {anfrage} (tenant {tenant}): attempts {}/{}, {job}",
+                        s.stage, s.attempts, s.max_attempts
+                    )
+                })
+                .collect(),
+        ),
+        RetryOutcome::NothingToRetry {
+            stage: Some(stage),
+            status,
+        } => (
+            "Nothing to retry",
+            vec![format!(
+                "stage {stage} of anfrage {anfrage} (tenant {tenant}) is {}: the workers retry it",
+                status.map_or("-".into(), |s| s.to_string())
+            )],
+        ),
+        RetryOutcome::NothingToRetry { stage: None, .. } => (
+            "Nothing to retry",
+            vec![format!(
+                "anfrage {anfrage} (tenant {tenant}) has no dead stage"
+            )],
+        ),
+    };
+    Ok(done_page(&console, &p, title, &lines, Some(back)))
+}
+
+pub(crate) async fn cancel(
+    State(console): State<Shared>,
+    Extension(p): Extension<Principal>,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<Response, PageError> {
+    let form = admit(&console, &p, form)?;
+    let (tenant, anfrage) = ids(&form)?;
+    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &p.actor).await?;
+    drop(conn);
+    tracing::info!(actor = %p.actor, %tenant, %anfrage, "console: cancel");
+    let (title, lines) =
+        match &outcome {
+            CancelOutcome::Cancelled { stages, jobs } => (
+                "Cancelled",
+                stages
+                    .iter()
+                    .map(|s| {
+                        let from = match &s.from {
+                            CancelledFrom::Running { attempt, .. } => {
+                                format!("running (attempt {attempt} fenced)")
+                            }
+                            CancelledFrom::Failed => "failed".into(),
+                            CancelledFrom::Stale => "stale".into(),
+                            CancelledFrom::Queued => "queued".into(),
+                        };
+                        format!("cancelled stage {} (was {from})", s.stage)
+                    })
+                    .chain(jobs.iter().map(|j| {
+                        format!("cancelled job {} on {} (was {})", j.id, j.queue, j.state)
+                    }))
+                    .collect::<Vec<_>>(),
+            ),
+            CancelOutcome::NothingToCancel => (
+                "Nothing to cancel",
+                vec![format!(
+                    "every stage of anfrage {anfrage} (tenant {tenant}) is final"
+                )],
+            ),
+        };
+    Ok(done_page(
+        &console,
+        &p,
+        title,
+        &lines,
+        Some((anfrage_href(&tenant, &anfrage), "The anfrage")),
+    ))
+}
+
+async fn pause_or_resume(
+    console: Shared,
+    p: Principal,
+    form: Result<Form<ActionForm>, FormRejection>,
+    pause: bool,
+) -> Result<Response, PageError> {
+    let form = admit(&console, &p, form)?;
+    let Some(stage) = field(&form.stage) else {
+        return Err(PageError::bad_request(
+            "The form needs a stage. Nothing was changed.",
+        ));
+    };
+    let stage = known_stage(&console, stage)?;
+    let scope = match field(&form.tenant) {
+        Some(t) => Scope::Tenant(known_tenant(&console, t).await?),
+        None => Scope::Queue,
+    };
+    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let (title, changed) = if pause {
+        match queue::pause(&mut conn, stage.as_str(), &scope).await? {
+            PauseOutcome::Paused => ("Paused", true),
+            PauseOutcome::AlreadyPaused => ("Already paused", false),
+        }
+    } else {
+        match queue::resume(&mut conn, stage.as_str(), &scope).await? {
+            ResumeOutcome::Resumed => ("Resumed", true),
+            ResumeOutcome::NotPaused => ("Not paused", false),
+        }
+    };
+    drop(conn);
+    // queue_controls records the database user; the console's actor is logged.
+    tracing::info!(actor = %p.actor, stage = %stage, %scope, pause, changed, "console: pause/resume");
+    let line = format!("stage {stage}, {scope}: {}", title.to_lowercase());
+    Ok(done_page(
+        &console,
+        &p,
+        title,
+        &[line],
+        Some(("/".to_owned(), "The overview")),
+    ))
+}
+
+pub(crate) async fn pause(
+    State(console): State<Shared>,
+    Extension(p): Extension<Principal>,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<Response, PageError> {
+    pause_or_resume(console, p, form, true).await
+}
+
+pub(crate) async fn resume(
+    State(console): State<Shared>,
+    Extension(p): Extension<Principal>,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<Response, PageError> {
+    pause_or_resume(console, p, form, false).await
+}
