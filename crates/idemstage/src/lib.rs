@@ -129,6 +129,15 @@ pub mod ops {
     };
 }
 
+/// The database roles (migration `2026-12-01-000110_roles`; README, "Deploying"):
+/// [`check_worker_role`](roles::check_worker_role) tells whether a connection's
+/// login role is one row-level security restricts, as a worker's must be.
+pub mod roles {
+    pub use idemstage_persistence::roles::{
+        check_worker_role, RoleCheck, CORE_TABLES, OPERATOR_ROLE, WORKER_ROLE,
+    };
+}
+
 /// The metrics the workers and the executor record through the `metrics` facade
 /// (their names, and `describe`): a no-op until the binary installs a `metrics`
 /// recorder. `idemstage_cli`'s `worker --metrics-listen ADDR` installs a

@@ -52,6 +52,7 @@ pub mod fenced;
 pub mod ops;
 pub mod queue;
 pub mod report;
+pub mod roles;
 pub mod runs;
 /// The Diesel `table!` definitions of the core's tables (`anfragen`, `audit_log`,
 /// `jobs`, `pipeline_runs`, `pipeline_run_attempts`, `queue_controls`,

@@ -58,6 +58,59 @@ pub fn url_with_database(url: &str, db: &str) -> String {
     format!("{}/{db}{query}", &base[..host_end])
 }
 
+/// The tests' worker login role: `LOGIN IN ROLE idemstage_worker`, its password
+/// its name. Created once per server by the first [`TestDb`] (or
+/// [`ensure_test_roles`]).
+pub const TEST_WORKER: &str = "idemstage_test_worker";
+
+/// The tests' operator login role: `LOGIN IN ROLE idemstage_operator`.
+pub const TEST_OPERATOR: &str = "idemstage_test_operator";
+
+/// `url` (any database URL of a server with the core's migrations) as
+/// [`TEST_WORKER`].
+pub fn worker_url(url: &str) -> String {
+    url_with_user(url, TEST_WORKER)
+}
+
+/// Replaces the user (and password) in a URL by `role`, whose password is its name.
+pub fn url_with_user(url: &str, role: &str) -> String {
+    let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_start = url[after_scheme..]
+        .find(['@', '/'])
+        .filter(|&i| url.as_bytes()[after_scheme + i] == b'@')
+        .map(|i| after_scheme + i + 1)
+        .unwrap_or(after_scheme);
+    format!(
+        "{}{role}:{role}@{}",
+        &url[..after_scheme],
+        &url[host_start..]
+    )
+}
+
+/// Creates the login roles [`TEST_WORKER`] and [`TEST_OPERATOR`] on the server of
+/// `admin_url` if missing (roles are per server). The group roles come from the
+/// core's migrations: call this after migrating one database of the server (a
+/// [`TestDb`] does it itself; a [`PrivateCluster`] test after its `migrate`).
+pub async fn ensure_test_roles(admin_url: &str) {
+    let mut admin = connect(admin_url).await.expect("connect to DATABASE_URL");
+    for (role, group) in [
+        (TEST_WORKER, idemstage_persistence::roles::WORKER_ROLE),
+        (TEST_OPERATOR, idemstage_persistence::roles::OPERATOR_ROLE),
+    ] {
+        admin
+            .batch_execute(&format!(
+                "DO $$ BEGIN
+                     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+                         CREATE ROLE {role} LOGIN PASSWORD '{role}' IN ROLE {group};
+                     END IF;
+                 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+                 END $$"
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("create the test role {role}: {e}"));
+    }
+}
+
 impl TestDb {
     /// A fresh database for this test with the core's migrations.
     pub async fn new() -> TestDb {
@@ -146,6 +199,19 @@ impl TestDb {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// This database as the login role [`TEST_WORKER`] (a member of
+    /// `idemstage_worker`, created once per server): how a deployed worker
+    /// connects (README, "Deploying").
+    pub fn worker_url(&self) -> String {
+        worker_url(&self.url)
+    }
+
+    /// This database as the login role [`TEST_OPERATOR`] (a member of
+    /// `idemstage_operator`).
+    pub fn operator_url(&self) -> String {
+        url_with_user(&self.url, TEST_OPERATOR)
     }
 
     /// A new connection of its own (separate sessions for concurrency tests).
@@ -260,6 +326,7 @@ async fn ensure_template(
             .await
             .expect("publish template database");
     }
+    ensure_test_roles(&admin_url).await;
     diesel::sql_query(format!("SELECT pg_advisory_unlock({TEMPLATE_LOCK_KEY})"))
         .execute(&mut admin)
         .await

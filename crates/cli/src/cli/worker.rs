@@ -59,6 +59,12 @@ pub struct Args {
     /// second)
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Start even when connected as a role that row-level security does not
+    /// restrict (a superuser, BYPASSRLS, or the tables' owner). Without it such a
+    /// worker refuses to start (exit 2): connect as a login role in
+    /// idemstage_worker instead (README, "Deploying")
+    #[arg(long, env = "IDEMSTAGE_ALLOW_OWNER")]
+    pub allow_owner: bool,
     /// Fault injection: probability that a stage body aborts mid-way
     #[arg(long, default_value_t = 0.0, hide = true)]
     pub crash_rate: f64,
@@ -168,13 +174,31 @@ pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Resul
     }
     let pool = idemstage_persistence::connect_pool(url, args.pool_config()).await?;
     let worker = PipelineWorker::new(
-        pool,
+        pool.clone(),
         url,
         pipeline,
         args.worker_config(),
         Arc::new(Counters::default()),
     )
     .map_err(|e| BadInput(e.to_string()))?;
+    // Row-level security holds only for a role it restricts (README, "Deploying").
+    let role = {
+        let mut conn = idemstage_persistence::db::get(&pool).await?;
+        idemstage_persistence::roles::check_worker_role(&mut conn).await?
+    };
+    if !role.is_restricted() {
+        if !args.allow_owner {
+            return Err(BadInput(format!(
+                "idemstage worker refuses to start: {role}. Connect as a login role in \
+                 {} (CREATE ROLE w LOGIN PASSWORD '..' IN ROLE {}; README, \"Deploying\"), \
+                 or pass --allow-owner",
+                idemstage_persistence::roles::WORKER_ROLE,
+                idemstage_persistence::roles::WORKER_ROLE,
+            ))
+            .into());
+        }
+        eprintln!("idemstage worker: --allow-owner: {role}");
+    }
     tracing::info!(worker = %worker.worker_id().as_str(), "worker started");
     eprintln!(
         "idemstage worker {} started; SIGINT/SIGTERM stops it",

@@ -510,3 +510,77 @@ fn a_worker_whose_metrics_address_is_taken_refuses_to_start_before_connecting() 
         "{stderr}"
     );
 }
+
+/// Runs `idemstage worker` on `url` with `extra`; true once it says it started
+/// (then killed), false if it exited first. Its stderr is returned too.
+fn worker_starts(url: &str, extra: &[&str]) -> (bool, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .arg("worker")
+        .args(extra)
+        .env("DATABASE_URL", url)
+        .env_remove("IDEMSTAGE_ALLOW_OWNER")
+        .env("RUST_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = String::new();
+    let started = loop {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => {
+                seen.push_str(&line);
+                seen.push('\n');
+                if line.contains("started;") {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    let _ = child.kill();
+    let status = child.wait().unwrap();
+    if !started {
+        seen.push_str(&format!("exit: {:?}", status.code()));
+    }
+    (started, seen)
+}
+
+#[tokio::test]
+async fn a_worker_connected_as_a_role_rls_does_not_restrict_refuses_to_start() {
+    let db = idemstage_testkit::example::db().await;
+    // The superuser owner: refused, exit 2, with what to do instead.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .arg("worker")
+        .env("DATABASE_URL", db.url())
+        .env_remove("IDEMSTAGE_ALLOW_OWNER")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("refuses to start: role postgres is a superuser")
+            || stderr.contains("is a superuser"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("IN ROLE idemstage_worker"), "{stderr}");
+    assert!(stderr.contains("--allow-owner"), "{stderr}");
+    // --allow-owner: it starts, and says as what.
+    let (started, stderr) = worker_starts(db.url(), &["--allow-owner"]);
+    assert!(started, "{stderr}");
+    assert!(stderr.contains("--allow-owner: role"), "{stderr}");
+    // A login role in idemstage_worker: it starts, without a word about it.
+    let (started, stderr) = worker_starts(&db.worker_url(), &[]);
+    assert!(started, "{stderr}");
+    assert!(!stderr.contains("allow-owner"), "{stderr}");
+}

@@ -284,6 +284,7 @@ async fn a_postgres_restart_mid_run_loses_nothing() {
     idemstage_persistence::migrate_with(&url, vec![idemstage_example::MIGRATIONS])
         .await
         .unwrap();
+    idemstage_testkit::ensure_test_roles(&url).await;
     enqueue(&url, 60).await;
     let mut workers = Workers::start(&url, 2, &["--stage-delay-ms", "200"]);
     for round in 1..=2 {

@@ -39,7 +39,7 @@ impl MetricsWorker {
             // worker holds it (that would be a fetch this worker did not count).
             .args(["--job-lease-ms", "20000"])
             .args(extra)
-            .env("DATABASE_URL", url)
+            .env("DATABASE_URL", idemstage_testkit::worker_url(url))
             .env("RUST_LOG", "warn")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())

@@ -83,13 +83,16 @@ impl Drop for Workers {
     }
 }
 
+/// An `idemstage worker` on `url`'s database, connected as the tests' worker login
+/// role (`idemstage_testkit::worker_url`), as a deployed worker connects.
 pub fn worker(url: &str, extra: &[&str]) -> Child {
+    let url = idemstage_testkit::worker_url(url);
     Command::new(env!("CARGO_BIN_EXE_idemstage"))
         .args(["worker", "--concurrency", "4"])
         .args(["--stage-lease-ms", &STAGE_LEASE_MS.to_string()])
         .args(["--job-lease-ms", &JOB_LEASE_MS.to_string()])
         .args(extra)
-        .env("DATABASE_URL", url)
+        .env("DATABASE_URL", &url)
         .env("RUST_LOG", "error")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())

@@ -10,6 +10,7 @@ mod isolation;
 mod ops;
 mod pgbench_scripts;
 mod queue;
+mod roles;
 mod start;
 mod support;
 mod team_tables;

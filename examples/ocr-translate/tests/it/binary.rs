@@ -47,7 +47,8 @@ async fn the_binary_migrates_enqueues_works_and_reports_this_pipeline() {
 
     let mut worker = Command::new(env!("CARGO_BIN_EXE_ocr-translate"))
         .args(["worker", "--concurrency", "2"])
-        .env("DATABASE_URL", db.url())
+        // As a deployed worker connects: a login role in idemstage_worker.
+        .env("DATABASE_URL", db.worker_url())
         .env("RUST_LOG", "error")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
