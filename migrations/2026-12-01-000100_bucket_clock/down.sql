@@ -234,3 +234,7 @@ BEGIN
     END LOOP;
 END
 $$;
+
+ALTER FUNCTION idemstage_fetch(text[], integer) RESET plan_cache_mode;
+ALTER FUNCTION idemstage_fetch_plain(text, integer) RESET plan_cache_mode;
+ALTER FUNCTION idemstage_fetch_controlled(text, integer) RESET plan_cache_mode;

@@ -177,11 +177,17 @@ struct Peers {
 }
 
 impl Peers {
-    /// `npm ci` if node_modules is missing; awa built in release, in its own
-    /// project and target dir (it is no member of our workspace).
+    /// `npm ci` unless node_modules has every peer (a node_modules left by an
+    /// older package.json lacked graphile-worker, and both Node peers failed);
+    /// awa built in release, in its own project and target dir (it is no member
+    /// of our workspace).
     fn prepare(root: &Path) -> Result<Peers> {
         let dir = root.join("bench").join("peers");
-        if !dir.join("node_modules").exists() {
+        let modules = dir.join("node_modules");
+        if ["pg", "pg-boss", "graphile-worker"]
+            .iter()
+            .any(|m| !modules.join(m).join("package.json").exists())
+        {
             eprintln!("xtask bench: npm ci in {}", dir.display());
             output(
                 Command::new("npm")

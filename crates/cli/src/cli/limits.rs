@@ -172,6 +172,9 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             .args(["--stage-delay-ms", &CAPS_STAGE_DELAY_MS.to_string()])
             .args(["--job-lease-ms", &CAPS_JOB_LEASE_MS.to_string()])
             .args(["--stage-lease-ms", &CAPS_STAGE_LEASE_MS.to_string()])
+            // The bench connects as whoever owns its bench database (and empties
+            // its tables): its workers do too.
+            .arg("--allow-owner")
             .env("DATABASE_URL", url)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

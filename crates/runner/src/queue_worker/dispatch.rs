@@ -24,10 +24,11 @@ use super::lease::{HeldLease, Leases};
 use super::stats::WorkerStats;
 use crate::telemetry;
 
-/// The jobs of a fetch and, when it came back short, how soon a control (a
-/// rate, a hold, a cap) may let more through.
-type FetchFuture =
-    Pin<Box<dyn Future<Output = Result<(Vec<FetchedJob>, Option<Duration>), RepoError>> + Send>>;
+type FetchFuture = Pin<Box<dyn Future<Output = Result<Vec<FetchedJob>, RepoError>> + Send>>;
+/// After a short fetch: how soon a control (a rate, a hold, a cap) may let more
+/// through. Asked beside the fetched jobs' start, not before it, so that it
+/// adds nothing to their pickup.
+type WaitFuture = Pin<Box<dyn Future<Output = Result<Option<Duration>, RepoError>> + Send>>;
 
 /// Most tokens per release statement at shutdown.
 const RELEASE_CHUNK: usize = 1000;
@@ -73,6 +74,8 @@ impl<H: JobHandler> Dispatch<H> {
         // The last short fetch was held back by a control: a job of this worker
         // that ends frees a slot of it (a cap), so fetch again then.
         let mut held_back = false;
+        // The question after a short fetch, and whether that fetch found nothing.
+        let mut asking: Option<(bool, WaitFuture)> = None;
         loop {
             while let Some(done) = self.running.try_join_next() {
                 log_join_error(done);
@@ -93,7 +96,7 @@ impl<H: JobHandler> Dispatch<H> {
                 fetched = async { fetching.as_mut().expect("guarded").1.as_mut().await }, if fetching.is_some() => {
                     let (limit, _) = fetching.take().expect("guarded");
                     match fetched {
-                        Ok((jobs, control_wait)) => {
+                        Ok(jobs) => {
                             backoff = cfg.error_backoff_min;
                             if jobs.len() < limit as usize {
                                 // Nothing more waiting now: until a notification,
@@ -101,20 +104,8 @@ impl<H: JobHandler> Dispatch<H> {
                                 // ready jobs back (no notification comes for a
                                 // refilled bucket or a slot freed elsewhere).
                                 paused = Some(true);
-                                // Fetches that find nothing while a control is said
-                                // to let jobs through soon (they are held by
-                                // something else: a paused tenant, other fetchers)
-                                // wait twice as long each time, up to the poll.
-                                held_back = control_wait.is_some();
-                                let wait = match control_wait {
-                                    Some(w) => {
-                                        let w = w.saturating_mul(1 << control_misses.min(16));
-                                        control_misses = if jobs.is_empty() { control_misses + 1 } else { 0 };
-                                        w.min(cfg.poll_interval)
-                                    }
-                                    None => cfg.poll_interval,
-                                };
-                                pause.as_mut().reset(Instant::now() + wait);
+                                pause.as_mut().reset(Instant::now() + cfg.poll_interval);
+                                asking = Some((jobs.is_empty(), self.fetch_wait()));
                             }
                             self.hold(jobs);
                         }
@@ -126,6 +117,27 @@ impl<H: JobHandler> Dispatch<H> {
                             pause.as_mut().reset(Instant::now() + backoff);
                             backoff = (backoff * 2).min(cfg.error_backoff_max);
                         }
+                    }
+                }
+                answer = async { asking.as_mut().expect("guarded").1.as_mut().await }, if asking.is_some() => {
+                    let (found_none, _) = asking.take().expect("guarded");
+                    match answer {
+                        // Fetches that find nothing while a control is said to let
+                        // jobs through soon (they are held by something else: a
+                        // paused tenant, other fetchers) wait twice as long each
+                        // time, up to the poll interval.
+                        Ok(Some(wait)) if paused == Some(true) => {
+                            held_back = true;
+                            let wait = wait.saturating_mul(1 << control_misses.min(16));
+                            control_misses = if found_none { control_misses + 1 } else { 0 };
+                            pause.as_mut().reset(Instant::now() + wait.min(cfg.poll_interval));
+                        }
+                        Ok(_) => {
+                            held_back = false;
+                            control_misses = 0;
+                        }
+                        // The poll interval stands.
+                        Err(e) => tracing::debug!(error = %e, "fetch_wait failed"),
                     }
                 }
                 Some(done) = self.running.join_next(), if !self.running.is_empty() => {
@@ -141,7 +153,7 @@ impl<H: JobHandler> Dispatch<H> {
         }
         // A fetch under way has leased its jobs: take them, to give them back.
         if let Some((_, fetch)) = fetching {
-            if let Ok((jobs, _)) = fetch.await {
+            if let Ok(jobs) = fetch.await {
                 self.hold(jobs);
             }
         }
@@ -167,13 +179,15 @@ impl<H: JobHandler> Dispatch<H> {
         let (pool, queues) = (self.cx.pool.clone(), self.queues.clone());
         Box::pin(async move {
             let mut conn = idemstage_persistence::get(&pool).await?;
-            let jobs = queue::fetch(&mut conn, &queues, limit).await?;
-            let wait = if jobs.len() < limit as usize {
-                queue::fetch_wait(&mut conn, &queues).await?
-            } else {
-                None
-            };
-            Ok((jobs, wait))
+            queue::fetch(&mut conn, &queues, limit).await
+        })
+    }
+
+    fn fetch_wait(&self) -> WaitFuture {
+        let (pool, queues) = (self.cx.pool.clone(), self.queues.clone());
+        Box::pin(async move {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::fetch_wait(&mut conn, &queues).await
         })
     }
 
