@@ -9,9 +9,13 @@ RETURNS bigint
 LANGUAGE sql STABLE
 AS $$
 WITH waiting AS (
-    -- Queues with ready jobs that are not paused as a whole.
+    -- Queues under a control (or a hold) with ready jobs, not paused as a whole.
+    -- The control and bucket rows are probed first: a queue without any (the
+    -- common case, asked after every short fetch) costs two key lookups.
     SELECT q.queue FROM unnest(p_queues) AS q(queue)
-     WHERE EXISTS (SELECT 1 FROM jobs j
+     WHERE (EXISTS (SELECT 1 FROM queue_controls c WHERE c.queue = q.queue)
+            OR EXISTS (SELECT 1 FROM queue_buckets b WHERE b.queue = q.queue))
+       AND EXISTS (SELECT 1 FROM jobs j
                     WHERE j.queue = q.queue AND j.state IN ('created', 'retry')
                       AND j.start_after <= now())
        AND NOT EXISTS (SELECT 1 FROM queue_controls c

@@ -641,16 +641,20 @@ async fn pickup_latency(
     wake: queue::Wake,
 ) -> anyhow::Result<(f64, f64, usize)> {
     let started: Arc<Mutex<HashMap<JobId, Instant>>> = Arc::default();
-    let notifier = queue::Notifier::new(
-        idemstage_persistence::connect_pool(
-            url,
-            PoolConfig {
-                max_size: 1,
-                ..PoolConfig::default()
-            },
-        )
-        .await?,
-    );
+    // Only the after-commit mode has a notifier (its own one-connection pool).
+    let notifier = match wake {
+        queue::Wake::InCommit => None,
+        queue::Wake::AfterCommit => Some(queue::Notifier::new(
+            idemstage_persistence::connect_pool(
+                url,
+                PoolConfig {
+                    max_size: 1,
+                    ..PoolConfig::default()
+                },
+            )
+            .await?,
+        )),
+    };
     let handler = {
         let started = started.clone();
         handler_fn(move |job, _: serde_json::Value| {
@@ -676,7 +680,7 @@ async fn pickup_latency(
         };
         // The send committed (no transaction is open): the time starts here.
         let at = Instant::now();
-        if wake == queue::Wake::AfterCommit {
+        if let Some(notifier) = &notifier {
             notifier.notify(LATENCY_QUEUE);
         }
         sent.push((id, at));
