@@ -69,6 +69,12 @@ struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@host:5432/db
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
+    /// Whether the URL leads through a connection pooler in transaction mode
+    /// (PgBouncer `pool_mode = transaction`): statements are then not cached and
+    /// each runs in a transaction, and the worker takes LISTEN from --listen-url
+    /// (or polls). migrate, demo and bench need a direct URL
+    #[arg(long, env = "IDEMSTAGE_POOLER", global = true, value_enum, default_value_t = cli::PoolerArg::None)]
+    pooler: cli::PoolerArg,
     #[command(subcommand)]
     command: Command,
 }
@@ -157,26 +163,39 @@ async fn run_async(mut app: App) -> ExitCode {
         tracing::warn!(panic = %info, "stage body panicked");
     }));
     let result = async {
-        let url = cli::database_url(cli.database_url.as_deref())?;
+        let db = cli::Db {
+            url: cli::database_url(cli.database_url.as_deref())?,
+            pooler: cli.pooler.into(),
+        };
+        let url = &db.url;
         match cli.command {
-            Command::Migrate => cli::migrate(&url, std::mem::take(&mut app.migrations)).await,
-            Command::Enqueue(args) => cli::enqueue::run(&url, args, app.pipeline).await,
-            Command::Worker(args) => cli::worker::run(&url, args, app.pipeline).await,
-            Command::Status(args) => cli::status::run(&url, args).await,
-            Command::Pause(args) => cli::controls::pause(&url, args, true).await,
-            Command::Resume(args) => cli::controls::pause(&url, args, false).await,
-            Command::Limit(args) => cli::controls::limit(&url, args).await,
-            Command::Inspect(args) => cli::ops::inspect(&url, args, app.pipeline).await,
-            Command::Retry(args) => cli::ops::retry(&url, args, app.pipeline).await,
-            Command::Cancel(args) => cli::ops::cancel(&url, args).await,
-            Command::Dead(args) => cli::ops::dead(&url, args).await,
-            Command::Console(args) => cli::console::run(&url, args, app.pipeline).await,
+            Command::Migrate => {
+                db.direct_only("migrate")?;
+                cli::migrate(url, std::mem::take(&mut app.migrations)).await
+            }
+            Command::Enqueue(args) => cli::enqueue::run(&db, args, app.pipeline).await,
+            Command::Worker(args) => cli::worker::run(&db, args, app.pipeline).await,
+            Command::Status(args) => cli::status::run(&db, args).await,
+            Command::Pause(args) => cli::controls::pause(&db, args, true).await,
+            Command::Resume(args) => cli::controls::pause(&db, args, false).await,
+            Command::Limit(args) => cli::controls::limit(&db, args).await,
+            Command::Inspect(args) => cli::ops::inspect(&db, args, app.pipeline).await,
+            Command::Retry(args) => cli::ops::retry(&db, args, app.pipeline).await,
+            Command::Cancel(args) => cli::ops::cancel(&db, args).await,
+            Command::Dead(args) => cli::ops::dead(&db, args).await,
+            Command::Console(args) => cli::console::run(&db, args, app.pipeline).await,
             Command::Demo(_) | Command::Bench(_) if app.pipeline.is_some() => Err(cli::BadInput(
                 "demo and bench run the built-in example pipeline only".into(),
             )
             .into()),
-            Command::Demo(args) => cli::demo::run(&url, args).await,
-            Command::Bench(args) => cli::bench::run(&url, args).await,
+            Command::Demo(args) => {
+                db.direct_only("demo")?;
+                cli::demo::run(url, args).await
+            }
+            Command::Bench(args) => {
+                db.direct_only("bench")?;
+                cli::bench::run(url, args).await
+            }
         }
     }
     .await;

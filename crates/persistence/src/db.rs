@@ -40,14 +40,16 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
     })
 }
 
-/// Size and wait of the pool [`connect_pool`] builds; the default is 16
-/// connections and a 10 s wait.
+/// Size and wait of the pool [`connect_pool`] builds, and how its connections
+/// reach the server; the default is 16 direct connections and a 10 s wait.
 #[derive(Clone, Debug)]
 pub struct PoolConfig {
     /// The most connections the pool holds at once (bb8's `max_size`).
     pub max_size: u32,
     /// How long `get()` waits for a free connection before giving up.
     pub connection_timeout: Duration,
+    /// Whether the URL leads through a pooler in transaction mode.
+    pub pooler: Pooler,
 }
 
 impl Default for PoolConfig {
@@ -55,7 +57,69 @@ impl Default for PoolConfig {
         Self {
             max_size: 16,
             connection_timeout: Duration::from_secs(10),
+            pooler: Pooler::None,
         }
+    }
+}
+
+/// How a connection reaches PostgreSQL: straight, or through a pooler that hands
+/// each transaction to whichever server session is free.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pooler {
+    /// Straight to the server, or through a pooler in session mode: a connection is
+    /// one server session, so a statement is prepared once and kept.
+    #[default]
+    None,
+    /// Through a pooler in transaction mode (PgBouncer's `pool_mode =
+    /// transaction`; PgBouncer before 1.21 keeps no prepared statements): each
+    /// transaction may run on another server session, so nothing may outlive one.
+    /// The statement cache is off (each statement is prepared, run and closed in
+    /// its transaction), the statements this crate runs outside a caller's
+    /// transaction get one of their own ([`pinned`]), and LISTEN cannot work
+    /// (take it from a direct URL, or poll). Session settings of this crate's are
+    /// all `SET LOCAL`.
+    Transaction,
+}
+
+/// The mark of a connection opened for [`Pooler::Transaction`], kept as its
+/// (otherwise silent) instrumentation: the connection itself says how it must be
+/// used, so no caller has to pass it along.
+struct ThroughTransactionPooler;
+
+impl diesel::connection::Instrumentation for ThroughTransactionPooler {
+    fn on_connection_event(&mut self, _: diesel::connection::InstrumentationEvent<'_>) {}
+}
+
+/// Whether `conn` was opened for [`Pooler::Transaction`].
+pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
+    conn.instrumentation().is::<ThroughTransactionPooler>()
+}
+
+/// Runs `body` on `conn` so that it survives a transaction pooler: as it is on a
+/// direct connection or inside a transaction; in a transaction of its own on a
+/// connection through a transaction pooler outside one, where each statement
+/// would otherwise be prepared on one server session and executed on whichever
+/// the pooler hands out next. Every function of this crate that takes a caller's
+/// connection runs its statements this way.
+pub async fn pinned<R, E, F>(conn: &mut AsyncPgConnection, body: F) -> Result<R, E>
+where
+    for<'r> F: AsyncFnOnce(&'r mut AsyncPgConnection) -> Result<R, E>
+        + crate::tenant::TenantBody<'r, R, E>
+        + Send,
+    E: From<diesel::result::Error> + Send,
+    R: Send,
+{
+    use diesel_async::TransactionManager;
+    let needs_one = through_transaction_pooler(conn)
+        && matches!(
+            diesel_async::AnsiTransactionManager::transaction_manager_status_mut(conn)
+                .transaction_depth(),
+            Ok(None)
+        );
+    if needs_one {
+        conn.transaction(async move |conn| body(conn).await).await
+    } else {
+        body(conn).await
     }
 }
 
@@ -82,12 +146,55 @@ pub fn redact_url(url: &str) -> String {
 
 /// One connection, with a readable error when the server cannot be reached.
 pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
-    AsyncPgConnection::establish(url).await.map_err(|e| {
+    connect_with(url, Pooler::None).await
+}
+
+/// One connection reaching the server as `pooler` says; errors as [`connect`].
+pub async fn connect_with(url: &str, pooler: Pooler) -> Result<AsyncPgConnection, RepoError> {
+    establish(url, pooler).await.map_err(|e| {
         RepoError::Unavailable(format!(
             "cannot connect to PostgreSQL at {}: {e}",
             redact_url(url)
         ))
     })
+}
+
+async fn establish(url: &str, pooler: Pooler) -> diesel::ConnectionResult<AsyncPgConnection> {
+    match pooler {
+        Pooler::None => AsyncPgConnection::establish(url).await,
+        Pooler::Transaction => establish_through_transaction_pooler(url).await,
+    }
+}
+
+/// A connection for [`Pooler::Transaction`]. diesel-async's setup runs two `SET`s
+/// as prepared statements outside a transaction: opened inside one here (the
+/// driver's own simple-protocol `BEGIN`, unseen by diesel's transaction manager),
+/// each is prepared and run on one server session. The pooler keeps the settings
+/// (time zone, client encoding) for the client and applies them to whichever
+/// session it hands out.
+async fn establish_through_transaction_pooler(
+    url: &str,
+) -> diesel::ConnectionResult<AsyncPgConnection> {
+    use diesel::connection::CacheSize;
+    use diesel::ConnectionError;
+    use diesel_async::SimpleAsyncConnection;
+    let bad = |e: tokio_postgres::Error| ConnectionError::BadConnection(e.to_string());
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(bad)?;
+    // Ends when the client is dropped or the server goes away; the client then
+    // reports itself closed, which is what the pool's checkout check looks at.
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client.batch_execute("BEGIN").await.map_err(bad)?;
+    let mut conn = AsyncPgConnection::try_from(client).await?;
+    conn.batch_execute("COMMIT")
+        .await
+        .map_err(ConnectionError::CouldntSetupConfiguration)?;
+    conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+    conn.set_instrumentation(ThroughTransactionPooler);
+    Ok(conn)
 }
 
 /// A pool. Connects once first, so that an unreachable server is reported with the
@@ -98,9 +205,11 @@ pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
 /// be handed out, and its first statement then fails as `Unavailable`. Every
 /// caller has to handle that anyway.
 pub async fn connect_pool(url: &str, config: PoolConfig) -> Result<PgPool, RepoError> {
-    drop(connect(url).await?);
+    drop(connect_with(url, config.pooler).await?);
     let mut manager_config = ManagerConfig::default();
     manager_config.recycling_method = RecyclingMethod::CustomFunction(Box::new(checkout_check));
+    let pooler = config.pooler;
+    manager_config.custom_setup = Box::new(move |url| Box::pin(establish(url, pooler)));
     let manager =
         AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(url, manager_config);
     Ok(bb8::Pool::builder()

@@ -68,8 +68,9 @@ pub mod statements;
 pub mod tenant;
 
 pub use db::{
-    connect, connect_pool, get, migrate, migrate_with, redact_url, revert_all_migrations,
-    revert_all_with, PgPool, PoolConfig, PooledConn, MIGRATIONS, MIGRATIONS_FINGERPRINT,
+    connect, connect_pool, connect_with, get, migrate, migrate_with, pinned, redact_url,
+    revert_all_migrations, revert_all_with, PgPool, PoolConfig, PooledConn, Pooler, MIGRATIONS,
+    MIGRATIONS_FINGERPRINT,
 };
 pub use error::{map_diesel_error, TxError};
 pub use fenced::{FencedTx, FencedWrite, InsertOrGet, Replaced};

@@ -37,7 +37,10 @@ pub async fn stage_status_counts(
     if let Some(t) = tenant {
         query = query.filter(pr::tenant_id.eq(t.as_str().to_owned()));
     }
-    let rows: Vec<(String, String, i64)> = query.load(conn).await.map_err(map_diesel_error)?;
+    let rows: Vec<(String, String, i64)> =
+        crate::db::pinned(conn, async move |conn| query.load(conn).await)
+            .await
+            .map_err(map_diesel_error)?;
     Ok(rows
         .into_iter()
         .map(|(stage, status, count)| StageStatusCount {
@@ -110,9 +113,10 @@ pub async fn tenant_stage_overview(
     conn: &mut AsyncPgConnection,
     window: std::time::Duration,
 ) -> Result<Vec<TenantStageRow>, RepoError> {
-    let rows: Vec<OverviewRow> = diesel::sql_query(TENANT_STAGE_OVERVIEW_SQL)
-        .bind::<diesel::sql_types::BigInt, _>(i64::try_from(window.as_millis()).unwrap_or(i64::MAX))
-        .load(conn)
+    let query = diesel::sql_query(TENANT_STAGE_OVERVIEW_SQL).bind::<diesel::sql_types::BigInt, _>(
+        i64::try_from(window.as_millis()).unwrap_or(i64::MAX),
+    );
+    let rows: Vec<OverviewRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(rows
@@ -135,10 +139,10 @@ pub async fn tenant_exists(
     tenant: &TenantId,
 ) -> Result<bool, RepoError> {
     use crate::schema::anfragen::dsl as a;
-    diesel::select(diesel::dsl::exists(
+    let query = diesel::select(diesel::dsl::exists(
         a::anfragen.filter(a::tenant_id.eq(tenant.as_str().to_owned())),
-    ))
-    .get_result(conn)
-    .await
-    .map_err(map_diesel_error)
+    ));
+    crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+        .await
+        .map_err(map_diesel_error)
 }

@@ -138,9 +138,8 @@ SELECT session_user::text AS role,
 /// unless `--allow-owner`; a team's own binary calls this before it starts its
 /// workers.
 pub async fn check_worker_role(conn: &mut AsyncPgConnection) -> Result<RoleCheck, RepoError> {
-    let row: Row = diesel::sql_query(CHECK_SQL)
-        .bind::<Array<Text>, _>(CORE_TABLES.to_vec())
-        .get_result(conn)
+    let query = diesel::sql_query(CHECK_SQL).bind::<Array<Text>, _>(CORE_TABLES.to_vec());
+    let row: Row = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(crate::error::map_diesel_error)?;
     Ok(if row.superuser {

@@ -7,9 +7,11 @@
 //! for post-mortem.
 
 pub mod example;
+mod pgbouncer;
 mod private_cluster;
 pub mod schema;
 
+pub use pgbouncer::PgBouncer;
 pub use private_cluster::PrivateCluster;
 
 use std::time::Duration;
@@ -225,6 +227,7 @@ impl TestDb {
             PoolConfig {
                 max_size,
                 connection_timeout: Duration::from_secs(30),
+                ..PoolConfig::default()
             },
         )
         .await

@@ -154,7 +154,7 @@ fn pg_bin_dir() -> Option<std::path::PathBuf> {
         .map(|(_, b)| b)
 }
 
-fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
@@ -163,7 +163,7 @@ fn is_root() -> bool {
         .is_some_and(|euid| euid == "0")
 }
 
-fn passwd_user(name: &str) -> Option<(u32, u32)> {
+pub(crate) fn passwd_user(name: &str) -> Option<(u32, u32)> {
     let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
     passwd.lines().find_map(|line| {
         let mut f = line.split(':');

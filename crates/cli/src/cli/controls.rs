@@ -79,10 +79,10 @@ fn parse_rate(text: &str, burst: Option<u32>) -> anyhow::Result<Rate> {
     Ok(Rate { count, per, burst })
 }
 
-pub async fn pause(url: &str, args: PauseArgs, pause: bool) -> anyhow::Result<ExitCode> {
+pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Result<ExitCode> {
     let stage = StageName::parse(&args.stage)?;
     let scope = scope(args.tenant.as_deref(), false)?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let (outcome, changed) = if pause {
         match queue::pause(&mut conn, stage.as_str(), &scope).await? {
             PauseOutcome::Paused => ("paused", true),
@@ -110,10 +110,10 @@ pub async fn pause(url: &str, args: PauseArgs, pause: bool) -> anyhow::Result<Ex
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn limit(url: &str, args: LimitArgs) -> anyhow::Result<ExitCode> {
+pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> {
     let stage = StageName::parse(&args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     if !args.show {
         let limits = Limits {
             max_active: args.max_active,

@@ -54,14 +54,14 @@ fn read_input(args: &Args) -> anyhow::Result<String> {
         .map_err(|_| BadInput(format!("{} is not UTF-8 text", path.display())).into())
 }
 
-pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
     // Everything is validated before the first connection: bad input writes nothing.
     let tenant = TenantId::parse(&args.tenant)?;
     let anfrage = AnfrageId::parse(&args.anfrage)?;
     let text = read_input(&args)?;
     validate_input(&text)?;
     let pipeline = team.unwrap_or_else(|| example::pipeline(Chaos::default()));
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let started = conn
         .transaction::<_, TxError, _>(async |conn| {
             // Another input than the stored one is refused under `Reject` (the

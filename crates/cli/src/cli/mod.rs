@@ -17,11 +17,77 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use idemstage_domain::{DomainError, RepoError};
+use idemstage_persistence::Pooler;
 
 /// An error the user can fix by changing the input (exit code 2).
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct BadInput(pub String);
+
+/// Where a command connects: the URL, and whether it leads through a pooler in
+/// transaction mode (`--pooler transaction`).
+#[derive(Clone, Debug)]
+pub struct Db {
+    /// The database URL (`--database-url`, `DATABASE_URL`).
+    pub url: String,
+    /// How the URL reaches the server.
+    pub pooler: Pooler,
+}
+
+impl Db {
+    /// One connection.
+    pub async fn connect(&self) -> Result<diesel_async::AsyncPgConnection, RepoError> {
+        idemstage_persistence::connect_with(&self.url, self.pooler).await
+    }
+
+    /// A pool of at most `max_size` connections, waiting up to `connection_timeout`.
+    pub async fn pool(
+        &self,
+        max_size: u32,
+        connection_timeout: std::time::Duration,
+    ) -> Result<idemstage_persistence::PgPool, RepoError> {
+        idemstage_persistence::connect_pool(
+            &self.url,
+            idemstage_persistence::PoolConfig {
+                max_size,
+                connection_timeout,
+                pooler: self.pooler,
+            },
+        )
+        .await
+    }
+
+    /// Refuses a transaction pooler for `command`, which needs a session of its own.
+    pub fn direct_only(&self, command: &str) -> anyhow::Result<()> {
+        match self.pooler {
+            Pooler::None => Ok(()),
+            Pooler::Transaction => Err(BadInput(format!(
+                "{command} needs a direct connection (its statements run outside \
+                 transactions): give it the server's URL, not the pooler's, and no --pooler"
+            ))
+            .into()),
+        }
+    }
+}
+
+/// `--pooler`: [`Pooler`] on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PoolerArg {
+    /// Straight to PostgreSQL, or through a pooler in session mode
+    None,
+    /// Through a pooler in transaction mode (PgBouncer `pool_mode = transaction`):
+    /// no statement cache, every statement in a transaction, no LISTEN on this URL
+    Transaction,
+}
+
+impl From<PoolerArg> for Pooler {
+    fn from(p: PoolerArg) -> Self {
+        match p {
+            PoolerArg::None => Pooler::None,
+            PoolerArg::Transaction => Pooler::Transaction,
+        }
+    }
+}
 
 pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
     flag.filter(|u| !u.is_empty())

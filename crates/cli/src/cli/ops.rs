@@ -106,10 +106,11 @@ async fn actor(flag: Option<Actor>, conn: &mut AsyncPgConnection) -> anyhow::Res
         #[diesel(sql_type = diesel::sql_types::Text)]
         name: String,
     }
-    let user: User = diesel::sql_query("SELECT current_user::text AS name")
-        .get_result(conn)
-        .await
-        .map_err(idemstage_persistence::map_diesel_error)?;
+    let query = diesel::sql_query("SELECT current_user::text AS name");
+    let user: User =
+        idemstage_persistence::pinned(conn, async move |conn| query.get_result(conn).await)
+            .await
+            .map_err(idemstage_persistence::map_diesel_error)?;
     Ok(Actor::parse(&user.name)?)
 }
 
@@ -118,13 +119,13 @@ pub(crate) fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
 }
 
 pub async fn inspect(
-    url: &str,
+    db: &super::Db,
     args: InspectArgs,
     team: Option<Pipeline>,
 ) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
     let pipeline = pipeline_or_example(team);
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let mut timeline = ops::inspect(&mut conn, &tenant, &anfrage).await?;
     // In the pipeline's order; a stage the pipeline does not know last.
     let order = |s: &StageName| {
@@ -220,7 +221,11 @@ fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
     }
 }
 
-pub async fn retry(url: &str, args: RetryArgs, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn retry(
+    db: &super::Db,
+    args: RetryArgs,
+    team: Option<Pipeline>,
+) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
     let pipeline = pipeline_or_example(team);
     let stage = args
@@ -229,7 +234,7 @@ pub async fn retry(url: &str, args: RetryArgs, team: Option<Pipeline>) -> anyhow
         .map(|s| pipeline_stage(&pipeline, s))
         .transpose()?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::retry(
         &mut conn,
@@ -275,10 +280,10 @@ pub async fn retry(url: &str, args: RetryArgs, team: Option<Pipeline>) -> anyhow
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn cancel(url: &str, args: CancelArgs) -> anyhow::Result<ExitCode> {
+pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &actor).await?;
     if args.json {
@@ -317,13 +322,13 @@ pub async fn cancel(url: &str, args: CancelArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn dead(url: &str, args: DeadArgs) -> anyhow::Result<ExitCode> {
+pub async fn dead(db: &super::Db, args: DeadArgs) -> anyhow::Result<ExitCode> {
     let filter = DeadFilter {
         tenant: args.tenant.as_deref().map(TenantId::parse).transpose()?,
         stage: args.stage.as_deref().map(StageName::parse).transpose()?,
         limit: Some(args.limit),
     };
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let letters = ops::dead(&mut conn, &filter).await?;
     if args.json {
         println!("{}", serde_json::to_value(&letters)?);

@@ -15,9 +15,9 @@ pub struct Args {
     json: bool,
 }
 
-pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args) -> anyhow::Result<ExitCode> {
     let tenant = args.tenant.as_deref().map(TenantId::parse).transpose()?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = db.connect().await?;
     let stages = stage_status_counts(&mut conn, tenant.as_ref()).await?;
     // Jobs carry no tenant column: queue counts are for all tenants.
     let queues = idemstage_persistence::queue::queue_stats(&mut conn).await?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use idemstage_domain::{InputChangePolicy, StagePolicy};
 use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::PoolConfig;
+use idemstage_persistence::{PoolConfig, Pooler};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_stage::Pipeline;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +17,10 @@ use super::{BadInput, WakeArg};
 
 /// How often a worker serving metrics samples its queues' depth from the database.
 const QUEUE_GAUGES_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The poll interval of a worker without LISTEN (through a transaction pooler and
+/// no --listen-url): no notification wakes it, so it looks more often.
+const UNLISTENED_POLL: Duration = Duration::from_millis(250);
 
 #[derive(clap::Args, Clone)]
 pub struct Args {
@@ -65,6 +69,16 @@ pub struct Args {
     /// idemstage_worker instead (README, "Deploying")
     #[arg(long, env = "IDEMSTAGE_ALLOW_OWNER")]
     pub allow_owner: bool,
+    /// A direct URL to the server (not through a pooler) for LISTEN, which wakes the
+    /// worker when a job is sent. Default: the database URL, unless it leads through
+    /// a transaction pooler (--pooler transaction): then the worker polls every
+    /// --poll-ms instead
+    #[arg(long, env = "IDEMSTAGE_LISTEN_URL", hide_env_values = true)]
+    pub listen_url: Option<String>,
+    /// How often an idle worker looks for jobs without a notification, in
+    /// milliseconds [default: 2000, or 250 when it polls for lack of LISTEN]
+    #[arg(long)]
+    pub poll_ms: Option<u64>,
     /// Fault injection: probability that a stage body aborts mid-way
     #[arg(long, default_value_t = 0.0, hide = true)]
     pub crash_rate: f64,
@@ -129,12 +143,29 @@ impl Args {
         .map_err(|e| BadInput(e.to_string()))?)
     }
 
-    pub fn worker_config(&self) -> PipelineWorkerConfig {
+    /// The URL its LISTEN connection uses, if it listens: `--listen-url`, else the
+    /// database URL when it is direct.
+    pub fn listen_url(&self, db: &super::Db) -> Option<String> {
+        match (&self.listen_url, db.pooler) {
+            (Some(url), _) => Some(url.clone()),
+            (None, Pooler::None) => Some(db.url.clone()),
+            (None, Pooler::Transaction) => None,
+        }
+    }
+
+    pub fn worker_config(&self, db: &super::Db) -> anyhow::Result<PipelineWorkerConfig> {
         let mut config = PipelineWorkerConfig {
             concurrency: self.concurrency,
             wake: self.wake.into(),
             ..PipelineWorkerConfig::default()
         };
+        config.queue.listen = self.listen_url(db).is_some();
+        match self.poll_ms {
+            Some(0) => return Err(BadInput("--poll-ms must be positive".into()).into()),
+            Some(ms) => config.queue.poll_interval = Duration::from_millis(ms),
+            None if !config.queue.listen => config.queue.poll_interval = UNLISTENED_POLL,
+            None => {}
+        }
         config.queue.queues = self.queues.clone();
         config.queue.prefetch = self.prefetch;
         config.queue.shutdown_grace = Duration::from_secs(self.grace_s);
@@ -147,18 +178,11 @@ impl Args {
             .queue
             .maintenance_interval
             .min(Duration::from_millis(self.job_lease_ms));
-        config
-    }
-
-    pub fn pool_config(&self) -> PoolConfig {
-        PoolConfig {
-            max_size: self.worker_config().pool_size(),
-            ..PoolConfig::default()
-        }
+        Ok(config)
     }
 }
 
-pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
     if args.concurrency == 0 {
         return Err(BadInput("--concurrency must be positive".into()).into());
     }
@@ -172,12 +196,22 @@ pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Resul
         let addr = super::prometheus::serve(listen).await?;
         eprintln!("idemstage worker: metrics on http://{addr}/metrics");
     }
-    let pool = idemstage_persistence::connect_pool(url, args.pool_config()).await?;
+    let config = args.worker_config(db)?;
+    let pool = idemstage_persistence::connect_pool(
+        &db.url,
+        PoolConfig {
+            max_size: config.pool_size(),
+            pooler: db.pooler,
+            ..PoolConfig::default()
+        },
+    )
+    .await?;
+    let listen_url = args.listen_url(db);
     let worker = PipelineWorker::new(
         pool.clone(),
-        url,
+        listen_url.as_deref().unwrap_or(&db.url),
         pipeline,
-        args.worker_config(),
+        config,
         Arc::new(Counters::default()),
     )
     .map_err(|e| BadInput(e.to_string()))?;

@@ -334,6 +334,7 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
         PoolConfig {
             max_size: 2,
             connection_timeout: Duration::from_millis(200),
+            ..PoolConfig::default()
         },
     )
     .await

@@ -100,10 +100,10 @@ where
     if jobs.is_empty() {
         return Ok(Vec::new());
     }
-    diesel::sql_query(sql)
+    let query = diesel::sql_query(sql)
         .bind::<Jsonb, _>(tokens(jobs))
-        .cached()
-        .load(conn)
+        .cached();
+    crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)
 }

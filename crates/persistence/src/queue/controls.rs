@@ -191,10 +191,10 @@ pub async fn pause(
     scope: &Scope,
 ) -> Result<PauseOutcome, RepoError> {
     validate_queue_name(queue)?;
-    let row: Was = diesel::sql_query(PAUSE_SQL)
+    let query = diesel::sql_query(PAUSE_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.as_key())
-        .get_result(conn)
+        .bind::<Text, _>(scope.as_key());
+    let row: Was = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(if row.was {
@@ -211,10 +211,10 @@ pub async fn resume(
     scope: &Scope,
 ) -> Result<ResumeOutcome, RepoError> {
     validate_queue_name(queue)?;
-    let row: Was = diesel::sql_query(RESUME_SQL)
+    let query = diesel::sql_query(RESUME_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.as_key())
-        .get_result(conn)
+        .bind::<Text, _>(scope.as_key());
+    let row: Was = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(if row.was {
@@ -245,15 +245,15 @@ pub async fn set_limits(
     validate_queue_name(queue)?;
     limits.validate(scope)?;
     let rate = limits.rate.as_ref();
-    diesel::sql_query(SET_LIMITS_SQL)
+    let query = diesel::sql_query(SET_LIMITS_SQL)
         .bind::<Text, _>(queue)
         .bind::<Text, _>(scope.as_key())
         .bind::<Nullable<Integer>, _>(limits.max_active.map(|m| m as i32))
         .bind::<Nullable<Integer>, _>(rate.map(|r| r.count as i32))
         .bind::<Nullable<BigInt>, _>(rate.map(|r| millis(r.per)))
         .bind::<Nullable<Integer>, _>(rate.and_then(|r| r.burst).map(|b| b as i32))
-        .bind::<Nullable<Integer>, _>(limits.weight.map(|w| w as i32))
-        .execute(conn)
+        .bind::<Nullable<Integer>, _>(limits.weight.map(|w| w as i32));
+    crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(())
@@ -289,15 +289,15 @@ pub async fn controls(
     conn: &mut AsyncPgConnection,
     queue: Option<&str>,
 ) -> Result<Vec<QueueControl>, RepoError> {
-    let rows: Vec<ControlRow> = diesel::sql_query(
+    let query = diesel::sql_query(
         "SELECT queue, scope, paused, max_active, rate_count, rate_period_ms, rate_burst, \
                 weight, updated_at, updated_by \
            FROM queue_controls WHERE $1::text IS NULL OR queue = $1 ORDER BY queue, scope",
     )
-    .bind::<Nullable<Text>, _>(queue)
-    .load(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    .bind::<Nullable<Text>, _>(queue);
+    let rows: Vec<ControlRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
+        .await
+        .map_err(map_diesel_error)?;
     rows.into_iter()
         .map(|r| {
             let rate = match (r.rate_count, r.rate_period_ms) {
@@ -336,11 +336,11 @@ pub async fn hold(
     after: Duration,
 ) -> Result<(), RepoError> {
     validate_queue_name(queue)?;
-    diesel::sql_query(HOLD_SQL)
+    let query = diesel::sql_query(HOLD_SQL)
         .bind::<Text, _>(queue)
         .bind::<Text, _>(tenant.map_or("", |t| t.as_str()))
-        .bind::<BigInt, _>(millis(after))
-        .execute(conn)
+        .bind::<BigInt, _>(millis(after));
+    crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(())
@@ -375,15 +375,15 @@ pub async fn held_until(
         #[diesel(sql_type = Nullable<Timestamptz>)]
         held_until: Option<DateTime<Utc>>,
     }
-    let row: Option<Held> = diesel::sql_query(
+    let query = diesel::sql_query(
         "SELECT held_until FROM queue_buckets \
           WHERE queue = $1 AND tenant_id = $2 AND held_until > clock_timestamp()",
     )
     .bind::<Text, _>(queue)
-    .bind::<Text, _>(tenant.map_or("", |t| t.as_str()))
-    .get_result(conn)
-    .await
-    .optional()
-    .map_err(map_diesel_error)?;
+    .bind::<Text, _>(tenant.map_or("", |t| t.as_str()));
+    let row: Option<Held> = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
     Ok(row.and_then(|r| r.held_until))
 }

@@ -27,12 +27,12 @@ pub async fn retry_after(
     attempt: i32,
     delay: Duration,
 ) -> Result<JobRetryOutcome, RepoError> {
-    let n = diesel::sql_query(RETRY_AFTER_SQL)
+    let query = diesel::sql_query(RETRY_AFTER_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<BigInt, _>(super::millis(delay))
-        .cached()
-        .execute(conn)
+        .cached();
+    let n = crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(if n == 1 {

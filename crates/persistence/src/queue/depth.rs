@@ -61,10 +61,10 @@ pub async fn queue_depths(
     if queues.is_empty() {
         return Ok(Vec::new());
     }
-    diesel::sql_query(QUEUE_DEPTHS_SQL)
+    let query = diesel::sql_query(QUEUE_DEPTHS_SQL)
         .bind::<Array<Text>, _>(queues)
-        .cached()
-        .load(conn)
+        .cached();
+    crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)
 }

@@ -92,11 +92,11 @@ pub async fn fetch(
         return Ok(Vec::new());
     }
     let limit = i32::try_from(limit).unwrap_or(i32::MAX);
-    let rows: Vec<FetchedRow> = diesel::sql_query(FETCH_SQL)
+    let query = diesel::sql_query(FETCH_SQL)
         .bind::<Array<Text>, _>(queues)
         .bind::<Integer, _>(limit)
-        .cached()
-        .load(conn)
+        .cached();
+    let rows: Vec<FetchedRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)?;
     let mut jobs = Vec::with_capacity(rows.len());
@@ -136,10 +136,10 @@ pub async fn fetch_wait(
     if queues.is_empty() {
         return Ok(None);
     }
-    let row: WaitRow = diesel::sql_query(FETCH_WAIT_SQL)
+    let query = diesel::sql_query(FETCH_WAIT_SQL)
         .bind::<Array<Text>, _>(queues)
-        .cached()
-        .get_result(conn)
+        .cached();
+    let row: WaitRow = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(row

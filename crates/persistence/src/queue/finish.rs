@@ -40,12 +40,12 @@ pub async fn complete(
     attempt: i32,
     output: Option<&serde_json::Value>,
 ) -> Result<JobCompleteOutcome, RepoError> {
-    let n = diesel::sql_query(COMPLETE_SQL)
+    let query = diesel::sql_query(COMPLETE_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Nullable<Jsonb>, _>(output)
-        .cached()
-        .execute(conn)
+        .cached();
+    let n = crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(if n == 1 {
@@ -133,17 +133,18 @@ pub async fn fail(
     error: &str,
     kind: FailKind,
 ) -> Result<JobFailOutcome, RepoError> {
-    let row: Option<FailRow> = diesel::sql_query(FAIL_SQL.as_str())
+    let query = diesel::sql_query(FAIL_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Text, _>(error)
         .bind::<Bool, _>(kind == FailKind::Retryable)
         .bind::<Text, _>(JobId::new().to_string())
-        .cached()
-        .get_result(conn)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
+        .cached();
+    let row: Option<FailRow> =
+        crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+            .await
+            .optional()
+            .map_err(map_diesel_error)?;
     let Some(row) = row else {
         return Ok(JobFailOutcome::Fenced);
     };
@@ -173,11 +174,11 @@ pub async fn cancel(
     id: JobId,
     attempt: i32,
 ) -> Result<JobCancelOutcome, RepoError> {
-    let n = diesel::sql_query(CANCEL_SQL)
+    let query = diesel::sql_query(CANCEL_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
-        .cached()
-        .execute(conn)
+        .cached();
+    let n = crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(if n == 1 {
@@ -217,15 +218,16 @@ pub async fn retry_at(
     attempt: i32,
     not_before: Option<DateTime<Utc>>,
 ) -> Result<JobRetryOutcome, RepoError> {
-    let row: Option<IdRow> = diesel::sql_query(RETRY_AT_SQL)
+    let query = diesel::sql_query(RETRY_AT_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
-        .cached()
-        .get_result(conn)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
+        .cached();
+    let row: Option<IdRow> =
+        crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+            .await
+            .optional()
+            .map_err(map_diesel_error)?;
     Ok(if row.is_some_and(|r| r.id == id.to_string()) {
         JobRetryOutcome::Requeued
     } else {
@@ -265,14 +267,15 @@ pub async fn renew_lease(
         #[diesel(sql_type = Timestamptz)]
         lease_expires_at: DateTime<Utc>,
     }
-    let row: Option<Lease> = diesel::sql_query(RENEW_LEASE_SQL)
+    let query = diesel::sql_query(RENEW_LEASE_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
-        .cached()
-        .get_result(conn)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
+        .cached();
+    let row: Option<Lease> =
+        crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+            .await
+            .optional()
+            .map_err(map_diesel_error)?;
     Ok(match row {
         Some(l) => RenewLeaseOutcome::Renewed {
             lease_expires_at: l.lease_expires_at,

@@ -219,12 +219,12 @@ struct StatRow {
 
 /// Job counts per queue and state, of every queue (`jobs` has no tenant).
 pub async fn queue_stats(conn: &mut AsyncPgConnection) -> Result<QueueStats, RepoError> {
-    let rows: Vec<StatRow> = diesel::sql_query(
+    let query = diesel::sql_query(
         "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue, state",
-    )
-    .load(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    );
+    let rows: Vec<StatRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
+        .await
+        .map_err(map_diesel_error)?;
     let mut stats = QueueStats::default();
     for row in rows {
         let state = JobState::parse(&row.state).ok_or_else(|| {

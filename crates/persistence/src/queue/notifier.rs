@@ -129,10 +129,10 @@ async fn notify_queues(
     queues: &[String],
 ) -> Result<(), idemstage_domain::RepoError> {
     let mut conn = crate::db::get(pool).await?;
-    diesel::sql_query(NOTIFY_QUEUES_SQL)
+    let query = diesel::sql_query(NOTIFY_QUEUES_SQL)
         .bind::<Array<Text>, _>(queues)
-        .cached()
-        .execute(&mut conn)
+        .cached();
+    crate::db::pinned(&mut conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(())

@@ -98,7 +98,7 @@ pub async fn send_in_waking(
         (true, Wake::AfterCommit) => &SEND_ANY_CONFLICT_QUIET_SQL,
         (false, Wake::AfterCommit) => &SEND_LIVE_SINGLETON_QUIET_SQL,
     };
-    let inserted: Option<Inserted> = diesel::sql_query(sql)
+    let query = diesel::sql_query(sql)
         .bind::<Text, _>(id.to_string())
         .bind::<Text, _>(&job.queue)
         .bind::<Integer, _>(o.priority)
@@ -113,11 +113,12 @@ pub async fn send_in_waking(
         .bind::<Nullable<Text>, _>(o.dead_letter.as_deref())
         .bind::<BigInt, _>(millis(o.start_after.unwrap_or_default()))
         .bind::<Text, _>(job.tenant.as_ref().map_or("", |t| t.as_str()))
-        .cached()
-        .get_result(conn)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
+        .cached();
+    let inserted: Option<Inserted> =
+        crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
+            .await
+            .optional()
+            .map_err(map_diesel_error)?;
     Ok(match inserted {
         Some(row) => SendResult::Sent(JobId::parse(&row.id)?),
         None => SendResult::Duplicate,
@@ -192,7 +193,7 @@ pub async fn send_batch(
         })
         .collect::<Result<_, _>>()?;
     let opts = jobs.iter().map(|j| &j.options);
-    let inserted: Vec<Inserted> = diesel::sql_query(SEND_BATCH_SQL)
+    let query = diesel::sql_query(SEND_BATCH_SQL)
         .bind::<Array<Text>, _>(ids.iter().map(|id| id.to_string()).collect::<Vec<_>>())
         .bind::<Array<Text>, _>(jobs.iter().map(|j| j.queue.as_str()).collect::<Vec<_>>())
         .bind::<Array<Integer>, _>(opts.clone().map(|o| o.priority).collect::<Vec<_>>())
@@ -238,8 +239,8 @@ pub async fn send_batch(
                 .map(|j| j.tenant.as_ref().map_or("", |t| t.as_str()))
                 .collect::<Vec<_>>(),
         )
-        .cached()
-        .load(conn)
+        .cached();
+    let inserted: Vec<Inserted> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)?;
     let sent: HashSet<String> = inserted.into_iter().map(|r| r.id).collect();

@@ -47,7 +47,7 @@ impl PgRunRepository {
             Option<i32>,
         );
         let mut conn = self.conn().await?;
-        let rows: Vec<Row> = pa::pipeline_run_attempts
+        let query = pa::pipeline_run_attempts
             .filter(pa::run_id.eq(run_id.to_string()))
             .order(pa::attempt)
             .select((
@@ -59,8 +59,8 @@ impl PgRunRepository {
                 pa::outcome,
                 pa::error,
                 pa::upstream_attempt,
-            ))
-            .load(&mut conn)
+            ));
+        let rows: Vec<Row> = crate::db::pinned(&mut conn, async move |conn| query.load(conn).await)
             .await
             .map_err(map_diesel_error)?;
         Ok(rows

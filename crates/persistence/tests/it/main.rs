@@ -9,6 +9,7 @@ mod foundation;
 mod isolation;
 mod ops;
 mod pgbench_scripts;
+mod pooler;
 mod queue;
 mod roles;
 mod start;

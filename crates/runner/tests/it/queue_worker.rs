@@ -442,6 +442,7 @@ async fn fetch_errors_while_the_database_refuses_connections_are_retried() {
         PoolConfig {
             max_size: 2,
             connection_timeout: Duration::from_millis(300),
+            ..PoolConfig::default()
         },
     )
     .await

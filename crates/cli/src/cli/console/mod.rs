@@ -33,7 +33,7 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use idemstage_persistence::{PgPool, PoolConfig};
+use idemstage_persistence::PgPool;
 use idemstage_stage::Pipeline;
 
 use super::BadInput;
@@ -110,7 +110,7 @@ fn load_token(file: Option<&PathBuf>) -> anyhow::Result<String> {
     Ok(token)
 }
 
-pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
     // Everything the user can get wrong is refused before the first connection.
     let token = load_token(args.token_file.as_ref())?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
@@ -125,14 +125,7 @@ pub async fn run(url: &str, args: Args, team: Option<Pipeline>) -> anyhow::Resul
         .await
         .map_err(|e| BadInput(format!("--listen {}: {e}", args.listen)))?;
     let addr = listener.local_addr()?;
-    let pool = idemstage_persistence::connect_pool(
-        url,
-        PoolConfig {
-            max_size: 4,
-            connection_timeout: Duration::from_secs(5),
-        },
-    )
-    .await?;
+    let pool = db.pool(4, Duration::from_secs(5)).await?;
     let console = Arc::new(Console {
         pool,
         pipeline: super::ops::pipeline_or_example(team),
