@@ -108,6 +108,11 @@ pub struct Args {
     /// the NOTIFY out of the stage's commit)
     #[arg(long, value_enum, default_value_t = WakeArg::AfterCommit)]
     pub wake: WakeArg,
+    /// pipeline: the worker's pool connects here, a pooler in transaction mode
+    /// (PgBouncer in front of the same database), with `--pooler transaction`'s
+    /// settings; fixtures, checks and LISTEN stay on the direct URL
+    #[arg(long, value_name = "URL")]
+    pub pooler_url: Option<String>,
     /// Print one JSON object instead of the table
     #[arg(long)]
     json: bool,
@@ -758,10 +763,15 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         },
         wake: args.wake.into(),
     };
+    let (pool_url, pooler) = match &args.pooler_url {
+        Some(pooled) => (pooled.as_str(), idemstage_persistence::Pooler::Transaction),
+        None => (url, idemstage_persistence::Pooler::None),
+    };
     let pool = idemstage_persistence::connect_pool(
-        url,
+        pool_url,
         PoolConfig {
             max_size: config.pool_size(),
+            pooler,
             ..PoolConfig::default()
         },
     )
@@ -793,6 +803,7 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "anfragen": args.anfragen,
         "concurrency": args.concurrency,
         "wake": format!("{:?}", args.wake),
+        "pooler": format!("{pooler:?}"),
         "stage_executions": succeeded,
         "wall_s": round3(elapsed.as_secs_f64()),
         "stages_per_s": per_s(succeeded, elapsed),

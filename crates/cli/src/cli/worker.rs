@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstage_domain::{InputChangePolicy, StagePolicy};
+use idemstage_domain::{InputChangePolicy, RepoError, StagePolicy};
 use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::{PoolConfig, Pooler};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
@@ -197,14 +197,20 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         eprintln!("idemstage worker: metrics on http://{addr}/metrics");
     }
     let config = args.worker_config(db)?;
-    let pool = idemstage_persistence::connect_pool(
-        &db.url,
-        PoolConfig {
-            max_size: config.pool_size(),
-            pooler: db.pooler,
-            ..PoolConfig::default()
-        },
-    )
+    let pool_config = PoolConfig {
+        max_size: config.pool_size(),
+        pooler: db.pooler,
+        ..PoolConfig::default()
+    };
+    let (pool, role) = starting(async || {
+        let pool = idemstage_persistence::connect_pool(&db.url, pool_config.clone()).await?;
+        // Row-level security holds only for a role it restricts (README, "Deploying").
+        let role = {
+            let mut conn = idemstage_persistence::db::get(&pool).await?;
+            idemstage_persistence::roles::check_worker_role(&mut conn).await?
+        };
+        Ok((pool, role))
+    })
     .await?;
     let listen_url = args.listen_url(db);
     let worker = PipelineWorker::new(
@@ -215,11 +221,6 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         Arc::new(Counters::default()),
     )
     .map_err(|e| BadInput(e.to_string()))?;
-    // Row-level security holds only for a role it restricts (README, "Deploying").
-    let role = {
-        let mut conn = idemstage_persistence::db::get(&pool).await?;
-        idemstage_persistence::roles::check_worker_role(&mut conn).await?
-    };
     if !role.is_restricted() {
         if !args.allow_owner {
             return Err(BadInput(format!(
@@ -261,3 +262,25 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
     );
     Ok(ExitCode::SUCCESS)
 }
+
+/// Runs the worker's first statements again when the database was unavailable
+/// (a connection terminated under them, a server restarting), a few times within
+/// about a second; then gives up with the last error (exit 3). Once running, the
+/// worker rides out any outage on its own.
+async fn starting<T>(mut step: impl AsyncFnMut() -> Result<T, RepoError>) -> Result<T, RepoError> {
+    let mut backoff = Duration::from_millis(100);
+    for _ in 0..STARTUP_RETRIES {
+        match step().await {
+            Err(RepoError::Unavailable(e)) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "worker start: database unavailable");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+            done => return done,
+        }
+    }
+    step().await
+}
+
+/// How often [`starting`] tries again: 100 + 200 + 400 + 800 ms of waiting.
+const STARTUP_RETRIES: usize = 4;

@@ -814,3 +814,48 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
     let _ = std::fs::remove_dir_all(&profile);
     result
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pauses() {
+    let db = idemstage_testkit::example::db().await;
+    let dying = small_pipeline_run(&db).await;
+    let bouncer = idemstage_testkit::PgBouncer::start(db.url(), 2);
+    let console = Console::start(&bouncer.url(db.url()), &["--pooler", "transaction"]);
+    let addr = console.addr;
+    let (b_name, b_value) = bearer();
+    let auth = [(b_name, b_value.as_str())];
+
+    let (status, _, page) = http(addr, "GET", "/", &auth, "").await;
+    assert_eq!(status, 200, "{page}\n{}", bouncer.log());
+    assert!(page.contains("calculate"), "{page}");
+    let csrf = csrf_of(&page);
+    let timeline = format!("/anfrage?tenant=t2&anfrage={dying}");
+    let (status, _, page) = http(addr, "GET", &timeline, &auth, "").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("scanner on fire"), "{page}");
+    let (status, _, page) = http(addr, "GET", "/dead", &auth, "").await;
+    assert_eq!(status, 200, "{page}");
+
+    // An action: a transaction of the ops layer, through the pooler too.
+    let retry = format!("tenant=t2&anfrage={dying}&stage=intake&csrf={csrf}");
+    let (status, _, page) = http(addr, "POST", "/actions/retry", &auth, &retry).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("retried stage intake"), "{page}");
+    let pause = format!("stage=extract&csrf={csrf}");
+    let (status, _, page) = http(addr, "POST", "/actions/pause", &auth, &pause).await;
+    assert_eq!(status, 200, "{page}");
+
+    let mut conn = db.conn().await;
+    let paused = idemstage_testkit::count(
+        &mut conn,
+        "SELECT 1 FROM queue_controls WHERE queue = 'extract' AND paused",
+    )
+    .await;
+    assert_eq!(paused, 1);
+    let revived = idemstage_testkit::count(
+        &mut conn,
+        "SELECT 1 FROM jobs WHERE queue = 'intake' AND state = 'created'",
+    )
+    .await;
+    assert_eq!(revived, 1);
+}

@@ -8,6 +8,7 @@ mod console;
 mod faults;
 mod metrics;
 mod ops;
+mod pooler;
 mod processes;
 mod soak;
 mod support;
