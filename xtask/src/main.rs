@@ -18,7 +18,12 @@ Usage: cargo xtask <command> [args...]
 
 Commands:
   db start       start the disposable PostgreSQL cluster (idempotent), print its URL
-  db stop        stop the disposable cluster (ok if it is not running)
+  db start --standby [--async]
+                 the same as a primary with a streaming hot standby (cloned afresh;
+                 synchronous replication unless --async); prints the multi-host URL
+                 (target_session_attrs=read-write) that finds the primary after a
+                 failover
+  db stop        stop the disposable cluster (and its standby; ok if not running)
   db status      show running/stopped, URL and data directory
   db url         print the URL only (exit 1 if not running)
   migrate [args] run `idemstage migrate [args]` against the database
@@ -193,12 +198,15 @@ fn demo_console(url: &str) -> Result<()> {
 }
 
 fn db(args: &[String]) -> Result<i32> {
+    if let Some(code) = pg::standby::db(args)? {
+        return Ok(code);
+    }
     let sub = match args {
         [sub] => sub.as_str(),
         _ => "",
     };
     if !matches!(sub, "start" | "stop" | "status" | "url") {
-        eprintln!("xtask: usage: cargo xtask db start|stop|status|url");
+        eprintln!("xtask: usage: cargo xtask db start [--standby [--async]]|stop|status|url");
         return Ok(2);
     }
     let cluster = pg::Cluster::discover()?;
@@ -238,6 +246,9 @@ fn db(args: &[String]) -> Result<i32> {
             println!("status: {}", if running { "running" } else { "stopped" });
             println!("url:    {url}");
             println!("data:   {}", cluster.data_dir().display());
+            if let Some(url) = pg::standby::multi_host_url_if_running(&cluster)? {
+                println!("with a standby: {url}");
+            }
         }
         _ => {
             let port = if cluster.is_running()? {

@@ -21,6 +21,8 @@ use anyhow::{bail, Context, Result};
 
 use crate::project_root;
 
+pub mod standby;
+
 pub struct Cluster {
     bin_dir: PathBuf,
     dir: PathBuf,
@@ -140,6 +142,12 @@ impl Cluster {
     /// synchronous_commit and full_page_writes on if `durable`, else off. A running
     /// cluster is left as it is: the caller checks its settings.
     pub fn start_durable(&self, durable: bool) -> Result<Started> {
+        self.start_with(durable, "")
+    }
+
+    /// [`Cluster::start_durable`] with `settings` (`-c name=value ...`) after the
+    /// others on the postmaster's command line, where they win.
+    fn start_with(&self, durable: bool, settings: &str) -> Result<Started> {
         if self.is_running()? {
             let port = self
                 .port(true)
@@ -149,7 +157,7 @@ impl Cluster {
         self.prepare_dirs()?;
         self.init_if_needed()?;
         let port = self.choose_port()?;
-        if let Err(err) = self.pg_ctl_start(port, durable) {
+        if let Err(err) = self.pg_ctl_start(port, durable, settings) {
             // A postmaster killed with -9 leaves postmaster.pid behind; PostgreSQL
             // usually copes, but not if e.g. the pid was reused meanwhile.
             if !self.remove_stale_pid_file()? {
@@ -157,15 +165,17 @@ impl Cluster {
             }
             // Give orphaned backends of the killed server a moment to exit.
             thread::sleep(Duration::from_secs(1));
-            self.pg_ctl_start(port, durable)
+            self.pg_ctl_start(port, durable, settings)
                 .context("start failed again after removing a stale postmaster.pid")?;
         }
         wait_for_tcp(port)?;
         Ok(Started { port, by_us: true })
     }
 
-    /// Stops the cluster; returns whether it was running.
+    /// Stops the cluster (and its standby first, if one runs: `db start
+    /// --standby`); returns whether it was running.
     pub fn stop(&self) -> Result<bool> {
+        standby::stop(self)?;
         if !self.is_running()? {
             return Ok(false);
         }
@@ -307,7 +317,7 @@ impl Cluster {
         Ok(port)
     }
 
-    fn pg_ctl_start(&self, port: u16, durable: bool) -> Result<()> {
+    fn pg_ctl_start(&self, port: u16, durable: bool, settings: &str) -> Result<()> {
         // pg_ctl hands -o to /bin/sh, hence the quoting. Unix socket paths are
         // limited to 107 bytes; with a deeper directory, go without the socket
         // (we connect over TCP anyway) rather than fail to start.
@@ -324,6 +334,10 @@ impl Cluster {
         // Durability is pointless for a throwaway cluster, except when benchmarking.
         if !durable {
             opts.push_str(" -c fsync=off -c synchronous_commit=off -c full_page_writes=off");
+        }
+        if !settings.is_empty() {
+            opts.push(' ');
+            opts.push_str(settings);
         }
         let out = self
             .server_tool("pg_ctl")
@@ -384,7 +398,15 @@ fn find_bin_dir() -> Option<PathBuf> {
         |dir: &Path| is_executable(&dir.join("initdb")) && is_executable(&dir.join("pg_ctl"));
     if let Some(path) = env::var_os("PATH") {
         if let Some(dir) = env::split_paths(&path).find(|dir| has_tools(dir)) {
-            return Some(dir);
+            // A PATH dir may hold symlinks to initdb and pg_ctl only: psql and
+            // pg_basebackup of the same version sit beside their target.
+            return Some(
+                fs::canonicalize(dir.join("initdb"))
+                    .ok()
+                    .and_then(|target| target.parent().map(Path::to_path_buf))
+                    .filter(|real| has_tools(real))
+                    .unwrap_or(dir),
+            );
         }
     }
     // Debian/Ubuntu keep the server binaries off PATH, one dir per major version.

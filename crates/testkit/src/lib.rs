@@ -7,12 +7,15 @@
 //! for post-mortem.
 
 pub mod example;
+mod pg_server;
 mod pgbouncer;
 mod private_cluster;
+mod replicated_cluster;
 pub mod schema;
 
 pub use pgbouncer::PgBouncer;
 pub use private_cluster::PrivateCluster;
+pub use replicated_cluster::{ReplicatedCluster, Replication};
 
 use std::time::Duration;
 
@@ -362,4 +365,34 @@ pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
         .n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{url_with_database, url_with_user};
+
+    #[test]
+    fn a_multi_host_url_keeps_every_host_and_its_parameters() {
+        let url = "postgres://postgres@127.0.0.1:5001,127.0.0.1:5002/postgres?target_session_attrs=read-write";
+        assert_eq!(
+            url_with_user(url, "w"),
+            "postgres://w:w@127.0.0.1:5001,127.0.0.1:5002/postgres?target_session_attrs=read-write"
+        );
+        assert_eq!(
+            url_with_database(url, "app"),
+            "postgres://postgres@127.0.0.1:5001,127.0.0.1:5002/app?target_session_attrs=read-write"
+        );
+    }
+
+    #[test]
+    fn a_url_without_user_or_with_a_password_gets_the_role() {
+        assert_eq!(
+            url_with_user("postgres://a,b/db", "w"),
+            "postgres://w:w@a,b/db"
+        );
+        assert_eq!(
+            url_with_user("postgres://u:secret@h:1/db", "w"),
+            "postgres://w:w@h:1/db"
+        );
+    }
 }

@@ -72,10 +72,10 @@ impl PgBouncer {
         .unwrap();
         let mut cmd = Command::new(bin);
         // pgbouncer refuses to run as root; -u drops to that user.
-        if crate::private_cluster::is_root() {
+        if crate::pg_server::is_root() {
             let user = ["postgres", "nobody"]
                 .into_iter()
-                .find(|u| crate::private_cluster::passwd_user(u).is_some())
+                .find(|u| crate::pg_server::passwd_user(u).is_some())
                 .expect("running as root, but there is no postgres or nobody user");
             cmd.args(["-u", user]);
         }

@@ -1,10 +1,11 @@
 //! Integration tests of the CLI crate (one binary): `idemstage` and `idemstage
-//! worker` processes, fault injection, bad input and the soak against a real
-//! PostgreSQL.
+//! worker` processes, fault injection (failover to a standby among them), bad
+//! input and the soak against a real PostgreSQL.
 
 mod bad_input;
 mod cli;
 mod console;
+mod failover;
 mod faults;
 mod metrics;
 mod ops;
