@@ -100,7 +100,26 @@ pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
 /// connection through a transaction pooler outside one, where each statement
 /// would otherwise be prepared on one server session and executed on whichever
 /// the pooler hands out next. Every function of this crate that takes a caller's
-/// connection runs its statements this way.
+/// connection runs its statements this way; a team's own statements on a pooled
+/// connection outside a transaction need it too.
+///
+/// ```no_run
+/// use diesel::IntoSql;
+/// use diesel_async::RunQueryDsl;
+/// use idemstage_persistence::{connect_pool, pinned, PoolConfig, Pooler};
+/// # async fn example() -> Result<(), idemstage_domain::RepoError> {
+/// // Through PgBouncer in transaction mode.
+/// let config = PoolConfig { pooler: Pooler::Transaction, ..PoolConfig::default() };
+/// let pool = connect_pool("postgres://w:pw@pgbouncer:6432/app", config).await?;
+/// let mut conn = idemstage_persistence::get(&pool).await?;
+/// let one: i32 = pinned(&mut conn, async |conn| {
+///     diesel::select(1.into_sql::<diesel::sql_types::Integer>()).get_result(conn).await
+/// })
+/// .await
+/// .map_err(idemstage_persistence::map_diesel_error)?;
+/// # let _ = one;
+/// # Ok(()) }
+/// ```
 pub async fn pinned<R, E, F>(conn: &mut AsyncPgConnection, body: F) -> Result<R, E>
 where
     for<'r> F: AsyncFnOnce(&'r mut AsyncPgConnection) -> Result<R, E>
