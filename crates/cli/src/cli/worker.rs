@@ -202,8 +202,15 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         pooler: db.pooler,
         ..PoolConfig::default()
     };
+    let listen_url = args.listen_url(db);
     let (pool, role) = starting(async || {
         let pool = idemstage_persistence::connect_pool(&db.url, pool_config.clone()).await?;
+        // A --listen-url that cannot LISTEN is refused now, not warned about forever.
+        if let Some(url) = listen_url.as_deref().filter(|u| **u != db.url) {
+            idemstage_persistence::queue::JobListener::connect(url)
+                .await
+                .map_err(|e| RepoError::Unavailable(format!("--listen-url: {e}")))?;
+        }
         // Row-level security holds only for a role it restricts (README, "Deploying").
         let role = {
             let mut conn = idemstage_persistence::db::get(&pool).await?;
@@ -212,7 +219,6 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         Ok((pool, role))
     })
     .await?;
-    let listen_url = args.listen_url(db);
     let worker = PipelineWorker::new(
         pool.clone(),
         listen_url.as_deref().unwrap_or(&db.url),

@@ -186,6 +186,49 @@ async fn demo_refuses_a_database_that_holds_other_anfragen() {
     assert_eq!(rows(&db).await, 2, "the demo touched the database");
 }
 
+#[tokio::test]
+async fn pooler_flags_are_checked_before_anything_runs() {
+    let db = idemstage_testkit::example::db().await;
+    for (args, code, message) in [
+        (
+            vec!["migrate", "--pooler", "transaction"],
+            2,
+            "needs a direct connection",
+        ),
+        (
+            vec!["demo", "--pooler", "transaction"],
+            2,
+            "needs a direct connection",
+        ),
+        (
+            vec!["worker", "--pooler", "sometimes"],
+            2,
+            "invalid value 'sometimes'",
+        ),
+        (
+            vec!["worker", "--poll-ms", "0"],
+            2,
+            "--poll-ms must be positive",
+        ),
+        (
+            vec![
+                "worker",
+                "--allow-owner",
+                "--listen-url",
+                "postgres://nobody@127.0.0.1:1/none",
+            ],
+            3,
+            "--listen-url",
+        ),
+    ] {
+        let out = idemstage(&db, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    assert_eq!(rows(&db).await, 0);
+}
+
 #[test]
 fn an_unreachable_database_is_exit_code_3() {
     let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
