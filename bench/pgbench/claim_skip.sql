@@ -1,6 +1,6 @@
 -- The claim of a key that succeeded (skip path), as `PgRunRepository::claim`
 -- sends it: the claim (`run_claim`), which returns no row, then the read that
--- explains the skip (`run_explain_skip`), each in a tenant-scoped transaction
+-- explains the skip (`run_explain_skip`), both in one tenant-scoped transaction
 -- (`tenant_scope`; persistence::statements). Every numbered anfrage has a
 -- succeeded run of stage `done` (`idemstage bench claim --setup-only`).
 --
@@ -60,9 +60,6 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
         AND r.attempts < r.max_attempts)
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND :rerun)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt;
-COMMIT;
-BEGIN;
-SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :tenant, true), set_config('idle_in_transaction_session_timeout', :idle_ms, true);
 SELECT clock_timestamp() AS db_now,
        a.input_sha256 AS stored_hash,
        u.status AS upstream_status, u.success_attempt AS upstream_success,

@@ -28,6 +28,16 @@ struct ClaimedRow {
     upstream_attempt: Option<i32>,
 }
 
+/// The tenant scope, then the claim statement (`sql::CLAIM`), on the open
+/// transaction.
+async fn scoped_claim(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+) -> Result<Option<ClaimedRow>, diesel::result::Error> {
+    crate::tenant::scope(conn, &req.tenant).await?;
+    claim_statement(conn, req).await
+}
+
 /// The claim statement (`sql::CLAIM`).
 async fn claim_statement(
     conn: &mut AsyncPgConnection,
@@ -66,22 +76,37 @@ fn map_claim_error(e: diesel::result::Error, req: &ClaimRequest) -> RepoError {
     }
 }
 
-/// One claim, in a transaction scoped to the request's tenant (row-level security).
-async fn claim_once(
-    conn: &mut AsyncPgConnection,
-    req: &ClaimRequest,
-) -> Result<Option<ClaimedRow>, RepoError> {
-    conn.transaction::<_, diesel::result::Error, _>(async move |conn| {
-        crate::tenant::scope(conn, &req.tenant).await?;
-        claim_statement(conn, req).await
+/// What one round of [`PgRunRepository::claim`] found.
+enum Round {
+    Claimed(ClaimedRow),
+    Explained(ClaimOutcome),
+    /// The state moved on between the claim and its explanation: again.
+    Again,
+}
+
+/// One claim, in a transaction scoped to the request's tenant (row-level
+/// security); when it returns no row, the read that says why, in the same
+/// transaction (one transaction for a skip, not two).
+async fn claim_once(conn: &mut AsyncPgConnection, req: &ClaimRequest) -> Result<Round, RepoError> {
+    conn.transaction::<_, TxError, _>(async move |conn| {
+        let claimed = scoped_claim(conn, req)
+            .await
+            .map_err(|e| TxError::Repo(map_claim_error(e, req)))?;
+        if let Some(row) = claimed {
+            return Ok(Round::Claimed(row));
+        }
+        Ok(match explain_skip(conn, req).await? {
+            Some(outcome) => Round::Explained(outcome),
+            None => Round::Again,
+        })
     })
     .await
-    .map_err(|e| map_claim_error(e, req))
+    .map_err(TxError::into_repo)
 }
 
 impl PgRunRepository {
     /// The one atomic claim statement (plus a read when it returns no row, to say
-    /// why), each in a transaction scoped to `req.tenant`.
+    /// why), in one transaction scoped to `req.tenant`.
     ///
     /// Only `Claimed` hands out a fencing token (`attempt`); `Skipped`, `Rejected`
     /// and `Exhausted` run nothing (see [`ClaimOutcome`]); finding the budget used
@@ -97,32 +122,23 @@ impl PgRunRepository {
         // that just ran out); a few rounds of claim-then-explain settle it.
         let mut conflicts = 0;
         for _ in 0..3 {
-            let claimed = match claim_once(&mut conn, req).await {
+            match claim_once(&mut conn, req).await {
                 Err(RepoError::Conflict(msg)) if conflicts < CONFLICT_RETRIES => {
                     conflicts += 1;
                     conflict_backoff(conflicts, &msg).await;
-                    continue;
                 }
-                other => other?,
-            };
-            if let Some(row) = claimed {
-                return Ok(ClaimOutcome::Claimed {
-                    run_id: RunId::parse(&row.id)?,
-                    attempt: row.attempts,
-                    lease_expires_at: row.lease_expires_at,
-                    input_hash: row.input_hash,
-                    upstream_attempt: row.upstream_attempt,
-                });
-            }
-            let explained = conn
-                .transaction::<_, TxError, _>(async |conn| {
-                    crate::tenant::scope(conn, &req.tenant).await?;
-                    Ok(explain_skip(conn, req).await?)
-                })
-                .await
-                .map_err(TxError::into_repo)?;
-            if let Some(outcome) = explained {
-                return Ok(outcome);
+                Err(e) => return Err(e),
+                Ok(Round::Claimed(row)) => {
+                    return Ok(ClaimOutcome::Claimed {
+                        run_id: RunId::parse(&row.id)?,
+                        attempt: row.attempts,
+                        lease_expires_at: row.lease_expires_at,
+                        input_hash: row.input_hash,
+                        upstream_attempt: row.upstream_attempt,
+                    });
+                }
+                Ok(Round::Explained(outcome)) => return Ok(outcome),
+                Ok(Round::Again) => {}
             }
         }
         Err(RepoError::Conflict(format!(
