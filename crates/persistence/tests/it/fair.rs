@@ -183,3 +183,50 @@ async fn concurrent_fair_fetchers_deliver_each_job_of_many_tenants_exactly_once(
         "{per_tenant:?}"
     );
 }
+
+#[tokio::test]
+async fn one_tenant_with_ready_jobs_is_fetched_in_priority_order_and_a_delayed_tenant_waits() {
+    // The fetch's one-tenant path (migration 000120): a's jobs in (priority, id)
+    // order, b's job not ready yet; then b's once it is, interleaved with a's.
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut urgent = job("q", Some("a"), 1);
+    urgent.options.priority = 5;
+    let mut later = job("q", Some("b"), 9);
+    later.options.start_after = Some(std::time::Duration::from_secs(3600));
+    send_all(
+        &mut conn,
+        &[
+            job("q", Some("a"), 0),
+            urgent,
+            job("q", Some("a"), 2),
+            later,
+        ],
+    )
+    .await;
+    let queues = ["q".to_owned()];
+    assert!(queue::fetch(&mut conn, &["empty".to_owned()], 10)
+        .await
+        .unwrap()
+        .is_empty());
+    let fetched = queue::fetch(&mut conn, &queues, 2).await.unwrap();
+    let got: Vec<u64> = fetched
+        .iter()
+        .map(|j| j.payload["i"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, [1, 0]);
+    assert!(fetched.iter().all(|j| j.attempt == 1));
+    diesel_async::RunQueryDsl::execute(
+        diesel::sql_query("UPDATE jobs SET start_after = now() WHERE tenant_id = 'b'"),
+        &mut conn,
+    )
+    .await
+    .unwrap();
+    send_all(&mut conn, &[job("q", Some("a"), 3)]).await;
+    let fetched = queue::fetch(&mut conn, &queues, 10).await.unwrap();
+    assert_eq!(tenants_of(&fetched), ["a", "b", "a"], "{fetched:?}");
+    assert!(queue::fetch(&mut conn, &queues, 10)
+        .await
+        .unwrap()
+        .is_empty());
+}
