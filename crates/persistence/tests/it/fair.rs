@@ -230,3 +230,43 @@ async fn one_tenant_with_ready_jobs_is_fetched_in_priority_order_and_a_delayed_t
         .unwrap()
         .is_empty());
 }
+
+#[tokio::test]
+async fn fetching_one_tenants_backlog_reads_the_index_not_the_table() {
+    // A generic plan that scans `jobs` costs a fetch the whole backlog (a bare
+    // EXISTS on `tenant_id > $1` did: 7 ms a fetch of 16 over 20,000 jobs).
+    // pg_stat_xact_user_tables counts this transaction's scans.
+    use diesel_async::{AsyncConnection, RunQueryDsl};
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let jobs: Vec<JobToSend> = (0..5000).map(|i| job("q", Some("a"), i)).collect();
+    send_all(&mut conn, &jobs).await;
+    diesel::sql_query("ANALYZE jobs")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    #[derive(diesel::QueryableByName)]
+    struct Scans {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        seq_scan: i64,
+    }
+    let (fetched, scans) = conn
+        .transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+            let mut fetched = 0;
+            // More than five calls: past the custom plans, onto the generic one.
+            for _ in 0..20 {
+                fetched += queue::fetch(conn, &["q".to_owned()], 16).await?.len();
+            }
+            let scans: Scans = diesel::sql_query(
+                "SELECT coalesce(sum(seq_scan), 0)::bigint AS seq_scan \
+                   FROM pg_stat_xact_user_tables WHERE relname = 'jobs'",
+            )
+            .get_result(conn)
+            .await?;
+            Ok((fetched, scans.seq_scan))
+        })
+        .await
+        .unwrap();
+    assert_eq!(fetched, 20 * 16);
+    assert_eq!(scans, 0, "sequential scans of jobs during 20 fetches");
+}
