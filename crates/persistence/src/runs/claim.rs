@@ -28,16 +28,6 @@ struct ClaimedRow {
     upstream_attempt: Option<i32>,
 }
 
-/// The tenant scope, then the claim statement (`sql::CLAIM`), on the open
-/// transaction.
-async fn scoped_claim(
-    conn: &mut AsyncPgConnection,
-    req: &ClaimRequest,
-) -> Result<Option<ClaimedRow>, diesel::result::Error> {
-    crate::tenant::scope(conn, &req.tenant).await?;
-    claim_statement(conn, req).await
-}
-
 /// The claim statement (`sql::CLAIM`).
 async fn claim_statement(
     conn: &mut AsyncPgConnection,
@@ -89,7 +79,8 @@ enum Round {
 /// transaction (one transaction for a skip, not two).
 async fn claim_once(conn: &mut AsyncPgConnection, req: &ClaimRequest) -> Result<Round, RepoError> {
     conn.transaction::<_, TxError, _>(async move |conn| {
-        let claimed = scoped_claim(conn, req)
+        crate::tenant::scope(conn, &req.tenant).await?;
+        let claimed = claim_statement(conn, req)
             .await
             .map_err(|e| TxError::Repo(map_claim_error(e, req)))?;
         if let Some(row) = claimed {
