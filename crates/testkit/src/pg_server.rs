@@ -29,16 +29,8 @@ impl Server {
              /usr/lib/postgresql/*/bin",
         );
         // PostgreSQL refuses to run as root.
-        let run_as = is_root().then(|| {
-            passwd_user("postgres")
-                .or_else(|| passwd_user("nobody"))
-                .expect("running as root, but there is no postgres or nobody user")
-        });
-        let dir = std::env::temp_dir().join(format!(
-            "idemstage-{kind}-{}",
-            ulid::Ulid::new().to_string().to_lowercase()
-        ));
-        std::fs::create_dir(&dir).expect("create cluster directory");
+        let run_as = server_user().map(|(_, ids)| ids);
+        let dir = temp_dir(kind);
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).expect("chown cluster dir");
         }
@@ -206,7 +198,28 @@ fn psql_args<'a>(url: &'a str, sql: &'a str) -> [&'a str; 11] {
     ]
 }
 
-fn free_port() -> u16 {
+/// A fresh directory `idemstage-<kind>-<ulid>` in the temp dir.
+pub(crate) fn temp_dir(kind: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "idemstage-{kind}-{}",
+        ulid::Ulid::new().to_string().to_lowercase()
+    ));
+    std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
+}
+
+/// As root, the user a server runs as (it refuses root): `postgres`, else
+/// `nobody`, with its uid and gid; `None` when not root.
+pub(crate) fn server_user() -> Option<(&'static str, (u32, u32))> {
+    is_root().then(|| {
+        ["postgres", "nobody"]
+            .into_iter()
+            .find_map(|name| passwd_user(name).map(|ids| (name, ids)))
+            .expect("running as root, but there is no postgres or nobody user")
+    })
+}
+
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("free port")
@@ -247,7 +260,7 @@ fn pg_bin_dir() -> Option<PathBuf> {
         .map(|(_, b)| b)
 }
 
-pub(crate) fn is_root() -> bool {
+fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
@@ -256,7 +269,7 @@ pub(crate) fn is_root() -> bool {
         .is_some_and(|euid| euid == "0")
 }
 
-pub(crate) fn passwd_user(name: &str) -> Option<(u32, u32)> {
+fn passwd_user(name: &str) -> Option<(u32, u32)> {
     let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
     passwd.lines().find_map(|line| {
         let mut f = line.split(':');

@@ -33,17 +33,10 @@ impl PgBouncer {
             "pgbouncer not found on PATH or in /usr/sbin (Debian: apt-get install pgbouncer)",
         );
         let (host, server_port) = host_port(server_url);
-        let dir = std::env::temp_dir().join(format!(
-            "idemstage-pgbouncer-{}",
-            ulid::Ulid::new().to_string().to_lowercase()
-        ));
-        std::fs::create_dir(&dir).expect("create pgbouncer directory");
+        let dir = crate::pg_server::temp_dir("pgbouncer");
         // Readable by the user it drops to as root.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = crate::pg_server::free_port();
         let users: String = ["postgres", crate::TEST_WORKER, crate::TEST_OPERATOR]
             .iter()
             .map(|u| format!("\"{u}\" \"\"\n"))
@@ -72,11 +65,7 @@ impl PgBouncer {
         .unwrap();
         let mut cmd = Command::new(bin);
         // pgbouncer refuses to run as root; -u drops to that user.
-        if crate::pg_server::is_root() {
-            let user = ["postgres", "nobody"]
-                .into_iter()
-                .find(|u| crate::pg_server::passwd_user(u).is_some())
-                .expect("running as root, but there is no postgres or nobody user");
+        if let Some((user, _)) = crate::pg_server::server_user() {
             cmd.args(["-u", user]);
         }
         let child = cmd
