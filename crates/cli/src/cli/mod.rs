@@ -40,21 +40,17 @@ impl Db {
         idemstage_persistence::connect_with(&self.url, self.pooler).await
     }
 
-    /// A pool of at most `max_size` connections, waiting up to `connection_timeout`.
+    /// A pool sized and timed as `config` says, reaching the server as this URL
+    /// does (`config.pooler` is replaced by [`Db::pooler`]).
     pub async fn pool(
         &self,
-        max_size: u32,
-        connection_timeout: std::time::Duration,
+        config: idemstage_persistence::PoolConfig,
     ) -> Result<idemstage_persistence::PgPool, RepoError> {
-        idemstage_persistence::connect_pool(
-            &self.url,
-            idemstage_persistence::PoolConfig {
-                max_size,
-                connection_timeout,
-                pooler: self.pooler,
-            },
-        )
-        .await
+        let config = idemstage_persistence::PoolConfig {
+            pooler: self.pooler,
+            ..config
+        };
+        idemstage_persistence::connect_pool(&self.url, config).await
     }
 
     /// Refuses a transaction pooler for `command`, which needs a session of its own.

@@ -199,12 +199,11 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
     let config = args.worker_config(db)?;
     let pool_config = PoolConfig {
         max_size: config.pool_size(),
-        pooler: db.pooler,
         ..PoolConfig::default()
     };
     let listen_url = args.listen_url(db);
     let (pool, role) = starting(async || {
-        let pool = idemstage_persistence::connect_pool(&db.url, pool_config.clone()).await?;
+        let pool = db.pool(pool_config.clone()).await?;
         // A --listen-url that cannot LISTEN is refused now, not warned about forever.
         if let Some(url) = listen_url.as_deref().filter(|u| **u != db.url) {
             idemstage_persistence::queue::JobListener::connect(url)

@@ -33,7 +33,7 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use idemstage_persistence::PgPool;
+use idemstage_persistence::{PgPool, PoolConfig};
 use idemstage_stage::Pipeline;
 
 use super::BadInput;
@@ -125,7 +125,13 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         .await
         .map_err(|e| BadInput(format!("--listen {}: {e}", args.listen)))?;
     let addr = listener.local_addr()?;
-    let pool = db.pool(4, Duration::from_secs(5)).await?;
+    let pool = db
+        .pool(PoolConfig {
+            max_size: 4,
+            connection_timeout: Duration::from_secs(5),
+            ..PoolConfig::default()
+        })
+        .await?;
     let console = Arc::new(Console {
         pool,
         pipeline: super::ops::pipeline_or_example(team),
