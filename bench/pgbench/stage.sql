@@ -1,17 +1,40 @@
--- One stage execution of the example pipeline's extract stage, as the
--- `PipelineWorker` sends it (captured with log_statement=all): the claim
--- (`run_claim`, on the upstream stage's success, here the fixtures' succeeded
--- `done` runs) in its own tenant-scoped transaction; then BEGIN; scope; the
--- lineage check (`run_lineage_current`); the fence (`run_fence_success`); the
--- stage's read and writes (input text, replace the extracted positions, audit
--- entry; Diesel statements of examples/seed-pipeline); the next stage's job
--- (`job_send_quiet`: the worker's default wake is after the commit, so the
--- commit sends no NOTIFY, and the worker's notifier, coalesced, is not counted
--- here); COMMIT. Not included: the job fetch before it
--- and the job's completion inside the transaction, which ours sends too, so the
--- ratio errs against us. Each client works its own anfragen (as one anfrage's
--- stages never run at once); the next job's singleton key is unique per
--- execution so that no send is refused.
+-- One stage execution of the example pipeline, as the `PipelineWorker` sends
+-- it (captured with log_statement=all): the claim (`run_claim`, on the
+-- upstream stage's success, here the fixtures' succeeded `done` runs) in its
+-- own tenant-scoped transaction; then BEGIN; scope; the lineage check
+-- (`run_lineage_current`); the fence (`run_fence_success`); the stage's reads
+-- and writes (the Diesel statements of examples/seed-pipeline); the next
+-- stage's job (`job_send_quiet`: the worker's default wake is after the
+-- commit, so the commit sends no NOTIFY, and the worker's notifier, coalesced,
+-- is not counted here); COMMIT.
+--
+-- The stage is one of the pipeline's four at random (`st`, written into the
+-- run's stage name after its `s` so that `cargo xtask bench` can check each
+-- one's writes), as the worker runs the four equally often:
+--   1 intake: read the input, insert its file row, two audit entries;
+--   2 extract: read the input, replace the extracted positions, audit entry;
+--   3 feasibility: read the positions, upsert the result;
+--   4 calculate: read the positions, upsert the result, audit entry.
+-- Differences that err against us: every stage claims on an upstream (the
+-- worker's intake has none), and calculate sends a next job too (the worker's
+-- does not), so that the queue keeps its depth.
+--
+-- Each client works its own anfragen (as one anfrage's stages never run at
+-- once); the next job's singleton key is unique per execution so that no send
+-- is refused.
+--
+-- Two modes, `-D job=0|1`:
+--   job=0: the stage's statements only, without the job that carries the
+--          execution: no fetch before it, no completion in its transaction.
+--   job=1: what the worker sends for it as well: the job's fetch
+--          (`job_fetch`, `-D batch=<n>` jobs per fetch, each client working its
+--          batch off one execution at a time, as the worker's buffer does) and
+--          the job's completion (`job_complete`) after the next job's send,
+--          inside the stage's transaction. The fetch names the pipeline's four
+--          queues, as the worker's does; the jobs it takes are the fixtures'
+--          in `feasibility` (`cargo xtask bench` sends clients x batch x 4 of
+--          them first), and each execution sends its next job there, so the
+--          queue's depth stays the same through the run.
 --
 -- Run with `-M prepared`: every `$n` of the library is a bind parameter here
 -- too, so the server parses each statement once per connection and, as for the
@@ -21,8 +44,11 @@
 -- and the values that are the same in every execution come from `-D`, as
 -- `cargo xtask bench` passes them:
 --   -D tenant=bench -D worker=pgbench -D idle_ms=10000 -D done_stage=done
+--   -D next_queue=feasibility -D queues={intake,extract,feasibility,calculate}
 --   -D input_hash=63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042
 --   -D clients=<the -c count> (client k works the anfragen k, k + clients, ...)
+--   -D job=0|1 -D batch=<n> -D k=0 (k: the client's place in its fetched batch;
+--   pgbench keeps a client's variables from one transaction to the next)
 -- A NULL bind (no upstream stage) is `nullif(:none, 0)`, NULL in every
 -- execution but a parameter to the planner, as the library's NULL is.
 -- The positions' texts, quantities and units and the audit action are literals:
@@ -34,6 +60,7 @@
 \set r3 :r + 3000000000000000000
 \set r4 :r + 4000000000000000000
 \set r5 :r + 5000000000000000000
+\set st random(1, 4)
 \set none 0
 \set one 1
 \set attempt 1
@@ -47,12 +74,18 @@
 \set retry_delay_max_ms 30000
 \set expire_in_ms 60000
 \set start_after_ms 0
+\if :job
+\if :k = 0
+SELECT array_agg(id)::text AS ids, array_agg(attempt)::text AS attempts, count(*) AS got FROM idemstage_fetch(:queues::text[], :batch) \gset
+\endif
+\set k :k + 1
+\endif
 BEGIN;
 SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :tenant, true), set_config('idle_in_transaction_session_timeout', :idle_ms, true);
 INSERT INTO pipeline_runs AS r
     (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
-SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :r, 'running', 1, :max_attempts, src.input_hash, :worker,
+SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :st || :r, 'running', 1, :max_attempts, src.input_hash, :worker,
        clock_timestamp(), clock_timestamp() + :lease_us * interval '1 microsecond',
        src.upstream_stage, src.upstream_attempt
   FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
@@ -102,10 +135,24 @@ SELECT CASE WHEN r.upstream_stage IS NULL
 UPDATE pipeline_runs
    SET status = 'success', success_attempt = attempts, finished_at = now()
  WHERE id = lpad((:r)::text, 26, '0') AND attempts = :attempt AND status = 'running';
+\if :st = 1
+SELECT "anfragen"."input_text" FROM "anfragen" WHERE (("anfragen"."tenant_id" = :tenant) AND ("anfragen"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
+INSERT INTO "dateien" ("id", "tenant_id", "anfrage_id", "sha256", "s3_key", "size_bytes") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :input_hash, 'anfragen/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 53) ON CONFLICT ("tenant_id", "sha256", "s3_key") DO NOTHING RETURNING "dateien"."id";
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r2)::text, 26, '0'), :tenant, lpad((:r1)::text, 26, '0'), 'datei.created', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('s3_key', 'anfragen/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 'sha256', :input_hash::text));
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.intake', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('datei_id', lpad((:r1)::text, 26, '0')));
+\elif :st = 2
 SELECT "anfragen"."input_text" FROM "anfragen" WHERE (("anfragen"."tenant_id" = :tenant) AND ("anfragen"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
 DELETE FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0')));
 INSERT INTO "anfrage_extraktionen" ("id", "tenant_id", "anfrage_id", "position_index", "description", "quantity", "unit", "run_id", "attempt") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 0, 'Schrauben M8', 10, 'Stk', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r2)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 1, 'Kabel NYM 3x1,5', 2.5, 'm', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r3)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 2, 'Montage', 4, 'h', lpad((:r)::text, 26, '0'), :attempt);
 INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.extracted', lpad((:r)::text, 26, '0'), :attempt, '{"positions": 3}');
+\elif :st = 3
+SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
+INSERT INTO "feasibility_results" ("tenant_id", "anfrage_id", "feasible", "reasons", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), true, '[]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "anfrage_id") DO UPDATE SET "feasible" = true, "reasons" = '[]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
+\else
+SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
+INSERT INTO "calculation_results" ("tenant_id", "anfrage_id", "total_cents", "lines", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), 28300, '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "anfrage_id") DO UPDATE SET "total_cents" = 28300, "lines" = '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.calculated', lpad((:r)::text, 26, '0'), :attempt, '{"total_cents": 28300}');
+\endif
 WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
@@ -118,4 +165,12 @@ WITH inserted AS (
     RETURNING id, queue
 )
 SELECT id, false AS notified FROM inserted;
+\if :job
+UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
+                output = nullif(:none, 0)::text::jsonb
+ WHERE id = (:ids::text[])[:k] AND attempt = (:attempts::int[])[:k] AND state = 'active';
+\if :k >= :got
+\set k 0
+\endif
+\endif
 COMMIT;

@@ -270,11 +270,13 @@ fn suite(
     let concurrency = flag(args, "--concurrency").unwrap_or_else(|| "16".into());
     let load_before = load_average();
     let bin = target.join("release").join("idemstage");
-    let ours = |scenario: &str, extra: &[&str]| -> Result<String> {
-        let mut cmd = Command::new(&bin);
+    let ours_on = |cpus: Option<&str>, scenario: &str, extra: &[&str]| -> Result<String> {
+        let mut cmd = command_on(cpus, &bin);
+        // A flag given here replaces the caller's (clap takes each once).
+        let given = without_flags(args, extra);
         cmd.args(["bench", scenario, "--json"])
             .args(extra)
-            .args(args)
+            .args(&given)
             .env("DATABASE_URL", url);
         eprintln!(
             "xtask bench ({}): idemstage bench {scenario} {}",
@@ -283,11 +285,15 @@ fn suite(
         );
         output(&mut cmd)
     };
+    let ours = |scenario: &str, extra: &[&str]| ours_on(None, scenario, extra);
     let pgbench = find_pgbench()?;
-    let run_pgbench = |script: &str| -> Result<(f64, u64)> {
+    let pgbench_on = |cpus: Option<&str>,
+                      script: &str,
+                      extra: &[(&str, &str)]|
+     -> Result<(f64, u64)> {
         let path = root.join("bench").join("pgbench").join(script);
         eprintln!("xtask bench: pgbench {script} (prepared), {concurrency} clients, {duration} s");
-        let mut cmd = Command::new(&pgbench);
+        let mut cmd = command_on(cpus, &pgbench);
         cmd.args([
             "-n",
             "-M",
@@ -303,6 +309,9 @@ fn suite(
             cmd.arg("-D").arg(format!("{name}={value}"));
         }
         cmd.arg("-D").arg(format!("clients={concurrency}"));
+        for (name, value) in extra {
+            cmd.arg("-D").arg(format!("{name}={value}"));
+        }
         let out = output(cmd.arg("-f").arg(&path).arg(url))?;
         if let Some(line) = out.lines().find(|l| l.contains("aborted")) {
             bail!("pgbench {script}: {line}");
@@ -321,6 +330,7 @@ fn suite(
             .with_context(|| format!("no transaction count in pgbench output:\n{out}"))?;
         Ok((tps, transactions))
     };
+    let run_pgbench = |script: &str, extra: &[(&str, &str)]| pgbench_on(None, script, extra);
     // What a script left in the database, so that a reference that silently did
     // nothing (a claim without a source row inserts nothing and still commits)
     // cannot pass for a fast one.
@@ -334,7 +344,7 @@ fn suite(
 
     // Claim: the references first, each from the same fixtures as our timed run.
     ours("claim", &["--setup-only"])?;
-    let (pg_insert, n) = run_pgbench("claim_insert.sql")?;
+    let (pg_insert, n) = run_pgbench("claim_insert.sql", &[])?;
     check(
         "claim_insert.sql",
         "runs it claimed",
@@ -342,43 +352,87 @@ fn suite(
         n,
     )?;
     ours("claim", &["--setup-only"])?;
-    let (pg_skip, _) = run_pgbench("claim_skip.sql")?;
+    let (pg_skip, _) = run_pgbench("claim_skip.sql", &[])?;
     check(
         "claim_skip.sql",
         "runs changed (a skip changes none)",
         "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
         0,
     )?;
+    // The stage's statements alone (job=0), then with the job that carries the
+    // execution (job=1: its fetch and its completion, as the worker sends them).
     ours("claim", &["--setup-only"])?;
-    let (pg_stage, n) = run_pgbench("stage.sql")?;
-    for (what, sql) in [
-        (
-            "stage executions fenced",
-            "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
-        ),
-        (
-            "audit entries",
-            "SELECT count(*) FROM audit_log WHERE action = 'anfrage.extracted'",
-        ),
-        (
-            "next jobs sent",
-            "SELECT count(*) FROM jobs WHERE queue = 'feasibility'",
-        ),
-    ] {
-        check("stage.sql", what, sql, n)?;
-    }
+    let (pg_stage, n) = run_pgbench("stage.sql", &STAGE_ONLY)?;
+    check_stage(&check, n, 0)?;
+    let batch = pipeline_prefetch(args);
+    let num = |json: &str, key: &str| -> Result<f64> {
+        number(json, key).with_context(|| format!("no number {key:?} in {json}"))
+    };
+    // The worker against the statements with the job, in PAIR_ROUNDS interleaved
+    // rounds (the machine's pace drifts between runs far more than either side
+    // differs within one): each side's median, and our last run's JSON.
+    let stage_pair = |cpus: Option<&str>| -> Result<(f64, f64, String)> {
+        let (mut ours_per_s, mut pg_per_s, mut last) = (Vec::new(), Vec::new(), String::new());
+        for _ in 0..PAIR_ROUNDS {
+            ours_on(cpus, "claim", &["--setup-only"])?;
+            let seeded = seed_stage_jobs(url, &concurrency, &batch)?;
+            let (pg, n) = pgbench_on(
+                cpus,
+                "stage.sql",
+                &[("job", "1"), ("batch", &batch), ("k", "0")],
+            )?;
+            check_stage(&check, n, seeded)?;
+            check(
+                "stage.sql",
+                "jobs completed",
+                "SELECT count(*) FROM jobs WHERE state = 'completed'",
+                n,
+            )?;
+            pg_per_s.push(pg);
+            last = ours_on(cpus, "pipeline", &[])?;
+            ours_per_s.push(num(&last, "stages_per_s")?);
+        }
+        Ok((median(ours_per_s), median(pg_per_s), last))
+    };
     let claim = ours("claim", &[])?;
     let queue = ours("queue", &[])?;
-    let pipeline = ours("pipeline", &[])?;
+    let (p_stages, pg_stage_job, pipeline) = stage_pair(None)?;
+    let pipeline_no_prefetch = ours("pipeline", &["--pipeline-prefetch", "0"])?;
+    // The claims and the stage executions again, with the server on one half of
+    // the CPUs and the clients (ours, pgbench) on the other, as where workers do
+    // not run on the database's host: what our statements cost the server,
+    // without our client's CPU taken from it.
+    let split = match split_cpus() {
+        Some((server, client)) => {
+            let pinned = Pinned::server(url, &server)?;
+            let on = Some(client.as_str());
+            let measured = (|| -> Result<Split> {
+                ours_on(on, "claim", &["--setup-only"])?;
+                let (pg_insert, _) = pgbench_on(on, "claim_insert.sql", &[])?;
+                ours_on(on, "claim", &["--setup-only"])?;
+                let (pg_skip, _) = pgbench_on(on, "claim_skip.sql", &[])?;
+                let claim = ours_on(on, "claim", &[])?;
+                let (stages, pg_stage, _) = stage_pair(on)?;
+                Ok(Split {
+                    insert: (num(&claim, "insert_per_s")?, pg_insert),
+                    skip: (num(&claim, "skip_per_s")?, pg_skip),
+                    stages: (stages, pg_stage),
+                })
+            })();
+            drop(pinned);
+            Some((server, client, measured?))
+        }
+        None => {
+            eprintln!("xtask bench: fewer than 2 CPUs or no taskset: no split-CPU runs");
+            None
+        }
+    };
     let peer_out: Vec<(&str, Result<String, String>)> = PEERS
         .iter()
         .map(|(script, label)| (*label, peers.run(script, url, args)))
         .collect();
     let load_after = load_average();
 
-    let num = |json: &str, key: &str| -> Result<f64> {
-        number(json, key).with_context(|| format!("no number {key:?} in {json}"))
-    };
     let c_ins = num(&claim, "insert_per_s")?;
     let c_skip = num(&claim, "skip_per_s")?;
     let q_enq = num(&queue, "enqueue_per_s")?;
@@ -390,7 +444,7 @@ fn suite(
     let q_prefetch = num(&queue, "worker_prefetch")?;
     let q_p50 = num(&queue, "latency_ms_p50")?;
     let q_p99 = num(&queue, "latency_ms_p99")?;
-    let p_stages = num(&pipeline, "stages_per_s")?;
+    let p_stages_np = num(&pipeline_no_prefetch, "stages_per_s")?;
     let p_rss = num(&pipeline, "worker_peak_rss_mb")?;
 
     let mut rows = Vec::new();
@@ -415,10 +469,39 @@ fn suite(
         ratio(c_skip, pg_skip),
     );
     row(
-        "stage executions/s",
+        &format!("stage executions/s (`PipelineWorker`, prefetch {batch}) vs the stage's statements with its job's fetch and completion (medians of {PAIR_ROUNDS} interleaved rounds)"),
+        format!("{p_stages:.0}"),
+        format!("pgbench {pg_stage_job:.0}"),
+        ratio(p_stages, pg_stage_job),
+    );
+    row(
+        "the same worker vs the stage's statements alone (no fetch, no completion; one round)",
         format!("{p_stages:.0}"),
         format!("pgbench {pg_stage:.0}"),
         ratio(p_stages, pg_stage),
+    );
+    if let Some((server, client, split)) = &split {
+        for (measure, (o, p)) in [
+            ("claim, insert path", split.insert),
+            ("claim, skip path", split.skip),
+            (
+                "stage executions (prefetch, with the job, medians)",
+                split.stages,
+            ),
+        ] {
+            row(
+                &format!("{measure}, the server on CPU {server}, the client (ours, pgbench) on CPU {client}"),
+                format!("{o:.0}"),
+                format!("pgbench {p:.0}"),
+                ratio(o, p),
+            );
+        }
+    }
+    row(
+        "stage executions/s (`PipelineWorker`, prefetch 0, one round) vs the statements with the job",
+        format!("{p_stages_np:.0}"),
+        format!("pgbench {pg_stage_job:.0}"),
+        ratio(p_stages_np, pg_stage_job),
     );
     // Each peer: its numbers, or why it has none.
     let peer = |label: &str| -> Option<&String> {
@@ -573,14 +656,22 @@ fn suite(
         r#"    {{
       "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}, "load_before": {load_before}, "load_after": {load_after}}},
       "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "pgbench_mode": "prepared"}},
-      "pipeline": {{"stages_per_s": {p_stages}, "pgbench_stages_per_s": {pg_stage:.1}, "worker_peak_rss_mb": {p_rss}}},
-      "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}}},
+      "pipeline": {{"stages_per_s": {p_stages}, "prefetch": {batch}, "stages_per_s_no_prefetch": {p_stages_np}, "split_cpus": {split_json}, "pgbench_stages_per_s": {pg_stage:.1}, "pgbench_stages_with_job_per_s": {pg_stage_job:.1}, "worker_peak_rss_mb": {p_rss}}},
+      "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}, "pipeline_no_prefetch": {pipeline_no_prefetch}}},
       "peers": {{{peers_json}}}
     }}"#,
         cpus = std::thread::available_parallelism().map_or(0, |n| n.get()),
         claim = claim.trim(),
         queue = queue.trim(),
         pipeline = pipeline.trim(),
+        pipeline_no_prefetch = pipeline_no_prefetch.trim(),
+        split_json = match &split {
+            Some((server, client, s)) => format!(
+                "{{\"server_cpus\": \"{server}\", \"client_cpus\": \"{client}\", \"claim_insert_per_s\": {}, \"pgbench_claim_insert_per_s\": {:.1}, \"claim_skip_per_s\": {}, \"pgbench_claim_skip_per_s\": {:.1}, \"stages_per_s\": {}, \"pgbench_stages_with_job_per_s\": {:.1}}}",
+                s.insert.0, s.insert.1, s.skip.0, s.skip.1, s.stages.0, s.stages.1
+            ),
+            None => "null".into(),
+        },
     );
     Ok(Suite {
         durable,
@@ -617,15 +708,212 @@ fn flag(args: &[String], name: &str) -> Option<String> {
         })
 }
 
+/// `args` without the flags with a value (and their values) that `extra` gives.
+fn without_flags(args: &[String], extra: &[&str]) -> Vec<String> {
+    let own: Vec<&str> = extra
+        .windows(2)
+        .filter(|w| w[0].starts_with("--") && !w[1].starts_with("--"))
+        .map(|w| w[0])
+        .collect();
+    let mut kept = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let name = a.split('=').next().unwrap_or(a);
+        if own.contains(&name) {
+            if !a.contains('=') {
+                it.next();
+            }
+        } else {
+            kept.push(a.clone());
+        }
+    }
+    kept
+}
+
+/// Ours against pgbench (per second) with the server and the clients on
+/// separate CPUs.
+struct Split {
+    insert: (f64, f64),
+    skip: (f64, f64),
+    stages: (f64, f64),
+}
+
+/// `program`, on `cpus` (a taskset list) if given.
+fn command_on(cpus: Option<&str>, program: &Path) -> Command {
+    match cpus {
+        Some(cpus) => {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-c", cpus]).arg(program);
+            cmd
+        }
+        None => Command::new(program),
+    }
+}
+
+/// The CPUs this process may run on, split in two halves (server, client) as
+/// taskset lists; `None` with fewer than two, or without taskset.
+fn split_cpus() -> Option<(String, String)> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?
+        .trim();
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?),
+            None => cpus.push(part.parse::<u32>().ok()?),
+        }
+    }
+    let has_taskset = Command::new("taskset")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if cpus.len() < 2 || !has_taskset {
+        return None;
+    }
+    let (server, client) = cpus.split_at(cpus.len() / 2);
+    let join = |c: &[u32]| c.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    Some((join(server), join(client)))
+}
+
+/// The server's processes held to some CPUs (the postmaster, whose new backends
+/// inherit it, and its running children) until dropped, which gives them back
+/// every CPU this process may use.
+struct Pinned {
+    pids: Vec<String>,
+}
+
+impl Pinned {
+    fn server(url: &str, cpus: &str) -> Result<Pinned> {
+        let data_dir = output(
+            Command::new("psql")
+                .args(["-X", "-A", "-t", "-q"])
+                .arg(url)
+                .args(["-c", "SHOW data_directory"]),
+        )?;
+        let pid_file = Path::new(data_dir.trim()).join("postmaster.pid");
+        let postmaster = fs::read_to_string(&pid_file)
+            .with_context(|| format!("read {}", pid_file.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let children = output(Command::new("pgrep").args(["-P", &postmaster]))?;
+        let pids: Vec<String> = std::iter::once(postmaster)
+            .chain(children.split_whitespace().map(str::to_owned))
+            .collect();
+        let pinned = Pinned { pids };
+        pinned.set(cpus)?;
+        Ok(pinned)
+    }
+
+    fn set(&self, cpus: &str) -> Result<()> {
+        for pid in &self.pids {
+            // A child may have ended since it was listed.
+            let _ = Command::new("taskset")
+                .args(["-a", "-p", "-c", cpus, pid])
+                .output();
+        }
+        let postmaster = &self.pids[0];
+        output(Command::new("taskset").args(["-a", "-p", "-c", cpus, postmaster])).map(drop)
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let all = split_cpus()
+            .map(|(s, c)| format!("{s},{c}"))
+            .unwrap_or_else(|| "0-1023".into());
+        if let Err(e) = self.set(&all) {
+            eprintln!("xtask bench: could not give the server its CPUs back: {e:#}");
+        }
+    }
+}
+
+/// Rounds of the worker against the statements with the job, each mode.
+const PAIR_ROUNDS: usize = 3;
+
+/// The middle value (of an odd count; the upper middle of an even one).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// stage.sql's `-D` for the stage's statements alone.
+const STAGE_ONLY: [(&str, &str); 3] = [("job", "0"), ("batch", "1"), ("k", "0")];
+
+/// The stage worker's prefetch in `bench pipeline` (its flag, else the default
+/// there), which is also its batch and so pgbench's `batch`.
+fn pipeline_prefetch(args: &[String]) -> String {
+    flag(args, "--pipeline-prefetch").unwrap_or_else(|| "32".into())
+}
+
+/// What stage.sql wrote: one fenced run and next job per transaction (beside
+/// `seeded` jobs sent before), and each stage's audit entries (its kind is the
+/// digit after the run's stage name's `s`: intake 2, extract 1, feasibility none,
+/// calculate 1).
+fn check_stage(
+    check: &dyn Fn(&str, &str, &str, u64) -> Result<()>,
+    n: u64,
+    seeded: u64,
+) -> Result<()> {
+    for (what, sql, expected) in [
+        (
+            "stage executions fenced",
+            "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+            n,
+        ),
+        (
+            "audit entries beyond the stages' own",
+            "SELECT (SELECT count(*) FROM audit_log) - coalesce(sum(CASE substr(stage, 2, 1) \
+             WHEN '1' THEN 2 WHEN '2' THEN 1 WHEN '3' THEN 0 ELSE 1 END), 0) \
+             FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+            0,
+        ),
+        (
+            "next jobs sent",
+            "SELECT count(*) FROM jobs WHERE queue = 'feasibility'",
+            n + seeded,
+        ),
+    ] {
+        check("stage.sql", what, sql, expected)?;
+    }
+    Ok(())
+}
+
+/// The ready jobs stage.sql's job mode fetches: clients x batch x 4 in
+/// `feasibility`, of the fixtures' tenant, so that every fetch fills its batch.
+fn seed_stage_jobs(url: &str, clients: &str, batch: &str) -> Result<u64> {
+    let n = clients.parse::<u64>().context("--concurrency")?
+        * batch.parse::<u64>().context("--pipeline-prefetch")?.max(1)
+        * 4;
+    let sql = format!(
+        "INSERT INTO jobs (id, queue, payload, tenant_id) \
+         SELECT lpad(g::text, 26, '0'), 'feasibility', '{{}}'::jsonb, 'bench' \
+           FROM generate_series(1, {n}) g; ANALYZE jobs"
+    );
+    output(
+        Command::new("psql")
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+            .arg(url)
+            .arg("-c")
+            .arg(sql),
+    )?;
+    Ok(n)
+}
+
 /// The values `-D` gives the pgbench scripts: the binds that are the same in every
 /// execution (see the scripts' headers; the input hash is the fixtures' input text's,
 /// `cli::bench::INPUT`).
-const PGBENCH_VARIABLES: [(&str, &str); 6] = [
+const PGBENCH_VARIABLES: [(&str, &str); 7] = [
     ("tenant", "bench"),
     ("worker", "pgbench"),
     ("idle_ms", "10000"),
     ("done_stage", "done"),
     ("next_queue", "feasibility"),
+    ("queues", "{intake,extract,feasibility,calculate}"),
     (
         "input_hash",
         "63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042",
@@ -685,7 +973,25 @@ fn string(json: &str, key: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{number, string};
+    use super::{number, string, without_flags};
+
+    #[test]
+    fn a_flag_given_again_replaces_the_callers() {
+        let args: Vec<String> = [
+            "--pipeline-prefetch",
+            "64",
+            "--duration-s=2",
+            "--pipeline-prefetch=8",
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            without_flags(&args, &["--pipeline-prefetch", "0", "--setup-only"]),
+            ["--duration-s=2", "--json"]
+        );
+        assert_eq!(without_flags(&args, &["--setup-only"]), args);
+    }
 
     #[test]
     fn picks_numbers_and_strings_by_key() {

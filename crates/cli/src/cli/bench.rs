@@ -108,6 +108,10 @@ pub struct Args {
     /// the NOTIFY out of the stage's commit)
     #[arg(long, value_enum, default_value_t = WakeArg::AfterCommit)]
     pub wake: WakeArg,
+    /// pipeline: jobs the stage worker fetches ahead (`worker --prefetch`), and
+    /// leases per fetch; 0: fetches only for free slots, at most --concurrency
+    #[arg(long, default_value_t = 32)]
+    pub pipeline_prefetch: usize,
     /// pipeline: the worker's pool connects here, a pooler in transaction mode
     /// (PgBouncer in front of the same database), with `--pooler transaction`'s
     /// settings; fixtures, checks and LISTEN stay on the direct URL
@@ -758,7 +762,11 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let config = PipelineWorkerConfig {
         concurrency: args.concurrency,
         queue: QueueWorkerConfig {
-            batch_size: args.concurrency as u32,
+            // With a prefetch, a fetch leases up to that many (a free slot's job is
+            // then in the buffer already); without, up to a fetch per free slot.
+            batch_size: u32::try_from(args.concurrency.max(args.pipeline_prefetch))
+                .unwrap_or(u32::MAX),
+            prefetch: args.pipeline_prefetch,
             ..QueueWorkerConfig::default()
         },
         wake: args.wake.into(),
@@ -776,6 +784,7 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         },
     )
     .await?;
+    let batch_size = config.queue.batch_size;
     let worker = PipelineWorker::new(pool, url, pipeline, config, counters.clone())?;
     let shutdown = CancellationToken::new();
     let started = Instant::now();
@@ -803,6 +812,8 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "anfragen": args.anfragen,
         "concurrency": args.concurrency,
         "wake": format!("{:?}", args.wake),
+        "prefetch": args.pipeline_prefetch,
+        "batch_size": batch_size,
         "pooler": format!("{pooler:?}"),
         "stage_executions": succeeded,
         "wall_s": round3(elapsed.as_secs_f64()),

@@ -112,7 +112,10 @@ fn pgbench_stage_script_sends_the_registered_statements() {
         "stage.sql",
         &[
             ("tenant_scope", vec![":tenant", ":idle_ms"]),
-            ("run_claim", claim_binds("'s' || :r", ":done_stage").to_vec()),
+            (
+                "run_claim",
+                claim_binds("'s' || :st || :r", ":done_stage").to_vec(),
+            ),
             ("run_lineage_current", vec![RUN_ID, ":attempt"]),
             ("run_fence_success", vec![RUN_ID, ":attempt"]),
             (
@@ -134,6 +137,27 @@ fn pgbench_stage_script_sends_the_registered_statements() {
                     ":tenant",
                 ],
             ),
+            // Job mode (`-D job=1`): the completion of the fetched job, its k-th.
+            (
+                "job_complete",
+                vec![
+                    "(:ids::text[])[:k]",
+                    "(:attempts::int[])[:k]",
+                    "nullif(:none, 0)::text::jsonb",
+                ],
+            ),
         ],
+    );
+    // The job mode's fetch takes the registered statement's function with its
+    // binds, its rows gathered into arrays for the executions that follow.
+    let fetch = statements::get("job_fetch").expect("job_fetch").sql;
+    let call = fetch
+        .strip_prefix("SELECT * FROM ")
+        .expect("job_fetch selects from a function")
+        .replace("$1", ":queues::text[]")
+        .replace("$2", ":batch");
+    assert!(
+        squash(&script("stage.sql")).contains(&format!("FROM {call} \\gset")),
+        "stage.sql does not fetch as the library does: {call}"
     );
 }
