@@ -364,7 +364,7 @@ fn suite(
     ours("claim", &["--setup-only"])?;
     let (pg_stage, n) = run_pgbench("stage.sql", &STAGE_ONLY)?;
     check_stage(&check, n, 0)?;
-    let batch = pipeline_prefetch(args);
+    let batch = pipeline_batch(args);
     let num = |json: &str, key: &str| -> Result<f64> {
         number(json, key).with_context(|| format!("no number {key:?} in {json}"))
     };
@@ -397,7 +397,7 @@ fn suite(
     let claim = ours("claim", &[])?;
     let queue = ours("queue", &[])?;
     let (p_stages, pg_stage_job, pipeline) = stage_pair(None)?;
-    let pipeline_no_prefetch = ours("pipeline", &["--pipeline-prefetch", "0"])?;
+    let pipeline_no_prefetch = ours("pipeline", &["--pipeline-batch", "0"])?;
     // The claims and the stage executions again, with the server on one half of
     // the CPUs and the clients (ours, pgbench) on the other, as where workers do
     // not run on the database's host: what our statements cost the server,
@@ -469,7 +469,7 @@ fn suite(
         ratio(c_skip, pg_skip),
     );
     row(
-        &format!("stage executions/s (`PipelineWorker`, prefetch {batch}) vs the stage's statements with its job's fetch and completion (medians of {PAIR_ROUNDS} interleaved rounds)"),
+        &format!("stage executions/s (`PipelineWorker`, {batch} per fetch, prefetch 2x) vs the stage's statements with its job's fetch and completion (medians of {PAIR_ROUNDS} interleaved rounds)"),
         format!("{p_stages:.0}"),
         format!("pgbench {pg_stage_job:.0}"),
         ratio(p_stages, pg_stage_job),
@@ -656,7 +656,7 @@ fn suite(
         r#"    {{
       "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}, "load_before": {load_before}, "load_after": {load_after}}},
       "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "pgbench_mode": "prepared"}},
-      "pipeline": {{"stages_per_s": {p_stages}, "prefetch": {batch}, "stages_per_s_no_prefetch": {p_stages_np}, "split_cpus": {split_json}, "pgbench_stages_per_s": {pg_stage:.1}, "pgbench_stages_with_job_per_s": {pg_stage_job:.1}, "worker_peak_rss_mb": {p_rss}}},
+      "pipeline": {{"stages_per_s": {p_stages}, "batch": {batch}, "stages_per_s_no_prefetch": {p_stages_np}, "split_cpus": {split_json}, "pgbench_stages_per_s": {pg_stage:.1}, "pgbench_stages_with_job_per_s": {pg_stage_job:.1}, "worker_peak_rss_mb": {p_rss}}},
       "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}, "pipeline_no_prefetch": {pipeline_no_prefetch}}},
       "peers": {{{peers_json}}}
     }}"#,
@@ -844,10 +844,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// stage.sql's `-D` for the stage's statements alone.
 const STAGE_ONLY: [(&str, &str); 3] = [("job", "0"), ("batch", "1"), ("k", "0")];
 
-/// The stage worker's prefetch in `bench pipeline` (its flag, else the default
-/// there), which is also its batch and so pgbench's `batch`.
-fn pipeline_prefetch(args: &[String]) -> String {
-    flag(args, "--pipeline-prefetch").unwrap_or_else(|| "32".into())
+/// The stage worker's batch in `bench pipeline` (its flag, else the default
+/// there), the jobs it leases per fetch, and so pgbench's `batch`.
+fn pipeline_batch(args: &[String]) -> String {
+    flag(args, "--pipeline-batch").unwrap_or_else(|| "32".into())
 }
 
 /// What stage.sql wrote: one fenced run and next job per transaction (beside
@@ -887,7 +887,7 @@ fn check_stage(
 /// `feasibility`, of the fixtures' tenant, so that every fetch fills its batch.
 fn seed_stage_jobs(url: &str, clients: &str, batch: &str) -> Result<u64> {
     let n = clients.parse::<u64>().context("--concurrency")?
-        * batch.parse::<u64>().context("--pipeline-prefetch")?.max(1)
+        * batch.parse::<u64>().context("--pipeline-batch")?.max(1)
         * 4;
     let sql = format!(
         "INSERT INTO jobs (id, queue, payload, tenant_id) \
@@ -978,16 +978,16 @@ mod tests {
     #[test]
     fn a_flag_given_again_replaces_the_callers() {
         let args: Vec<String> = [
-            "--pipeline-prefetch",
+            "--pipeline-batch",
             "64",
             "--duration-s=2",
-            "--pipeline-prefetch=8",
+            "--pipeline-batch=8",
             "--json",
         ]
         .map(String::from)
         .to_vec();
         assert_eq!(
-            without_flags(&args, &["--pipeline-prefetch", "0", "--setup-only"]),
+            without_flags(&args, &["--pipeline-batch", "0", "--setup-only"]),
             ["--duration-s=2", "--json"]
         );
         assert_eq!(without_flags(&args, &["--setup-only"]), args);

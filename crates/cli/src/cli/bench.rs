@@ -108,10 +108,11 @@ pub struct Args {
     /// the NOTIFY out of the stage's commit)
     #[arg(long, value_enum, default_value_t = WakeArg::AfterCommit)]
     pub wake: WakeArg,
-    /// pipeline: jobs the stage worker fetches ahead (`worker --prefetch`), and
-    /// leases per fetch; 0: fetches only for free slots, at most --concurrency
+    /// pipeline: jobs the stage worker leases per fetch, keeping twice as many
+    /// fetched ahead (`worker --prefetch`): it fetches again when half are left,
+    /// so each fetch takes this many. 0: no prefetch, a fetch for the free slots
     #[arg(long, default_value_t = 32)]
-    pub pipeline_prefetch: usize,
+    pub pipeline_batch: usize,
     /// pipeline: the worker's pool connects here, a pooler in transaction mode
     /// (PgBouncer in front of the same database), with `--pooler transaction`'s
     /// settings; fixtures, checks and LISTEN stay on the direct URL
@@ -762,11 +763,14 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let config = PipelineWorkerConfig {
         concurrency: args.concurrency,
         queue: QueueWorkerConfig {
-            // With a prefetch, a fetch leases up to that many (a free slot's job is
-            // then in the buffer already); without, up to a fetch per free slot.
-            batch_size: u32::try_from(args.concurrency.max(args.pipeline_prefetch))
-                .unwrap_or(u32::MAX),
-            prefetch: args.pipeline_prefetch,
+            // With a prefetch, a free slot's job is in the buffer already;
+            // without, a fetch for the free slots, at most `concurrency`.
+            batch_size: u32::try_from(match args.pipeline_batch {
+                0 => args.concurrency,
+                batch => batch,
+            })
+            .unwrap_or(u32::MAX),
+            prefetch: args.pipeline_batch.saturating_mul(2),
             ..QueueWorkerConfig::default()
         },
         wake: args.wake.into(),
@@ -812,7 +816,7 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "anfragen": args.anfragen,
         "concurrency": args.concurrency,
         "wake": format!("{:?}", args.wake),
-        "prefetch": args.pipeline_prefetch,
+        "prefetch": args.pipeline_batch.saturating_mul(2),
         "batch_size": batch_size,
         "pooler": format!("{pooler:?}"),
         "stage_executions": succeeded,
