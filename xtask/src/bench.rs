@@ -342,23 +342,6 @@ fn suite(
         Ok(())
     };
 
-    // Claim: the references first, each from the same fixtures as our timed run.
-    ours("claim", &["--setup-only"])?;
-    let (pg_insert, n) = run_pgbench("claim_insert.sql", &[])?;
-    check(
-        "claim_insert.sql",
-        "runs it claimed",
-        "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'running'",
-        n,
-    )?;
-    ours("claim", &["--setup-only"])?;
-    let (pg_skip, _) = run_pgbench("claim_skip.sql", &[])?;
-    check(
-        "claim_skip.sql",
-        "runs changed (a skip changes none)",
-        "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
-        0,
-    )?;
     // The stage's statements alone (job=0), then with the job that carries the
     // execution (job=1: its fetch and its completion, as the worker sends them).
     ours("claim", &["--setup-only"])?;
@@ -394,8 +377,39 @@ fn suite(
         }
         Ok((median(ours_per_s), median(pg_per_s), last))
     };
-    let claim = ours("claim", &[])?;
     let queue = ours("queue", &[])?;
+    // Claims, as the stages: PAIR_ROUNDS interleaved rounds, each reference
+    // from the same fixtures as our timed run; medians (insert ours, insert
+    // pgbench, skip ours, skip pgbench) and our last run's JSON.
+    let claim_pair = |cpus: Option<&str>| -> Result<([f64; 4], String)> {
+        let mut per_s: [Vec<f64>; 4] = Default::default();
+        let mut last = String::new();
+        for _ in 0..PAIR_ROUNDS {
+            ours_on(cpus, "claim", &["--setup-only"])?;
+            let (pg_insert, n) = pgbench_on(cpus, "claim_insert.sql", &[])?;
+            check(
+                "claim_insert.sql",
+                "runs it claimed",
+                "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'running'",
+                n,
+            )?;
+            ours_on(cpus, "claim", &["--setup-only"])?;
+            let (pg_skip, _) = pgbench_on(cpus, "claim_skip.sql", &[])?;
+            check(
+                "claim_skip.sql",
+                "runs changed (a skip changes none)",
+                "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
+                0,
+            )?;
+            last = ours_on(cpus, "claim", &[])?;
+            per_s[0].push(num(&last, "insert_per_s")?);
+            per_s[1].push(pg_insert);
+            per_s[2].push(num(&last, "skip_per_s")?);
+            per_s[3].push(pg_skip);
+        }
+        Ok((per_s.map(median), last))
+    };
+    let ([c_ins, pg_insert, c_skip, pg_skip], claim) = claim_pair(None)?;
     let (p_stages, pg_stage_job, pipeline) = stage_pair(None)?;
     let pipeline_no_prefetch = ours("pipeline", &["--pipeline-batch", "0"])?;
     // The claims and the stage executions again, with the server on one half of
@@ -407,15 +421,11 @@ fn suite(
             let pinned = Pinned::server(url, &server)?;
             let on = Some(client.as_str());
             let measured = (|| -> Result<Split> {
-                ours_on(on, "claim", &["--setup-only"])?;
-                let (pg_insert, _) = pgbench_on(on, "claim_insert.sql", &[])?;
-                ours_on(on, "claim", &["--setup-only"])?;
-                let (pg_skip, _) = pgbench_on(on, "claim_skip.sql", &[])?;
-                let claim = ours_on(on, "claim", &[])?;
+                let ([ins, pg_insert, skip, pg_skip], _) = claim_pair(on)?;
                 let (stages, pg_stage, _) = stage_pair(on)?;
                 Ok(Split {
-                    insert: (num(&claim, "insert_per_s")?, pg_insert),
-                    skip: (num(&claim, "skip_per_s")?, pg_skip),
+                    insert: (ins, pg_insert),
+                    skip: (skip, pg_skip),
                     stages: (stages, pg_stage),
                 })
             })();
@@ -433,8 +443,6 @@ fn suite(
         .collect();
     let load_after = load_average();
 
-    let c_ins = num(&claim, "insert_per_s")?;
-    let c_skip = num(&claim, "skip_per_s")?;
     let q_enq = num(&queue, "enqueue_per_s")?;
     let q_distinct = num(&queue, "distinct_jobs_created")?;
     let q_drain = num(&queue, "drain_per_s")?;
@@ -457,7 +465,7 @@ fn suite(
         })
     };
     row(
-        "claim, insert path (claims/s)",
+        "claim, insert path (claims/s; medians of the rounds)",
         format!("{c_ins:.0}"),
         format!("pgbench {pg_insert:.0}"),
         ratio(c_ins, pg_insert),
