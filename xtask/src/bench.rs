@@ -154,12 +154,7 @@ fn ratio(a: f64, b: f64) -> String {
 
 /// Whether the server at `url` runs with fsync on.
 fn server_durable(url: &str) -> Result<bool> {
-    let out = output(
-        Command::new("psql")
-            .args(["-X", "-A", "-t", "-q", "-c", "SHOW fsync"])
-            .arg(url),
-    )?;
-    Ok(out.trim() == "on")
+    Ok(psql(url, "SHOW fsync")?.trim() == "on")
 }
 
 /// The 1-minute load average (other work on the machine shares its two cores).
@@ -418,7 +413,7 @@ fn suite(
     // without our client's CPU taken from it.
     let split = match split_cpus() {
         Some((server, client)) => {
-            let pinned = Pinned::server(url, &server)?;
+            let pinned = Pinned::server(url, &server, &format!("{server},{client}"))?;
             let on = Some(client.as_str());
             let measured = (|| -> Result<Split> {
                 let ([ins, pg_insert, skip, pg_skip], _) = claim_pair(on)?;
@@ -787,19 +782,16 @@ fn split_cpus() -> Option<(String, String)> {
 
 /// The server's processes held to some CPUs (the postmaster, whose new backends
 /// inherit it, and its running children) until dropped, which gives them back
-/// every CPU this process may use.
+/// `restore`.
 struct Pinned {
+    /// The postmaster first.
     pids: Vec<String>,
+    restore: String,
 }
 
 impl Pinned {
-    fn server(url: &str, cpus: &str) -> Result<Pinned> {
-        let data_dir = output(
-            Command::new("psql")
-                .args(["-X", "-A", "-t", "-q"])
-                .arg(url)
-                .args(["-c", "SHOW data_directory"]),
-        )?;
+    fn server(url: &str, cpus: &str, restore: &str) -> Result<Pinned> {
+        let data_dir = psql(url, "SHOW data_directory")?;
         let pid_file = Path::new(data_dir.trim()).join("postmaster.pid");
         let postmaster = fs::read_to_string(&pid_file)
             .with_context(|| format!("read {}", pid_file.display()))?
@@ -812,29 +804,33 @@ impl Pinned {
         let pids: Vec<String> = std::iter::once(postmaster)
             .chain(children.split_whitespace().map(str::to_owned))
             .collect();
-        let pinned = Pinned { pids };
+        let pinned = Pinned {
+            pids,
+            restore: restore.to_owned(),
+        };
         pinned.set(cpus)?;
         Ok(pinned)
     }
 
     fn set(&self, cpus: &str) -> Result<()> {
-        for pid in &self.pids {
+        let taskset = |pid: &str| {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-a", "-p", "-c", cpus, pid]);
+            cmd
+        };
+        let (postmaster, children) = self.pids.split_first().context("no postmaster pid")?;
+        output(&mut taskset(postmaster))?;
+        for pid in children {
             // A child may have ended since it was listed.
-            let _ = Command::new("taskset")
-                .args(["-a", "-p", "-c", cpus, pid])
-                .output();
+            let _ = taskset(pid).output();
         }
-        let postmaster = &self.pids[0];
-        output(Command::new("taskset").args(["-a", "-p", "-c", cpus, postmaster])).map(drop)
+        Ok(())
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let all = split_cpus()
-            .map(|(s, c)| format!("{s},{c}"))
-            .unwrap_or_else(|| "0-1023".into());
-        if let Err(e) = self.set(&all) {
+        if let Err(e) = self.set(&self.restore) {
             eprintln!("xtask bench: could not give the server its CPUs back: {e:#}");
         }
     }
@@ -902,13 +898,7 @@ fn seed_stage_jobs(url: &str, clients: &str, batch: &str) -> Result<u64> {
          SELECT lpad(g::text, 26, '0'), 'feasibility', '{{}}'::jsonb, 'bench' \
            FROM generate_series(1, {n}) g; ANALYZE jobs"
     );
-    output(
-        Command::new("psql")
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
-            .arg(url)
-            .arg("-c")
-            .arg(sql),
-    )?;
+    psql(url, &sql)?;
     Ok(n)
 }
 
@@ -928,15 +918,21 @@ const PGBENCH_VARIABLES: [(&str, &str); 7] = [
     ),
 ];
 
-/// The number `sql` returns (one row, one column), read with psql.
-fn psql_number(url: &str, sql: &str) -> Result<u64> {
-    let out = output(
+/// What psql prints for `sql` (unaligned, tuples only, stopping at the first
+/// error).
+fn psql(url: &str, sql: &str) -> Result<String> {
+    output(
         Command::new("psql")
             .args(["-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"])
             .arg(url)
             .arg("-c")
             .arg(sql),
-    )?;
+    )
+}
+
+/// The number `sql` returns (one row, one column), read with psql.
+fn psql_number(url: &str, sql: &str) -> Result<u64> {
+    let out = psql(url, sql)?;
     out.trim()
         .parse()
         .with_context(|| format!("psql `{sql}` returned {out:?}"))
