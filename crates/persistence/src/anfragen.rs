@@ -2,7 +2,7 @@
 
 use diesel::prelude::*;
 use diesel::sql_types::{Jsonb, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     input_hash_of, AnfrageId, DomainError, InputChangePolicy, JobToSend, RepoError, SendResult,
     TenantId,
@@ -90,9 +90,8 @@ pub async fn register_anfrage(
     let s3_key = format!("anfragen/{tenant}/{anfrage}/input.txt");
     // Scoped to the tenant (row-level security): another tenant's row with this id
     // is invisible here, so a conflict with no visible row means "not yours".
-    let existing = conn
-        .transaction::<_, diesel::result::Error, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
+    let existing =
+        crate::tenant::transaction::<_, diesel::result::Error, _>(conn, tenant, async |conn| {
             let inserted = diesel::insert_into(a::anfragen)
                 .values((
                     a::tenant_id.eq(tenant.as_str()),
@@ -171,9 +170,8 @@ pub async fn register_input(
     }
     // Conditional on the hash just read: a concurrent replacement wins, and this
     // one is refused rather than silently overwriting it.
-    let replaced = conn
-        .transaction::<_, diesel::result::Error, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
+    let replaced =
+        crate::tenant::transaction::<_, diesel::result::Error, _>(conn, tenant, async |conn| {
             diesel::update(
                 a::anfragen
                     .filter(a::tenant_id.eq(tenant.as_str()))

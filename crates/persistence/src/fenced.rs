@@ -194,11 +194,8 @@ impl<'c> FencedTx<'c> {
     /// completion commits; the wake-up is the repository's [`Wake`].
     pub async fn send_job(&mut self, job: &JobToSend) -> Result<SendResult, RepoError> {
         let sent = crate::queue::send_in_waking(self.conn, job, self.wake).await?;
-        if self.wake == Wake::AfterCommit
-            && matches!(sent, SendResult::Sent(_))
-            && !self.to_wake.contains(&job.queue)
-        {
-            self.to_wake.push(job.queue.clone());
+        if matches!(sent, SendResult::Sent(_)) {
+            self.note_sent(&job.queue);
         }
         Ok(sent)
     }
@@ -212,6 +209,48 @@ impl<'c> FencedTx<'c> {
         attempt: i32,
     ) -> Result<JobCompleteOutcome, RepoError> {
         crate::queue::complete(self.conn, job, attempt, None).await
+    }
+
+    /// The end of an execution's transaction in one round trip: sends `next` (as
+    /// [`send_job`](Self::send_job)) and completes the job `(id, attempt)` (as
+    /// [`complete_job`](Self::complete_job)), the two statements pipelined, in
+    /// this order. Either may be `None`. The executor calls it after the body;
+    /// a body may too, for its own last send.
+    pub async fn send_and_complete(
+        &mut self,
+        next: Option<&JobToSend>,
+        job: Option<(JobId, i32)>,
+    ) -> Result<(Option<SendResult>, Option<JobCompleteOutcome>), RepoError> {
+        let conn: &AsyncPgConnection = self.conn;
+        let wake = self.wake;
+        let send = async {
+            match next {
+                Some(next) => crate::queue::send_pipelined(conn, next, wake)
+                    .await
+                    .map(Some),
+                None => Ok(None),
+            }
+        };
+        let complete = async {
+            match job {
+                Some((id, attempt)) => crate::queue::complete_pipelined(conn, id, attempt)
+                    .await
+                    .map(Some),
+                None => Ok(None),
+            }
+        };
+        let (sent, completed) = futures_util::try_join!(send, complete)?;
+        if let (Some(next), Some(SendResult::Sent(_))) = (next, &sent) {
+            self.note_sent(&next.queue);
+        }
+        Ok((sent, completed))
+    }
+
+    /// A queue to wake after the commit (with [`Wake::AfterCommit`]).
+    fn note_sent(&mut self, queue: &str) {
+        if self.wake == Wake::AfterCommit && !self.to_wake.iter().any(|q| q == queue) {
+            self.to_wake.push(queue.to_owned());
+        }
     }
 
     /// Reads the anfrage's input text (same transaction, same tenant).

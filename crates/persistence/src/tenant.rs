@@ -79,13 +79,75 @@ where
     E: From<diesel::result::Error> + Send,
     R: Send,
 {
-    use diesel_async::AsyncConnection;
-    let tenant = tenant.clone();
-    conn.transaction(async move |conn| {
-        scope(conn, &tenant).await?;
-        body(conn).await
-    })
-    .await
+    use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
+    type Manager = AnsiTransactionManager;
+    if <Manager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
+        .transaction_depth()?
+        .is_some()
+    {
+        // Nested: a savepoint, scoped by its own statement (SET LOCAL cannot be
+        // sent with a SAVEPOINT in one message through the transaction manager).
+        let tenant = tenant.clone();
+        return conn
+            .transaction(async move |conn| {
+                scope(conn, &tenant).await?;
+                body(conn).await
+            })
+            .await;
+    }
+    begin(conn, tenant).await?;
+    match body(&mut *conn).await {
+        Ok(value) => {
+            <Manager as TransactionManager<AsyncPgConnection>>::commit_transaction(conn).await?;
+            Ok(value)
+        }
+        // As diesel-async's own `transaction`: the body's error, unless the
+        // rollback failed for another reason than a manager already broken.
+        Err(error) => {
+            match <Manager as TransactionManager<AsyncPgConnection>>::rollback_transaction(conn)
+                .await
+            {
+                Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+                Err(rollback) => Err(rollback.into()),
+            }
+        }
+    }
+}
+
+/// `BEGIN` and the scope in one message, so one round trip: the simple-query
+/// protocol runs the four statements in order, and the three `SET LOCAL` are
+/// utility statements, cheaper for the server to parse than a round trip with the
+/// prepared [`SCOPE_SQL`] costs it. The tenant is a literal here; its characters
+/// (`[a-z0-9_-]`, [`TenantId::parse`]) need no quoting beyond the quotes.
+fn begin_sql(tenant: &TenantId) -> String {
+    debug_assert!(!tenant.as_str().contains(['\'', '\\']));
+    format!(
+        "BEGIN; SET LOCAL ROLE {APP_ROLE}; SET LOCAL app.tenant_id = '{tenant}'; \
+         SET LOCAL idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_TIMEOUT_MS}",
+        tenant = tenant.as_str()
+    )
+}
+
+/// Opens the scoped transaction (see [`begin_sql`]) through diesel-async's
+/// transaction manager, which then knows it is open (and the pool discards the
+/// connection if this is dropped half-way).
+async fn begin(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+) -> Result<(), diesel::result::Error> {
+    use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
+    let Err(error) = AnsiTransactionManager::begin_transaction_sql(conn, &begin_sql(tenant)).await
+    else {
+        return Ok(());
+    };
+    // The BEGIN may have run and a SET LOCAL failed after it: the server is then in
+    // an aborted transaction the manager does not know of. Close it; if that
+    // fails too, mark the manager broken so that the pool drops the connection.
+    if conn.batch_execute("ROLLBACK").await.is_err() {
+        <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
+            .set_in_error();
+    }
+    Err(error)
 }
 
 /// The body of a [`transaction`]: an async closure over the scoped connection

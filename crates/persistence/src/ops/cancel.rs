@@ -2,7 +2,7 @@
 
 use diesel::sql_types::{Array, Bool, Integer, Text};
 use diesel::QueryableByName;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::stage_singleton_key;
 use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
@@ -159,12 +159,10 @@ pub async fn cancel(
 ) -> Result<CancelOutcome, OpsError> {
     let mut tries = 0;
     loop {
-        let result = conn
-            .transaction::<_, OpsError, _>(async |conn| {
-                crate::tenant::scope(conn, tenant).await?;
-                cancel_in(conn, tenant, anfrage, actor).await
-            })
-            .await;
+        let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
+            cancel_in(conn, tenant, anfrage, actor).await
+        })
+        .await;
         if !super::again_after(&result, &mut tries).await {
             return result;
         }

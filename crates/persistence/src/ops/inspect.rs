@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
 
@@ -232,9 +232,8 @@ pub async fn inspect(
     tenant: &TenantId,
     anfrage: &AnfrageId,
 ) -> Result<AnfrageTimeline, OpsError> {
-    let (head, runs, attempts, jobs) = conn
-        .transaction::<_, OpsError, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
+    let (head, runs, attempts, jobs) =
+        crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
             let bind = |sql: &'static str| {
                 diesel::sql_query(sql)
                     .bind::<Text, _>(tenant.as_str().to_owned())

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AnfrageId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId};
 use serde::Serialize;
 
@@ -149,12 +149,10 @@ pub async fn retry(
     }
     let mut tries = 0;
     loop {
-        let result = conn
-            .transaction::<_, OpsError, _>(async |conn| {
-                crate::tenant::scope(conn, tenant).await?;
-                retry_in(conn, tenant, anfrage, stage, actor, planner).await
-            })
-            .await;
+        let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
+            retry_in(conn, tenant, anfrage, stage, actor, planner).await
+        })
+        .await;
         if !super::again_after(&result, &mut tries).await {
             return result;
         }

@@ -40,19 +40,48 @@ pub async fn complete(
     attempt: i32,
     output: Option<&serde_json::Value>,
 ) -> Result<JobCompleteOutcome, RepoError> {
-    let query = diesel::sql_query(COMPLETE_SQL)
+    let n = crate::db::pinned(conn, async move |conn| {
+        complete_statement(conn, id, attempt, output).await
+    })
+    .await
+    .map_err(map_diesel_error)?;
+    Ok(completed(n))
+}
+
+/// [`complete`] inside an open transaction, on a shared reference to its
+/// connection, to be sent together with the transaction's other statements.
+pub(crate) async fn complete_pipelined(
+    conn: &AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+) -> Result<JobCompleteOutcome, RepoError> {
+    let n = complete_statement(conn, id, attempt, None)
+        .await
+        .map_err(map_diesel_error)?;
+    Ok(completed(n))
+}
+
+async fn complete_statement(
+    mut conn: &AsyncPgConnection,
+    id: JobId,
+    attempt: i32,
+    output: Option<&serde_json::Value>,
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(COMPLETE_SQL)
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Nullable<Jsonb>, _>(output)
-        .cached();
-    let n = crate::db::pinned(conn, async move |conn| query.execute(conn).await)
+        .cached()
+        .execute(&mut conn)
         .await
-        .map_err(map_diesel_error)?;
-    Ok(if n == 1 {
+}
+
+fn completed(rows: usize) -> JobCompleteOutcome {
+    if rows == 1 {
         JobCompleteOutcome::Completed
     } else {
         JobCompleteOutcome::Fenced
-    })
+    }
 }
 
 /// The failure transition shared by `fail` and lease expiry: `{retry}` decides

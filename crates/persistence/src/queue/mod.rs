@@ -41,9 +41,12 @@ pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL
 pub(crate) use controls::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
 pub(crate) use fetch::{FETCH_SQL, FETCH_WAIT_SQL};
-pub(crate) use finish::{CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL};
+pub(crate) use finish::{
+    complete_pipelined, CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
+};
 pub(crate) use maintenance::EXPIRE_SQL;
 pub(crate) use notifier::NOTIFY_QUEUES_SQL;
+pub(crate) use send::send_pipelined;
 pub(crate) use send::{
     SEND_ANY_CONFLICT_QUIET_SQL, SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL,
     SEND_LIVE_SINGLETON_QUIET_SQL, SEND_LIVE_SINGLETON_SQL,

@@ -88,18 +88,50 @@ pub async fn send_in_waking(
     job: &JobToSend,
     wake: Wake,
 ) -> Result<SendResult, RepoError> {
+    let sql = statement_for(job, wake)?;
+    let inserted = crate::db::pinned(conn, async move |conn| send_statement(conn, sql, job).await)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    sent(inserted)
+}
+
+/// [`send_in_waking`] inside an open transaction, on a shared reference to its
+/// connection, so that it can be sent together with the transaction's other
+/// statements (diesel-async pipelines futures polled at once).
+pub(crate) async fn send_pipelined(
+    conn: &AsyncPgConnection,
+    job: &JobToSend,
+    wake: Wake,
+) -> Result<SendResult, RepoError> {
+    let sql = statement_for(job, wake)?;
+    let inserted = send_statement(conn, sql, job)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    sent(inserted)
+}
+
+/// The job's options checked, and the send statement for them and `wake`.
+fn statement_for(job: &JobToSend, wake: Wake) -> Result<&'static str, RepoError> {
     validate_queue_name(&job.queue)?;
     job.options.validate()?;
-    let o = &job.options;
-    let id = JobId::new();
-    let sql: &str = match (o.singleton_seconds.is_some(), wake) {
+    Ok(match (job.options.singleton_seconds.is_some(), wake) {
         (true, Wake::InCommit) => &SEND_ANY_CONFLICT_SQL,
         (false, Wake::InCommit) => &SEND_LIVE_SINGLETON_SQL,
         (true, Wake::AfterCommit) => &SEND_ANY_CONFLICT_QUIET_SQL,
         (false, Wake::AfterCommit) => &SEND_LIVE_SINGLETON_QUIET_SQL,
-    };
-    let query = diesel::sql_query(sql)
-        .bind::<Text, _>(id.to_string())
+    })
+}
+
+async fn send_statement(
+    mut conn: &AsyncPgConnection,
+    sql: &str,
+    job: &JobToSend,
+) -> Result<Inserted, diesel::result::Error> {
+    let o = &job.options;
+    diesel::sql_query(sql)
+        .bind::<Text, _>(JobId::new().to_string())
         .bind::<Text, _>(&job.queue)
         .bind::<Integer, _>(o.priority)
         .bind::<Jsonb, _>(&job.payload)
@@ -113,12 +145,12 @@ pub async fn send_in_waking(
         .bind::<Nullable<Text>, _>(o.dead_letter.as_deref())
         .bind::<BigInt, _>(millis(o.start_after.unwrap_or_default()))
         .bind::<Text, _>(job.tenant.as_ref().map_or("", |t| t.as_str()))
-        .cached();
-    let inserted: Option<Inserted> =
-        crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
-            .await
-            .optional()
-            .map_err(map_diesel_error)?;
+        .cached()
+        .get_result(&mut conn)
+        .await
+}
+
+fn sent(inserted: Option<Inserted>) -> Result<SendResult, RepoError> {
     Ok(match inserted {
         Some(row) => SendResult::Sent(JobId::parse(&row.id)?),
         None => SendResult::Duplicate,

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     ClaimOutcome, ClaimRequest, InputChangePolicy, RejectReason, RepoError, RunId, RunStatus,
     SkipReason,
@@ -78,8 +78,7 @@ enum Round {
 /// security); when it returns no row, the read that says why, in the same
 /// transaction (one transaction for a skip, not two).
 async fn claim_once(conn: &mut AsyncPgConnection, req: &ClaimRequest) -> Result<Round, RepoError> {
-    conn.transaction::<_, TxError, _>(async move |conn| {
-        crate::tenant::scope(conn, &req.tenant).await?;
+    crate::tenant::transaction::<_, TxError, _>(conn, &req.tenant, async move |conn| {
         let claimed = claim_statement(conn, req)
             .await
             .map_err(|e| TxError::Repo(map_claim_error(e, req)))?;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel::sql_types::{Bool, Integer, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{ClaimToken, CompleteOutcome, RepoError, StageError};
 
 use crate::cached::CachedExt;
@@ -72,40 +72,34 @@ impl PgRunRepository {
     ) -> Result<CompleteOutcome, StageError> {
         let mut conn = self.conn().await?;
         let wake = self.wake();
-        let outcome = conn
-            .transaction::<_, TxError, _>(async move |conn| {
-                crate::tenant::scope(conn, &token.tenant).await?;
+        let outcome = crate::tenant::transaction::<_, TxError, _>(
+            &mut conn,
+            &token.tenant,
+            async move |conn| {
                 // Lineage first (it share-locks the upstream row or the anfrage):
-                // the input this attempt read must still be current.
-                match check_lineage(conn, token).await? {
-                    Lineage::Current => {}
-                    Lineage::Fenced => return Ok((CompleteOutcome::Fenced, Vec::new())),
-                    Lineage::Changed => {
-                        // Nothing of the stage is written; the run becomes `stale`
-                        // (claimable again, on the new upstream) in this transaction.
-                        diesel::sql_query(sql::STALE_ON_LINEAGE)
-                            .bind::<Text, _>(token.run_id.to_string())
-                            .bind::<Integer, _>(token.attempt)
-                            .bind::<Text, _>(
-                                "the input this attempt read changed before it committed",
-                            )
-                            .cached()
-                            .execute(conn)
-                            .await?;
-                        return Ok((CompleteOutcome::UpstreamChanged, Vec::new()));
+                // the input this attempt read must still be current. Then the
+                // fence: it checks the token, marks success and locks the row, so
+                // a concurrent claim waits for this transaction and then sees
+                // `success`. The two are sent together (one round trip; the server
+                // runs them in this order), so the fence runs before its answer is
+                // known: an upstream that changed rolls the fence back below.
+                let (lineage, fenced_rows) = {
+                    let pipelined: &AsyncPgConnection = conn;
+                    futures_util::try_join!(
+                        check_lineage(pipelined, token),
+                        fence(pipelined, token)
+                    )?
+                };
+                match (lineage, fenced_rows) {
+                    (Lineage::Current, 1..) => {}
+                    (Lineage::Fenced, _) | (_, 0) => {
+                        return Ok((CompleteOutcome::Fenced, Vec::new()))
                     }
-                }
-                // The fence: it checks the token, marks success and locks the row,
-                // so a concurrent claim waits for this transaction and then sees
-                // `success`.
-                let fenced_rows = diesel::sql_query(sql::FENCE_SUCCESS)
-                    .bind::<Text, _>(token.run_id.to_string())
-                    .bind::<Integer, _>(token.attempt)
-                    .cached()
-                    .execute(conn)
-                    .await?;
-                if fenced_rows == 0 {
-                    return Ok((CompleteOutcome::Fenced, Vec::new()));
+                    // Nothing of the stage may be written, and this transaction
+                    // has marked it `success`: roll it back, then mark it `stale`.
+                    (Lineage::Changed, _) => {
+                        return Err(TxError::Diesel(diesel::result::Error::RollbackTransaction))
+                    }
                 }
                 // A first attempt cannot have succeeded before, so nothing was
                 // computed from an earlier success of it.
@@ -125,9 +119,14 @@ impl PgRunRepository {
                 let mut tx = FencedTx::new(conn, token.clone(), wake);
                 write(&mut tx).await.map_err(TxError::Stage)?;
                 Ok((CompleteOutcome::Committed, tx.into_to_wake()))
-            })
-            .await;
+            },
+        )
+        .await;
         match outcome {
+            Err(TxError::Diesel(diesel::result::Error::RollbackTransaction)) => {
+                drop(conn);
+                self.stale_on_lineage(token).await
+            }
             Ok((CompleteOutcome::Fenced, _)) => {
                 drop(conn);
                 self.record_fenced(token).await?;
@@ -148,6 +147,35 @@ impl PgRunRepository {
         }
     }
 
+    /// After the fenced transaction found the upstream changed and rolled back:
+    /// the run becomes `stale` (claimable again, on the new upstream), fenced on
+    /// the token, with the lineage checked again in this transaction. An upstream
+    /// current again by now (an input replaced and then put back) is a `Conflict`:
+    /// [`complete`](Self::complete) runs the attempt's transaction again.
+    async fn stale_on_lineage(&self, token: &ClaimToken) -> Result<CompleteOutcome, StageError> {
+        let mut conn = self.conn().await?;
+        crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
+            match check_lineage(conn, token).await? {
+                Lineage::Fenced => Ok(CompleteOutcome::Fenced),
+                Lineage::Current => Err(TxError::Repo(RepoError::Conflict(
+                    "the upstream became current again while the attempt was rolled back".into(),
+                ))),
+                Lineage::Changed => {
+                    diesel::sql_query(sql::STALE_ON_LINEAGE)
+                        .bind::<Text, _>(token.run_id.to_string())
+                        .bind::<Integer, _>(token.attempt)
+                        .bind::<Text, _>("the input this attempt read changed before it committed")
+                        .cached()
+                        .execute(conn)
+                        .await?;
+                    Ok(CompleteOutcome::UpstreamChanged)
+                }
+            }
+        })
+        .await
+        .map_err(StageError::from)
+    }
+
     async fn recheck_after_lost_connection(
         &self,
         token: &ClaimToken,
@@ -157,9 +185,10 @@ impl PgRunRepository {
         let mut last = None;
         for _ in 0..8 {
             let read = match self.conn().await {
-                Ok(mut conn) => conn
-                    .transaction::<_, TxError, _>(async |conn| {
-                        crate::tenant::scope(conn, &token.tenant).await?;
+                Ok(mut conn) => crate::tenant::transaction::<_, TxError, _>(
+                    &mut conn,
+                    &token.tenant,
+                    async |conn| {
                         Ok(read_run_row(
                             conn,
                             token.tenant.as_str(),
@@ -167,9 +196,10 @@ impl PgRunRepository {
                             token.stage.as_str(),
                         )
                         .await?)
-                    })
-                    .await
-                    .map_err(TxError::into_repo),
+                    },
+                )
+                .await
+                .map_err(TxError::into_repo),
                 Err(e) => Err(e),
             };
             match read {
@@ -215,7 +245,7 @@ enum Lineage {
 }
 
 async fn check_lineage(
-    conn: &mut AsyncPgConnection,
+    mut conn: &AsyncPgConnection,
     token: &ClaimToken,
 ) -> Result<Lineage, diesel::result::Error> {
     #[derive(QueryableByName)]
@@ -227,7 +257,7 @@ async fn check_lineage(
         .bind::<Text, _>(token.run_id.to_string())
         .bind::<Integer, _>(token.attempt)
         .cached()
-        .get_result(conn)
+        .get_result(&mut conn)
         .await
         .optional()?;
     Ok(match found {
@@ -235,4 +265,17 @@ async fn check_lineage(
         Some(Current { current: false }) => Lineage::Changed,
         None => Lineage::Fenced,
     })
+}
+
+/// The fence (`sql::FENCE_SUCCESS`): the rows it marked `success`, 1 or 0.
+async fn fence(
+    mut conn: &AsyncPgConnection,
+    token: &ClaimToken,
+) -> Result<usize, diesel::result::Error> {
+    diesel::sql_query(sql::FENCE_SUCCESS)
+        .bind::<Text, _>(token.run_id.to_string())
+        .bind::<Integer, _>(token.attempt)
+        .cached()
+        .execute(&mut conn)
+        .await
 }

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use diesel::dsl::now;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Text, Timestamptz};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     sanitize_error_text, ClaimToken, FailOutcome, RenewOutcome, RepoError, TenantId,
 };
@@ -28,9 +28,10 @@ impl PgRunRepository {
         lease: Duration,
     ) -> Result<RenewOutcome, RepoError> {
         let mut conn = self.conn().await?;
-        let renewed: Option<LeaseRow> = conn
-            .transaction::<_, diesel::result::Error, _>(async |conn| {
-                crate::tenant::scope(conn, &token.tenant).await?;
+        let renewed: Option<LeaseRow> = crate::tenant::transaction::<_, diesel::result::Error, _>(
+            &mut conn,
+            &token.tenant,
+            async |conn| {
                 diesel::sql_query(sql::RENEW)
                     .bind::<Text, _>(token.run_id.to_string())
                     .bind::<Integer, _>(token.attempt)
@@ -39,9 +40,10 @@ impl PgRunRepository {
                     .get_result(conn)
                     .await
                     .optional()
-            })
-            .await
-            .map_err(map_diesel_error)?;
+            },
+        )
+        .await
+        .map_err(map_diesel_error)?;
         Ok(lease_outcome(renewed))
     }
 
@@ -67,9 +69,10 @@ impl PgRunRepository {
         let mut conn = self.conn().await?;
         // Sanitised: recording a failure must not fail on the failure's own text.
         let error = sanitize_error_text(error);
-        let failed: Option<Failed> = conn
-            .transaction::<_, diesel::result::Error, _>(async |conn| {
-                crate::tenant::scope(conn, &token.tenant).await?;
+        let failed: Option<Failed> = crate::tenant::transaction::<_, diesel::result::Error, _>(
+            &mut conn,
+            &token.tenant,
+            async |conn| {
                 diesel::sql_query(sql::FAIL)
                     .bind::<Text, _>(token.run_id.to_string())
                     .bind::<Integer, _>(token.attempt)
@@ -79,9 +82,10 @@ impl PgRunRepository {
                     .get_result(conn)
                     .await
                     .optional()
-            })
-            .await
-            .map_err(map_diesel_error)?;
+            },
+        )
+        .await
+        .map_err(map_diesel_error)?;
         Ok(match failed {
             Some(f) if f.status == "dead" => FailOutcome::Exhausted {
                 attempts: f.attempts,
@@ -124,9 +128,8 @@ impl PgRunRepository {
         let mut conn = self.conn().await?;
         let reason = sanitize_error_text(reason);
         // The attempt row says `abandoned`: the attempt did not fail, it was given up.
-        let released: Option<LeaseRow> = conn
-            .transaction::<_, TxError, _>(async |conn| {
-                crate::tenant::scope(conn, &token.tenant).await?;
+        let released: Option<LeaseRow> =
+            crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
                 let released = diesel::sql_query(sql::RELEASE)
                     .bind::<Text, _>(token.run_id.to_string())
                     .bind::<Integer, _>(token.attempt)
@@ -150,8 +153,7 @@ impl PgRunRepository {
     /// [`complete`]: PgRunRepository::complete
     pub async fn record_fenced(&self, token: &ClaimToken) -> Result<(), RepoError> {
         let mut conn = self.conn().await?;
-        conn.transaction::<_, TxError, _>(async |conn| {
-            crate::tenant::scope(conn, &token.tenant).await?;
+        crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
             Ok(mark_attempt(conn, token, "fenced").await?)
         })
         .await

@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
     AnfrageId, AttemptRecord, RepoError, RunId, RunRecord, StageName, TenantId,
 };
@@ -22,8 +22,7 @@ impl PgRunRepository {
         stage: &StageName,
     ) -> Result<Option<RunRecord>, RepoError> {
         let mut conn = self.conn().await?;
-        conn.transaction::<_, TxError, _>(async |conn| {
-            crate::tenant::scope(conn, tenant).await?;
+        crate::tenant::transaction::<_, TxError, _>(&mut conn, tenant, async |conn| {
             Ok(read_run_row(conn, tenant.as_str(), &anfrage.to_string(), stage.as_str()).await?)
         })
         .await

@@ -230,3 +230,54 @@ async fn a_tenant_transaction_commits_on_ok_and_rolls_back_on_err() {
         "only the Ok body's row is committed"
     );
 }
+
+/// BEGIN and the scope go in one message: when the scope fails after the BEGIN
+/// ran (a login role that may not take `idemstage_app`), the transaction is
+/// closed and the connection works on, instead of staying in an aborted
+/// transaction that diesel's transaction manager does not know of.
+#[tokio::test]
+async fn a_scope_that_fails_leaves_no_transaction_open() {
+    let db = TestDb::new().await;
+    let mut owner = db.conn().await;
+    let role = format!("no_app_{}", ulid::Ulid::new().to_string().to_lowercase());
+    owner
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD '{role}'; \
+             GRANT CONNECT ON DATABASE \"{}\" TO {role}",
+            db.name()
+        ))
+        .await
+        .unwrap();
+    let mut conn = AsyncPgConnection::establish(&idemstage_testkit::url_with_user(db.url(), &role))
+        .await
+        .unwrap();
+    let a = tenant("ta");
+    let err = tenant::transaction::<(), diesel::result::Error, _>(&mut conn, &a, async |_| Ok(()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("permission denied"), "{err}");
+    let open: String = diesel::sql_query("SELECT current_setting('transaction_isolation') AS s")
+        .get_result::<Setting>(&mut conn)
+        .await
+        .map(|r| r.s)
+        .expect("the connection is not left in an aborted transaction");
+    assert!(!open.is_empty());
+    // The manager is not broken either: a transaction of diesel's own works.
+    conn.transaction::<_, diesel::result::Error, _>(async |c| c.batch_execute("SELECT 1").await)
+        .await
+        .unwrap();
+    drop(conn);
+    owner
+        .batch_execute(&format!(
+            "REVOKE CONNECT ON DATABASE \"{}\" FROM {role}; DROP ROLE {role}",
+            db.name()
+        ))
+        .await
+        .unwrap();
+}
+
+#[derive(diesel::QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    s: String,
+}

@@ -51,20 +51,19 @@ impl Executor {
                         .catch_unwind()
                         .await
                         .map_err(panic_message)??;
-                    if let (StageFlow::Continue, Some(next_job)) = (outcome, &next_job) {
-                        tx.send_job(next_job).await?;
-                    }
-                    let flow = outcome;
-                    // Last, so that its row lock is held for the shortest time. A
-                    // job taken over (Fenced) is left to its new holder, who will
-                    // find the stage succeeded.
-                    let job_completed = match lease {
-                        Some(lease) => {
-                            tx.complete_job(lease.id, lease.attempt).await?
-                                == JobCompleteOutcome::Completed
-                        }
-                        None => false,
+                    let next = match (outcome, &next_job) {
+                        (StageFlow::Continue, Some(next_job)) => Some(next_job),
+                        _ => None,
                     };
+                    // One round trip for both. The completion last, so that its
+                    // row lock is held for the shortest time. A job taken over
+                    // (Fenced) is left to its new holder, who will find the stage
+                    // succeeded.
+                    let (_, completed) = tx
+                        .send_and_complete(next, lease.map(|l| (l.id, l.attempt)))
+                        .await?;
+                    let flow = outcome;
+                    let job_completed = completed == Some(JobCompleteOutcome::Completed);
                     *committed.lock().unwrap() = (flow, job_completed);
                     Ok(())
                 }
