@@ -17,14 +17,24 @@
 -- Numbered anfrage i has id lpad(10000000 + i, 26, '0') (cli::fixtures,
 -- cli::bench::CLAIM_ANFRAGEN); `crates/cli` tests check these statements
 -- against the registry.
+-- BEGIN and the scope in one round trip (`-D pipeline=1`, `\startpipeline`), as
+-- the library sends them (one message: BEGIN and three SET LOCAL; prepared
+-- mode takes no multi-statement message, hence the pipeline); `-D pipeline=0`
+-- sends each in a round trip of its own.
 \set a random(10000000, 10009999)
 \set r random(100000000000000000, 999999999999999999)
 \set none 0
 \set max_attempts 5
 \set lease_us 30000000
 \set rerun 0
+\if :pipeline
+\startpipeline
+\endif
 BEGIN;
 SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :tenant, true), set_config('idle_in_transaction_session_timeout', :idle_ms, true);
+\if :pipeline
+\endpipeline
+\endif
 INSERT INTO pipeline_runs AS r
     (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)

@@ -36,6 +36,14 @@
 --          them first), and each execution sends its next job there, so the
 --          queue's depth stays the same through the run.
 --
+-- Round trips, `-D pipeline=0|1`:
+--   1 (as the worker): BEGIN with the scope, the lineage check with the fence,
+--     and the next job's send with the job's completion, each pair in one
+--     round trip (`\startpipeline`). The worker sends BEGIN and the scope as
+--     one simple-query message (BEGIN and three SET LOCAL); prepared mode takes
+--     no multi-statement message, so here BEGIN and the prepared scope are
+--     pipelined, which costs the server less than the worker's message does.
+--   0: every statement in a round trip of its own.
 -- Run with `-M prepared`: every `$n` of the library is a bind parameter here
 -- too, so the server parses each statement once per connection and, as for the
 -- library, switches to a generic plan after five executions. pgbench variables
@@ -80,8 +88,14 @@ SELECT array_agg(id)::text AS ids, array_agg(attempt)::text AS attempts, count(*
 \endif
 \set k :k + 1
 \endif
+\if :pipeline
+\startpipeline
+\endif
 BEGIN;
 SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :tenant, true), set_config('idle_in_transaction_session_timeout', :idle_ms, true);
+\if :pipeline
+\endpipeline
+\endif
 INSERT INTO pipeline_runs AS r
     (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
@@ -117,8 +131,17 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND :rerun)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt;
 COMMIT;
+\if :pipeline
+\startpipeline
+\endif
 BEGIN;
 SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :tenant, true), set_config('idle_in_transaction_session_timeout', :idle_ms, true);
+\if :pipeline
+\endpipeline
+\endif
+\if :pipeline
+\startpipeline
+\endif
 SELECT CASE WHEN r.upstream_stage IS NULL
             THEN EXISTS (SELECT 1 FROM anfragen a
                           WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
@@ -135,6 +158,9 @@ SELECT CASE WHEN r.upstream_stage IS NULL
 UPDATE pipeline_runs
    SET status = 'success', success_attempt = attempts, finished_at = now()
  WHERE id = lpad((:r)::text, 26, '0') AND attempts = :attempt AND status = 'running';
+\if :pipeline
+\endpipeline
+\endif
 \if :st = 1
 SELECT "anfragen"."input_text" FROM "anfragen" WHERE (("anfragen"."tenant_id" = :tenant) AND ("anfragen"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
 INSERT INTO "dateien" ("id", "tenant_id", "anfrage_id", "sha256", "s3_key", "size_bytes") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :input_hash, 'anfragen/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 53) ON CONFLICT ("tenant_id", "sha256", "s3_key") DO NOTHING RETURNING "dateien"."id";
@@ -153,6 +179,9 @@ SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."descript
 INSERT INTO "calculation_results" ("tenant_id", "anfrage_id", "total_cents", "lines", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), 28300, '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "anfrage_id") DO UPDATE SET "total_cents" = 28300, "lines" = '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
 INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.calculated', lpad((:r)::text, 26, '0'), :attempt, '{"total_cents": 28300}');
 \endif
+\if :pipeline
+\startpipeline
+\endif
 WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
@@ -169,6 +198,11 @@ SELECT id, false AS notified FROM inserted;
 UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
                 output = nullif(:none, 0)::text::jsonb
  WHERE id = (:ids::text[])[:k] AND attempt = (:attempts::int[])[:k] AND state = 'active';
+\endif
+\if :pipeline
+\endpipeline
+\endif
+\if :job
 \if :k >= :got
 \set k 0
 \endif

@@ -349,28 +349,49 @@ fn suite(
     // The worker against the statements with the job, in PAIR_ROUNDS interleaved
     // rounds (the machine's pace drifts between runs far more than either side
     // differs within one): each side's median, and our last run's JSON.
-    let stage_pair = |cpus: Option<&str>| -> Result<(f64, f64, String)> {
-        let (mut ours_per_s, mut pg_per_s, mut last) = (Vec::new(), Vec::new(), String::new());
+    // pgbench's round with the job: `pipeline` 1 sends the statements in the
+    // round trips the worker takes, 0 each in its own.
+    let pg_stage_round = |cpus: Option<&str>, pipeline: &str| -> Result<f64> {
+        ours_on(cpus, "claim", &["--setup-only"])?;
+        let seeded = seed_stage_jobs(url, &concurrency, &batch)?;
+        let (pg, n) = pgbench_on(
+            cpus,
+            "stage.sql",
+            &[
+                ("job", "1"),
+                ("batch", &batch),
+                ("k", "0"),
+                ("pipeline", pipeline),
+            ],
+        )?;
+        check_stage(&check, n, seeded)?;
+        check(
+            "stage.sql",
+            "jobs completed",
+            "SELECT count(*) FROM jobs WHERE state = 'completed'",
+            n,
+        )?;
+        Ok(pg)
+    };
+    // The worker against the statements with the job, in PAIR_ROUNDS interleaved
+    // rounds (the machine's pace drifts between runs far more than either side
+    // differs within one): each side's median (ours, pgbench in the worker's round
+    // trips, pgbench one statement a round trip), and our last run's JSON.
+    let stage_pair = |cpus: Option<&str>| -> Result<(f64, f64, f64, String)> {
+        let (mut ours_per_s, mut last) = (Vec::new(), String::new());
+        let (mut pg_per_s, mut pg_sequential) = (Vec::new(), Vec::new());
         for _ in 0..PAIR_ROUNDS {
-            ours_on(cpus, "claim", &["--setup-only"])?;
-            let seeded = seed_stage_jobs(url, &concurrency, &batch)?;
-            let (pg, n) = pgbench_on(
-                cpus,
-                "stage.sql",
-                &[("job", "1"), ("batch", &batch), ("k", "0")],
-            )?;
-            check_stage(&check, n, seeded)?;
-            check(
-                "stage.sql",
-                "jobs completed",
-                "SELECT count(*) FROM jobs WHERE state = 'completed'",
-                n,
-            )?;
-            pg_per_s.push(pg);
+            pg_per_s.push(pg_stage_round(cpus, "1")?);
+            pg_sequential.push(pg_stage_round(cpus, "0")?);
             last = ours_on(cpus, "pipeline", &[])?;
             ours_per_s.push(num(&last, "stages_per_s")?);
         }
-        Ok((median(ours_per_s), median(pg_per_s), last))
+        Ok((
+            median(ours_per_s),
+            median(pg_per_s),
+            median(pg_sequential),
+            last,
+        ))
     };
     let queue = ours("queue", &[])?;
     // Claims, as the stages: PAIR_ROUNDS interleaved rounds, each reference
@@ -405,7 +426,7 @@ fn suite(
         Ok((per_s.map(median), last))
     };
     let ([c_ins, pg_insert, c_skip, pg_skip], claim) = claim_pair(None)?;
-    let (p_stages, pg_stage_job, pipeline) = stage_pair(None)?;
+    let (p_stages, pg_stage_job, pg_stage_sequential, pipeline) = stage_pair(None)?;
     let pipeline_no_prefetch = ours("pipeline", &["--pipeline-batch", "0"])?;
     // The claims and the stage executions again, with the server on one half of
     // the CPUs and the clients (ours, pgbench) on the other, as where workers do
@@ -417,11 +438,12 @@ fn suite(
             let on = Some(client.as_str());
             let measured = (|| -> Result<Split> {
                 let ([ins, pg_insert, skip, pg_skip], _) = claim_pair(on)?;
-                let (stages, pg_stage, _) = stage_pair(on)?;
+                let (stages, pg_stage, pg_stage_sequential, _) = stage_pair(on)?;
                 Ok(Split {
                     insert: (ins, pg_insert),
                     skip: (skip, pg_skip),
                     stages: (stages, pg_stage),
+                    stages_sequential: (stages, pg_stage_sequential),
                 })
             })();
             drop(pinned);
@@ -478,6 +500,12 @@ fn suite(
         ratio(p_stages, pg_stage_job),
     );
     row(
+        "the same worker vs the same statements, each in a round trip of its own (pgbench without `\\startpipeline`; medians)",
+        format!("{p_stages:.0}"),
+        format!("pgbench {pg_stage_sequential:.0}"),
+        ratio(p_stages, pg_stage_sequential),
+    );
+    row(
         "the same worker vs the stage's statements alone (no fetch, no completion; one round)",
         format!("{p_stages:.0}"),
         format!("pgbench {pg_stage:.0}"),
@@ -490,6 +518,10 @@ fn suite(
             (
                 "stage executions (prefetch, with the job, medians)",
                 split.stages,
+            ),
+            (
+                "stage executions vs the statements each in its own round trip",
+                split.stages_sequential,
             ),
         ] {
             row(
@@ -659,7 +691,7 @@ fn suite(
         r#"    {{
       "machine": {{"cpus": {cpus}, "postgres_durable": {durable}, "clients": {concurrency}, "duration_s": {duration}, "load_before": {load_before}, "load_after": {load_after}}},
       "claim": {{"insert_per_s": {c_ins}, "skip_per_s": {c_skip}, "pgbench_insert_per_s": {pg_insert:.1}, "pgbench_skip_per_s": {pg_skip:.1}, "pgbench_mode": "prepared"}},
-      "pipeline": {{"stages_per_s": {p_stages}, "batch": {batch}, "stages_per_s_no_prefetch": {p_stages_np}, "split_cpus": {split_json}, "pgbench_stages_per_s": {pg_stage:.1}, "pgbench_stages_with_job_per_s": {pg_stage_job:.1}, "worker_peak_rss_mb": {p_rss}}},
+      "pipeline": {{"stages_per_s": {p_stages}, "batch": {batch}, "stages_per_s_no_prefetch": {p_stages_np}, "split_cpus": {split_json}, "pgbench_stages_per_s": {pg_stage:.1}, "pgbench_stages_with_job_per_s": {pg_stage_job:.1}, "pgbench_stages_with_job_sequential_per_s": {pg_stage_sequential:.1}, "worker_peak_rss_mb": {p_rss}}},
       "raw": {{"claim": {claim}, "queue": {queue}, "pipeline": {pipeline}, "pipeline_no_prefetch": {pipeline_no_prefetch}}},
       "peers": {{{peers_json}}}
     }}"#,
@@ -670,8 +702,8 @@ fn suite(
         pipeline_no_prefetch = pipeline_no_prefetch.trim(),
         split_json = match &split {
             Some((server, client, s)) => format!(
-                "{{\"server_cpus\": \"{server}\", \"client_cpus\": \"{client}\", \"claim_insert_per_s\": {}, \"pgbench_claim_insert_per_s\": {:.1}, \"claim_skip_per_s\": {}, \"pgbench_claim_skip_per_s\": {:.1}, \"stages_per_s\": {}, \"pgbench_stages_with_job_per_s\": {:.1}}}",
-                s.insert.0, s.insert.1, s.skip.0, s.skip.1, s.stages.0, s.stages.1
+                "{{\"server_cpus\": \"{server}\", \"client_cpus\": \"{client}\", \"claim_insert_per_s\": {}, \"pgbench_claim_insert_per_s\": {:.1}, \"claim_skip_per_s\": {}, \"pgbench_claim_skip_per_s\": {:.1}, \"stages_per_s\": {}, \"pgbench_stages_with_job_per_s\": {:.1}, \"pgbench_stages_with_job_sequential_per_s\": {:.1}}}",
+                s.insert.0, s.insert.1, s.skip.0, s.skip.1, s.stages.0, s.stages.1, s.stages_sequential.1
             ),
             None => "null".into(),
         },
@@ -739,6 +771,8 @@ struct Split {
     insert: (f64, f64),
     skip: (f64, f64),
     stages: (f64, f64),
+    /// Ours, and pgbench with each statement in a round trip of its own.
+    stages_sequential: (f64, f64),
 }
 
 /// `program`, on `cpus` (a taskset list) if given.
@@ -905,7 +939,10 @@ fn seed_stage_jobs(url: &str, clients: &str, batch: &str) -> Result<u64> {
 /// The values `-D` gives the pgbench scripts: the binds that are the same in every
 /// execution (see the scripts' headers; the input hash is the fixtures' input text's,
 /// `cli::bench::INPUT`).
-const PGBENCH_VARIABLES: [(&str, &str); 7] = [
+const PGBENCH_VARIABLES: [(&str, &str); 8] = [
+    // The scripts' statements in the round trips the library takes
+    // (`\startpipeline`); stage.sql's sequential run passes 0.
+    ("pipeline", "1"),
     ("tenant", "bench"),
     ("worker", "pgbench"),
     ("idle_ms", "10000"),
