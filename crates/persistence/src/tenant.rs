@@ -1,6 +1,8 @@
 //! The tenant scope of a transaction, for row-level security (migration
 //! `2026-11-30-000010_rls`): `SET LOCAL ROLE idemstage_app` (NOBYPASSRLS, owns
-//! nothing) and `app.tenant_id`, both transaction-local, in one round trip. Every
+//! nothing) and `app.tenant_id`, both transaction-local, sent with the BEGIN
+//! ([`transaction`]) or, in a transaction already open, as one statement
+//! ([`scope`]). Every
 //! tenant-scoped transaction of this crate starts with it, so a statement can only
 //! see and write rows of the tenant it runs for, whatever the connecting user is.
 
@@ -42,8 +44,10 @@ pub async fn scope(
     .map(|_| ())
 }
 
-/// Runs `body` in a transaction of its own on `conn`, scoped to `tenant` (see
-/// [`scope`]): every statement of `body` sees and writes only `tenant`'s rows of
+/// Runs `body` in a transaction of its own on `conn` (a savepoint, if `conn` is
+/// in a transaction already), scoped to `tenant`: BEGIN and the scope go to the
+/// server as one message, so the scope costs no round trip of its own (inside a
+/// transaction, [`scope`] sets it). Every statement of `body` sees and writes only `tenant`'s rows of
 /// every table under tenant isolation (ours, and a team's set up with
 /// `idemstage_tenant_table`), whatever user `conn` connected as. Commits when
 /// `body` returns `Ok`, rolls back on `Err`. For a team's own reads and writes
