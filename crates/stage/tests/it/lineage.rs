@@ -216,57 +216,15 @@ async fn a_downstream_stage_never_commits_on_an_outdated_upstream() {
     assert!(check.violations().is_empty(), "{check:?}");
 }
 
-/// A first stage whose `prepare` waits until the test lets it go, so that the
-/// anfrage's input can change between its claim and its commit.
-struct Held {
-    name: idemstage_domain::StageName,
-    policy: StagePolicy,
-    started: tokio::sync::mpsc::UnboundedSender<()>,
-    go: std::sync::Arc<tokio::sync::Notify>,
-}
-
-#[async_trait::async_trait]
-impl idemstage_stage::Stage for Held {
-    fn name(&self) -> &idemstage_domain::StageName {
-        &self.name
-    }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn prepare(
-        &self,
-        _: &StageJob,
-    ) -> Result<serde_json::Value, idemstage_domain::StageError> {
-        self.started.send(()).unwrap();
-        self.go.notified().await;
-        Ok(serde_json::Value::Null)
-    }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut idemstage_persistence::FencedTx<'_>,
-    ) -> Result<idemstage_stage::StageFlow, idemstage_domain::StageError> {
-        tx.audit("held", "held.done", serde_json::json!({})).await?;
-        Ok(idemstage_stage::StageFlow::Continue)
-    }
-}
-
 /// The commit checks lineage and fences in one round trip: when the input changed
 /// while the body ran, the fence it sent along is rolled back, nothing of the
 /// stage is written, and the run is `stale` (claimable again on the new input).
 #[tokio::test]
 async fn an_input_replaced_while_the_body_runs_leaves_the_run_stale_and_unwritten() {
     let mut f = fixture().await;
-    let (started, mut started_rx) = tokio::sync::mpsc::unbounded_channel();
-    let go = std::sync::Arc::new(tokio::sync::Notify::new());
-    let stage = std::sync::Arc::new(Held {
-        name: idemstage_domain::StageName::parse("held").unwrap(),
-        policy: StagePolicy::default(),
-        started,
-        go: go.clone(),
-    });
-    let pipeline = Pipeline::new(vec![stage]).unwrap();
+    // The gate's body waits for the test: the input changes between its claim
+    // and its commit.
+    let (gate, pipeline) = crate::gate(30_000, 30_000);
     let job = f.anfrage(TEXT_1).await;
     let exec = f.executor();
     let running = {
@@ -277,15 +235,15 @@ async fn an_input_replaced_while_the_body_runs_leaves_the_run_stale_and_unwritte
                 .unwrap()
         })
     };
-    started_rx.recv().await.unwrap();
+    gate.started.notified().await;
     let changed = replace_input(&mut f, &job, TEXT_2).await;
-    go.notify_one();
+    gate.release.notify_one();
     let outcome = running.await.unwrap();
     assert_eq!(outcome, ExecutionOutcome::UpstreamChanged { attempt: 1 });
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'held' AND status = 'stale' \
+            "SELECT 1 FROM pipeline_runs WHERE stage = 'gate' AND status = 'stale' \
                AND success_attempt IS NULL AND last_error LIKE '%changed before it committed%'"
         )
         .await,
@@ -294,14 +252,14 @@ async fn an_input_replaced_while_the_body_runs_leaves_the_run_stale_and_unwritte
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM audit_log WHERE action = 'held.done'"
+            "SELECT 1 FROM audit_log WHERE action = 'gate.done'"
         )
         .await,
         0,
         "nothing of the stage is written"
     );
     // Claimable again, on the new input: it runs and commits.
-    go.notify_one();
+    gate.release.notify_one();
     let again = f
         .executor()
         .run(&pipeline, pipeline.first_stage(), &changed)
