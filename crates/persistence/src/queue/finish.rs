@@ -40,12 +40,12 @@ pub async fn complete(
     attempt: i32,
     output: Option<&serde_json::Value>,
 ) -> Result<JobCompleteOutcome, RepoError> {
-    let n = crate::db::pinned(conn, async move |conn| {
-        complete_statement(conn, id, attempt, output).await
-    })
-    .await
-    .map_err(map_diesel_error)?;
-    Ok(completed(n))
+    completed(
+        crate::db::pinned(conn, async move |conn| {
+            complete_statement(conn, id, attempt, output).await
+        })
+        .await,
+    )
 }
 
 /// [`complete`] inside an open transaction, on a shared reference to its
@@ -55,10 +55,7 @@ pub(crate) async fn complete_pipelined(
     id: JobId,
     attempt: i32,
 ) -> Result<JobCompleteOutcome, RepoError> {
-    let n = complete_statement(conn, id, attempt, None)
-        .await
-        .map_err(map_diesel_error)?;
-    Ok(completed(n))
+    completed(complete_statement(conn, id, attempt, None).await)
 }
 
 async fn complete_statement(
@@ -76,12 +73,12 @@ async fn complete_statement(
         .await
 }
 
-fn completed(rows: usize) -> JobCompleteOutcome {
-    if rows == 1 {
-        JobCompleteOutcome::Completed
-    } else {
-        JobCompleteOutcome::Fenced
-    }
+/// What the completion's row count says: none updated means fenced.
+fn completed(rows: Result<usize, diesel::result::Error>) -> Result<JobCompleteOutcome, RepoError> {
+    Ok(match rows.map_err(map_diesel_error)? {
+        1 => JobCompleteOutcome::Completed,
+        _ => JobCompleteOutcome::Fenced,
+    })
 }
 
 /// The failure transition shared by `fail` and lease expiry: `{retry}` decides

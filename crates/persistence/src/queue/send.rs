@@ -89,11 +89,7 @@ pub async fn send_in_waking(
     wake: Wake,
 ) -> Result<SendResult, RepoError> {
     let sql = statement_for(job, wake)?;
-    let inserted = crate::db::pinned(conn, async move |conn| send_statement(conn, sql, job).await)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
-    sent(inserted)
+    sent(crate::db::pinned(conn, async move |conn| send_statement(conn, sql, job).await).await)
 }
 
 /// [`send_in_waking`] inside an open transaction, on a shared reference to its
@@ -105,11 +101,7 @@ pub(crate) async fn send_pipelined(
     wake: Wake,
 ) -> Result<SendResult, RepoError> {
     let sql = statement_for(job, wake)?;
-    let inserted = send_statement(conn, sql, job)
-        .await
-        .optional()
-        .map_err(map_diesel_error)?;
-    sent(inserted)
+    sent(send_statement(conn, sql, job).await)
 }
 
 /// The job's options checked, and the send statement for them and `wake`.
@@ -150,8 +142,9 @@ async fn send_statement(
         .await
 }
 
-fn sent(inserted: Option<Inserted>) -> Result<SendResult, RepoError> {
-    Ok(match inserted {
+/// What the send statement's result says: no row back is a live duplicate.
+fn sent(result: Result<Inserted, diesel::result::Error>) -> Result<SendResult, RepoError> {
+    Ok(match result.optional().map_err(map_diesel_error)? {
         Some(row) => SendResult::Sent(JobId::parse(&row.id)?),
         None => SendResult::Duplicate,
     })
