@@ -27,7 +27,8 @@
 --   job=0: the stage's statements only, without the job that carries the
 --          execution: no fetch before it, no completion in its transaction.
 --   job=1: what the worker sends for it as well: the job's fetch
---          (`job_fetch`, `-D batch=<n>` jobs per fetch, each client working its
+--          (`job_fetch_async_commit`, its commit asynchronous as the worker's,
+--          `-D batch=<n>` jobs per fetch, each client working its
 --          batch off one execution at a time, as the worker's buffer does) and
 --          the job's completion (`job_complete`) after the next job's send,
 --          inside the stage's transaction. The fetch names the pipeline's four
@@ -84,7 +85,7 @@
 \set start_after_ms 0
 \if :job
 \if :k = 0
-SELECT array_agg(id)::text AS ids, array_agg(attempt)::text AS attempts, count(*) AS got FROM idemstage_fetch(:queues::text[], :batch) \gset
+SELECT array_agg(id)::text AS ids, array_agg(attempt)::text AS attempts, count(*) AS got FROM set_config('synchronous_commit', 'off', true) AS s, idemstage_fetch(:queues::text[], :batch) AS f \gset
 \endif
 \set k :k + 1
 \endif

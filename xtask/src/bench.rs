@@ -469,6 +469,8 @@ fn suite(
     let q_prefetch = num(&queue, "worker_prefetch")?;
     let q_p50 = num(&queue, "latency_ms_p50")?;
     let q_p99 = num(&queue, "latency_ms_p99")?;
+    let q_durable_p50 = num(&queue, "latency_durable_lease_ms_p50")?;
+    let q_durable_p99 = num(&queue, "latency_durable_lease_ms_p99")?;
     let p_stages_np = num(&pipeline_no_prefetch, "stages_per_s")?;
     let p_rss = num(&pipeline, "worker_peak_rss_mb")?;
 
@@ -663,6 +665,14 @@ fn suite(
             ratio: String::new(),
         });
     }
+    rows.push(Row {
+        measure:
+            "pickup latency p50 / p99 (ms), the fetch's commit durable (`LeaseCommit::Durable`)"
+                .into(),
+        ours: format!("{q_durable_p50} / {q_durable_p99}"),
+        reference: String::new(),
+        ratio: String::new(),
+    });
     rows.push(Row {
         measure: "worker peak RSS (MB)".into(),
         ours: format!("{p_rss}"),

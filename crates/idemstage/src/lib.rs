@@ -163,6 +163,7 @@ pub mod queue {
     };
     pub use idemstage_persistence::queue::{
         controls, held_until, hold, pause, resume, send, send_batch, send_in, send_in_waking,
-        set_limits, Limits, Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope, Wake,
+        set_limits, LeaseCommit, Limits, Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome,
+        Scope, Wake,
     };
 }

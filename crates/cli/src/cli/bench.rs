@@ -17,6 +17,7 @@ use idemstage_domain::{
 };
 use idemstage_example::check_example_pipeline;
 use idemstage_example::{self as example, Chaos};
+use idemstage_persistence::queue::LeaseCommit;
 use idemstage_persistence::{queue, PgRunRepository, PoolConfig};
 use idemstage_runner::{
     handler_fn, Counters, HandlerError, JobHandler, PipelineWorker, PipelineWorkerConfig,
@@ -437,21 +438,28 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
 
     // (c) Pickup latency: sends to an idle worker, from the send's return to the
     // handler's start.
-    // Once with the NOTIFY in the send's commit, once with the notifier after it.
+    // Once with the NOTIFY in the send's commit, once with the notifier after it;
+    // and the first again with the fetch's commit durable.
     let mut pickup = Vec::new();
-    for wake in [queue::Wake::InCommit, queue::Wake::AfterCommit] {
+    for (wake, lease) in [
+        (queue::Wake::InCommit, LeaseCommit::default()),
+        (queue::Wake::AfterCommit, LeaseCommit::default()),
+        (queue::Wake::InCommit, LeaseCommit::Durable),
+    ] {
         fixtures::reset(&mut conn).await?;
-        let (p50, p99, samples) = pickup_latency(url, args, &mut conn, wake).await?;
+        let (p50, p99, samples) = pickup_latency(url, args, &mut conn, wake, lease).await?;
         if samples != args.latency_sends {
             violations.push(format!(
-                "latency ({wake:?}): {samples} of {} jobs reached a handler",
+                "latency ({wake:?}, {lease:?} leases): {samples} of {} jobs reached a handler",
                 args.latency_sends
             ));
         }
         pickup.push((p50, p99, samples));
     }
-    let [(p50, p99, samples), (after_p50, after_p99, _)] = pickup[..] else {
-        unreachable!("two wake modes")
+    let [(p50, p99, samples), (after_p50, after_p99, _), (durable_p50, durable_p99, _)] =
+        pickup[..]
+    else {
+        unreachable!("three pickup runs")
     };
     let mut report = json!({
         "scenario": "queue",
@@ -472,6 +480,8 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
         "latency_ms_p99": p99,
         "latency_after_commit_ms_p50": after_p50,
         "latency_after_commit_ms_p99": after_p99,
+        "latency_durable_lease_ms_p50": durable_p50,
+        "latency_durable_lease_ms_p99": durable_p99,
         "violations": violations,
     });
     // Flat keys (xtask reads flat objects).
@@ -530,7 +540,15 @@ async fn worker_drain(
 ) -> anyhow::Result<(f64, u64)> {
     insert_drain_jobs(conn, args.jobs).await?;
     let handler = handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
-    let worker = bench_worker(url, args, DRAIN_QUEUE, prefetch, handler).await?;
+    let worker = bench_worker(
+        url,
+        args,
+        DRAIN_QUEUE,
+        prefetch,
+        LeaseCommit::default(),
+        handler,
+    )
+    .await?;
     let stats = worker.stats();
     let shutdown = CancellationToken::new();
     let started = Instant::now();
@@ -620,6 +638,7 @@ pub(super) async fn bench_worker<H: JobHandler>(
     args: &Args,
     queue: &str,
     prefetch: usize,
+    lease_commit: LeaseCommit,
     handler: H,
 ) -> anyhow::Result<QueueWorker<H>> {
     let pool = idemstage_persistence::connect_pool(
@@ -638,6 +657,7 @@ pub(super) async fn bench_worker<H: JobHandler>(
             concurrency: args.concurrency,
             batch_size: u32::try_from(args.concurrency.max(prefetch)).unwrap_or(u32::MAX),
             prefetch,
+            lease_commit,
             ..QueueWorkerConfig::default()
         },
         handler,
@@ -649,6 +669,7 @@ async fn pickup_latency(
     args: &Args,
     conn: &mut diesel_async::AsyncPgConnection,
     wake: queue::Wake,
+    lease_commit: LeaseCommit,
 ) -> anyhow::Result<(f64, f64, usize)> {
     let started: Arc<Mutex<HashMap<JobId, Instant>>> = Arc::default();
     // Only the after-commit mode has a notifier (its own one-connection pool).
@@ -672,7 +693,7 @@ async fn pickup_latency(
             async { Ok::<(), HandlerError>(()) }
         })
     };
-    let worker = bench_worker(url, args, LATENCY_QUEUE, 0, handler).await?;
+    let worker = bench_worker(url, args, LATENCY_QUEUE, 0, lease_commit, handler).await?;
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(worker.run(shutdown.clone()));
     // Let the listener connect and the first (empty) fetch pass.

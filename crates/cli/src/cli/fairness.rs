@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use idemstage_domain::{JobToSend, SendOptions, SendResult, TenantId};
-use idemstage_persistence::queue;
+use idemstage_persistence::queue::{self, LeaseCommit};
 use idemstage_runner::{handler_fn, HandlerError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -87,7 +87,15 @@ async fn run_mode(url: &str, args: &Args, fair: bool) -> anyhow::Result<serde_js
             }
         })
     };
-    let worker = bench_worker(url, args, QUEUE, args.fairness_prefetch, handler).await?;
+    let worker = bench_worker(
+        url,
+        args,
+        QUEUE,
+        args.fairness_prefetch,
+        LeaseCommit::default(),
+        handler,
+    )
+    .await?;
     let shutdown = CancellationToken::new();
     let started = Instant::now();
     let running = tokio::spawn(worker.run(shutdown.clone()));

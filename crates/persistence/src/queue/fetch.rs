@@ -15,6 +15,37 @@ use crate::error::map_diesel_error;
 /// round trip; PL/pgSQL keeps the plan of its statement between calls.
 pub(crate) const FETCH_SQL: &str = "SELECT * FROM idemstage_fetch($1, $2)";
 
+/// [`FETCH_SQL`] with the fetch's own transaction committed asynchronously:
+/// `set_config` with `is_local` lasts until that commit, which is the one that
+/// reads it. A one-row function scan, so the planner runs it first; run after the
+/// fetch, it would still come before the commit.
+pub(crate) const FETCH_ASYNC_COMMIT_SQL: &str = "SELECT f.* FROM set_config('synchronous_commit', 'off', true) AS s, idemstage_fetch($1, $2) AS f";
+
+/// How the commit of a fetch, the one that takes the jobs' leases, waits for the
+/// write-ahead log.
+///
+/// A lease is the one write the queue can afford to lose: if the server crashes
+/// before an asynchronous commit reached the disk, the jobs come back as they
+/// were before the fetch, fetchable at once, as after any crash of a worker. Any
+/// later durable commit on the server (the stage's claim, a completion, a
+/// lease renewal) flushes the log up to it, so the window is short. What the
+/// loss costs: a job whose lease was lost may run once more, and since the
+/// attempt counter was lost with it, the new delivery gets the same fencing token
+/// as the one lost, so the first holder's completion is accepted too. A stage's
+/// body is not affected: it starts only after its claim, a durable commit, which
+/// flushes the fetch with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LeaseCommit {
+    /// `synchronous_commit = off` for the fetch's transaction: the fetch returns
+    /// without waiting for the log flush (a fsync with a durable server). Inside a
+    /// caller's transaction nothing changes: its own commit decides.
+    #[default]
+    Asynchronous,
+    /// The session's `synchronous_commit`: leases survive a crash of the server
+    /// like every other commit.
+    Durable,
+}
+
 #[derive(diesel::QueryableByName)]
 pub(crate) struct FetchedRow {
     #[diesel(sql_type = Text)]
@@ -88,11 +119,35 @@ pub async fn fetch(
     queues: &[String],
     limit: u32,
 ) -> Result<Vec<FetchedJob>, RepoError> {
+    fetch_with_commit(conn, queues, limit, LeaseCommit::Durable).await
+}
+
+/// [`fetch`], its commit as `commit` says when the fetch is a transaction of its
+/// own (no transaction open on `conn`); inside the caller's transaction the same
+/// as [`fetch`], whatever `commit` says, so that a caller's writes never lose
+/// their durability to it.
+pub async fn fetch_with_commit(
+    conn: &mut AsyncPgConnection,
+    queues: &[String],
+    limit: u32,
+    commit: LeaseCommit,
+) -> Result<Vec<FetchedJob>, RepoError> {
+    use diesel_async::TransactionManager;
     if queues.is_empty() || limit == 0 {
         return Ok(Vec::new());
     }
     let limit = i32::try_from(limit).unwrap_or(i32::MAX);
-    let query = diesel::sql_query(FETCH_SQL)
+    // A broken transaction manager (`Err`) counts as a transaction: durable.
+    let own_transaction = matches!(
+        diesel_async::AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth(),
+        Ok(None)
+    );
+    let sql = match commit {
+        LeaseCommit::Asynchronous if own_transaction => FETCH_ASYNC_COMMIT_SQL,
+        _ => FETCH_SQL,
+    };
+    let query = diesel::sql_query(sql)
         .bind::<Array<Text>, _>(queues)
         .bind::<Integer, _>(limit)
         .cached();

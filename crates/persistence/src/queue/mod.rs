@@ -26,7 +26,7 @@ pub use controls::{
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};
-pub use fetch::{fetch, fetch_wait};
+pub use fetch::{fetch, fetch_wait, fetch_with_commit, LeaseCommit};
 pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
 pub use listen::JobListener;
 pub use maintenance::{
@@ -40,7 +40,7 @@ pub use send::{send, send_batch, send_in, send_in_waking, NOTIFY_CHANNEL};
 pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL};
 pub(crate) use controls::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
-pub(crate) use fetch::{FETCH_SQL, FETCH_WAIT_SQL};
+pub(crate) use fetch::{FETCH_ASYNC_COMMIT_SQL, FETCH_SQL, FETCH_WAIT_SQL};
 pub(crate) use finish::{
     complete_pipelined, CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
 };

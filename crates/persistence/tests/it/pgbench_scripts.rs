@@ -148,12 +148,15 @@ fn pgbench_stage_script_sends_the_registered_statements() {
             ),
         ],
     );
-    // The job mode's fetch takes the registered statement's function with its
-    // binds, its rows gathered into arrays for the executions that follow.
-    let fetch = statements::get("job_fetch").expect("job_fetch").sql;
+    // The job mode's fetch is the worker's (its commit asynchronous): the
+    // registered statement's FROM with its binds, its rows gathered into arrays
+    // for the executions that follow.
+    let fetch = statements::get("job_fetch_async_commit")
+        .expect("job_fetch_async_commit")
+        .sql;
     let call = fetch
-        .strip_prefix("SELECT * FROM ")
-        .expect("job_fetch selects from a function")
+        .strip_prefix("SELECT f.* FROM ")
+        .expect("job_fetch_async_commit selects from functions")
         .replace("$1", ":queues::text[]")
         .replace("$2", ":batch");
     assert!(

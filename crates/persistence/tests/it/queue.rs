@@ -1307,3 +1307,87 @@ async fn queue_depths_count_ready_delayed_and_active_jobs_per_queue_and_the_olde
         "{depths:?}"
     );
 }
+
+#[derive(diesel::QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    value: String,
+}
+
+async fn synchronous_commit(conn: &mut AsyncPgConnection) -> String {
+    diesel::sql_query("SELECT current_setting('synchronous_commit') AS value")
+        .get_result::<Setting>(conn)
+        .await
+        .unwrap()
+        .value
+}
+
+#[tokio::test]
+async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // The test cluster runs without synchronous_commit; this session asks for it.
+    conn.batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    for i in 0..2 {
+        sent(
+            queue::send_in(
+                &mut conn,
+                &job("lease", json!({ "i": i }), SendOptions::default()),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let fetched = queue::fetch_with_commit(
+        &mut conn,
+        &["lease".to_owned()],
+        10,
+        queue::LeaseCommit::Asynchronous,
+    )
+    .await
+    .unwrap();
+    assert_eq!(fetched.len(), 2);
+    // Committed: another session sees both leased.
+    let mut other = db.conn().await;
+    assert_eq!(
+        count(
+            &mut other,
+            "SELECT count(*) AS n FROM jobs WHERE queue = 'lease' AND state = 'active' AND attempt = 1"
+        )
+        .await,
+        2
+    );
+    // `off` lasted only for the fetch's own transaction.
+    assert_eq!(synchronous_commit(&mut conn).await, "on");
+}
+
+#[tokio::test]
+async fn an_asynchronous_fetch_inside_a_callers_transaction_leaves_its_commit_durable() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    conn.batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    sent(
+        queue::send_in(&mut conn, &job("lease", json!({}), SendOptions::default()))
+            .await
+            .unwrap(),
+    );
+    let inside = conn
+        .transaction::<(usize, String), TxErr, _>(async |c| {
+            let fetched = queue::fetch_with_commit(
+                c,
+                &["lease".to_owned()],
+                10,
+                queue::LeaseCommit::Asynchronous,
+            )
+            .await?;
+            // The caller's own writes would commit with this setting.
+            Ok((fetched.len(), synchronous_commit(c).await))
+        })
+        .await
+        .unwrap();
+    assert_eq!(inside, (1, "on".to_owned()));
+}

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idemstage_domain::queue::validate_queue_name;
-use idemstage_persistence::queue::MaintenanceConfig;
+use idemstage_persistence::queue::{LeaseCommit, MaintenanceConfig};
 
 /// The most jobs a worker may hold at once (`concurrency + prefetch`): more would
 /// claim a queue's backlog away from every other worker, and make the release at
@@ -31,6 +31,12 @@ pub struct QueueWorkerConfig {
     /// handlers keep it small, since jobs waiting here are out of other workers'
     /// reach. Default 0: only the jobs that can start are fetched.
     pub prefetch: usize,
+    /// How a fetch's commit, the one that takes the jobs' leases, waits for the
+    /// write-ahead log. Default [`LeaseCommit::Asynchronous`]: a fetch does not
+    /// wait for a fsync, at the cost of a job running once more if the server
+    /// crashes within moments of the fetch (the type's docs say when); a
+    /// [`PipelineWorker`](crate::PipelineWorker)'s stage bodies are not affected.
+    pub lease_commit: LeaseCommit,
     /// Fallback when no notification arrives (missed, or a delayed retry came due).
     pub poll_interval: Duration,
     /// Wake on LISTEN/NOTIFY; without it the worker only polls.
@@ -65,6 +71,7 @@ impl Default for QueueWorkerConfig {
             concurrency: 4,
             batch_size: 10,
             prefetch: 0,
+            lease_commit: LeaseCommit::default(),
             poll_interval: Duration::from_secs(2),
             listen: true,
             maintenance_interval: Duration::from_secs(30),

@@ -177,9 +177,10 @@ impl<H: JobHandler> Dispatch<H> {
 
     fn fetch(&self, limit: u32) -> FetchFuture {
         let (pool, queues) = (self.cx.pool.clone(), self.queues.clone());
+        let commit = self.config.lease_commit;
         Box::pin(async move {
             let mut conn = idemstage_persistence::get(&pool).await?;
-            queue::fetch(&mut conn, &queues, limit).await
+            queue::fetch_with_commit(&mut conn, &queues, limit, commit).await
         })
     }
 
