@@ -108,9 +108,16 @@ const c16 = await workerDrain('worker_c16', CONCURRENCY, {})
 const c16b = await workerDrain('worker_c16_batched', CONCURRENCY, {
   localQueue: { size: CONCURRENCY + 1 }, completeJobBatchDelay: 0, failJobBatchDelay: 0
 })
-const fast = await workerDrain('fast', 24, {
-  maxPoolSize: 25, localQueue: { size: 500 }, completeJobBatchDelay: 0, failJobBatchDelay: 0
-})
+// The fastest configuration in rounds, as ours (a drain lasts about a second):
+// the median is reported.
+const FAST_ROUNDS = 3
+const fastRounds = []
+for (let r = 0; r < FAST_ROUNDS; r++) {
+  fastRounds.push(await workerDrain(`fast_${r}`, 24, {
+    maxPoolSize: 25, localQueue: { size: 500 }, completeJobBatchDelay: 0, failJobBatchDelay: 0
+  }))
+}
+const fast = [...fastRounds].sort((a, b) => a.perS - b.perS)[Math.floor(FAST_ROUNDS / 2)]
 
 // (c) pickup latency to an idle runner, woken by NOTIFY.
 const LATENCY = `bench_latency_${RUN}`
@@ -151,6 +158,7 @@ console.log(JSON.stringify({
   worker_c16_batched_per_s: c16b.perS,
   worker_c16_batched_config: `run() concurrency ${CONCURRENCY}, localQueue.size ${CONCURRENCY + 1}, completeJobBatchDelay 0`,
   fast_per_s: fast.perS,
+  fast_rounds: fastRounds.map(d => d.perS),
   fast_config: 'run() concurrentJobs 24, maxPoolSize 25, localQueue.size 500, completeJobBatchDelay 0, failJobBatchDelay 0',
   latency_samples: ms.length,
   latency_ms_p50: round3(quantile(ms, 0.5)),

@@ -614,7 +614,7 @@ fn suite(
     for label in ["pg-boss", "graphile-worker", "awa"] {
         peer_row(
             &mut rows,
-            "queue drain by a worker as users run it for throughput (ours: QueueWorker with prefetch; peers: fastest documented worker configuration) (jobs/s)",
+            "queue drain by a worker as users run it for throughput (ours: QueueWorker with prefetch, median of 3 runs; peers: fastest documented worker configuration, graphile-worker's a median of 3 runs, pg-boss's and awa's the best of their settings) (jobs/s)",
             q_worker_pf,
             format!("{q_worker_pf:.0} (QueueWorker, prefetch {q_prefetch})"),
             label,
