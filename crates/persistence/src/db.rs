@@ -128,18 +128,22 @@ where
     E: From<diesel::result::Error> + Send,
     R: Send,
 {
-    use diesel_async::TransactionManager;
-    let needs_one = through_transaction_pooler(conn)
-        && matches!(
-            diesel_async::AnsiTransactionManager::transaction_manager_status_mut(conn)
-                .transaction_depth(),
-            Ok(None)
-        );
-    if needs_one {
+    if through_transaction_pooler(conn) && outside_transaction(conn) {
         conn.transaction(async move |conn| body(conn).await).await
     } else {
         body(conn).await
     }
+}
+
+/// Whether no transaction is open on `conn`; a broken transaction manager counts
+/// as one open.
+pub(crate) fn outside_transaction(conn: &mut AsyncPgConnection) -> bool {
+    use diesel_async::TransactionManager;
+    matches!(
+        diesel_async::AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth(),
+        Ok(None)
+    )
 }
 
 /// The URL without its password, for error messages. Only a `user:password@`

@@ -132,19 +132,12 @@ pub async fn fetch_with_commit(
     limit: u32,
     commit: LeaseCommit,
 ) -> Result<Vec<FetchedJob>, RepoError> {
-    use diesel_async::TransactionManager;
     if queues.is_empty() || limit == 0 {
         return Ok(Vec::new());
     }
     let limit = i32::try_from(limit).unwrap_or(i32::MAX);
-    // A broken transaction manager (`Err`) counts as a transaction: durable.
-    let own_transaction = matches!(
-        diesel_async::AnsiTransactionManager::transaction_manager_status_mut(conn)
-            .transaction_depth(),
-        Ok(None)
-    );
     let sql = match commit {
-        LeaseCommit::Asynchronous if own_transaction => FETCH_ASYNC_COMMIT_SQL,
+        LeaseCommit::Asynchronous if crate::db::outside_transaction(conn) => FETCH_ASYNC_COMMIT_SQL,
         _ => FETCH_SQL,
     };
     let query = diesel::sql_query(sql)

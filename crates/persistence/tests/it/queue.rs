@@ -1322,15 +1322,14 @@ async fn synchronous_commit(conn: &mut AsyncPgConnection) -> String {
         .value
 }
 
-#[tokio::test]
-async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable() {
-    let db = TestDb::new().await;
+/// A session with `synchronous_commit = on` (the test cluster runs without it)
+/// that has sent `jobs` jobs to queue `lease`.
+async fn durable_session_with_jobs(db: &TestDb, jobs: usize) -> AsyncPgConnection {
     let mut conn = db.conn().await;
-    // The test cluster runs without synchronous_commit; this session asks for it.
     conn.batch_execute("SET synchronous_commit = on")
         .await
         .unwrap();
-    for i in 0..2 {
+    for i in 0..jobs {
         sent(
             queue::send_in(
                 &mut conn,
@@ -1340,6 +1339,13 @@ async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable
             .unwrap(),
         );
     }
+    conn
+}
+
+#[tokio::test]
+async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable() {
+    let db = TestDb::new().await;
+    let mut conn = durable_session_with_jobs(&db, 2).await;
     let fetched = queue::fetch_with_commit(
         &mut conn,
         &["lease".to_owned()],
@@ -1366,15 +1372,7 @@ async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable
 #[tokio::test]
 async fn an_asynchronous_fetch_inside_a_callers_transaction_leaves_its_commit_durable() {
     let db = TestDb::new().await;
-    let mut conn = db.conn().await;
-    conn.batch_execute("SET synchronous_commit = on")
-        .await
-        .unwrap();
-    sent(
-        queue::send_in(&mut conn, &job("lease", json!({}), SendOptions::default()))
-            .await
-            .unwrap(),
-    );
+    let mut conn = durable_session_with_jobs(&db, 1).await;
     let inside = conn
         .transaction::<(usize, String), TxErr, _>(async |c| {
             let fetched = queue::fetch_with_commit(
