@@ -659,7 +659,7 @@ fn suite(
             None => failed(label),
         };
         rows.push(Row {
-            measure: "pickup latency p50 / p99 (ms)".into(),
+            measure: "pickup latency p50 / p99 (ms; ours: medians of 3 rounds)".into(),
             ours: format!("{q_p50} / {q_p99}"),
             reference,
             ratio: String::new(),
@@ -667,7 +667,7 @@ fn suite(
     }
     rows.push(Row {
         measure:
-            "pickup latency p50 / p99 (ms), the fetch's commit durable (`LeaseCommit::Durable`)"
+            "pickup latency p50 / p99 (ms), the fetch's commit durable (`LeaseCommit::Durable`; medians of 3 rounds)"
                 .into(),
         ours: format!("{q_durable_p50} / {q_durable_p99}"),
         reference: String::new(),
