@@ -293,22 +293,42 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
 }
 
 /// Reverts every applied migration of the core (used by the round-trip test);
-/// returns how many were reverted. Fails naming the version at the first applied
-/// migration that is not the core's (a team's is newer, so that is before
-/// anything is reverted): revert those with [`revert_all_with`].
+/// returns how many were reverted. If any applied migration is not the core's (a
+/// team's), it reverts nothing and fails naming that version: revert those with
+/// [`revert_all_with`].
 pub async fn revert_all_migrations(url: &str) -> Result<usize, RepoError> {
     revert_all_with(url, Vec::new()).await
 }
 
 /// Reverts every applied migration, the core's and `team`'s, newest version first
 /// (each `down.sql` in its own transaction); returns how many were reverted. An
-/// applied version found in neither set stops it there with an error naming the
-/// version: the newer ones are reverted by then, the older ones stay applied.
+/// applied version found in neither set is looked for first: then nothing is
+/// reverted, and the error names the version.
 pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<usize, RepoError> {
     with_sync_connection(url, move |conn| {
-        conn.revert_all_migrations(Sources(std::iter::once(MIGRATIONS).chain(team).collect()))
+        let sources = Sources(std::iter::once(MIGRATIONS).chain(team).collect());
+        let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
+            RepoError::Database(format!("migration revert failed: {e}"))
+        };
+        // Checked before anything is reverted: diesel would revert the newer
+        // versions and stop at the unknown one, leaving the schema half down (a
+        // team's migration older than a core upgrade's is the usual case).
+        let known: std::collections::HashSet<String> =
+            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&sources)
+                .map_err(failed)?
+                .iter()
+                .map(|m| m.name().version().to_string())
+                .collect();
+        let applied = conn.applied_migrations().map_err(failed)?;
+        if let Some(unknown) = applied.iter().find(|v| !known.contains(&v.to_string())) {
+            return Err(RepoError::Database(format!(
+                "migration revert refused: applied version {unknown} is in none of the \
+                 migration sets given (pass its team's to revert_all_with); nothing was reverted"
+            )));
+        }
+        conn.revert_all_migrations(sources)
             .map(|reverted| reverted.len())
-            .map_err(|e| RepoError::Database(format!("migration revert failed: {e}")))
+            .map_err(failed)
     })
     .await
 }

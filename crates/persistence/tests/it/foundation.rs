@@ -87,6 +87,32 @@ async fn team_migrations_round_trip_with_the_cores() {
     assert_eq!(public_tables(&mut conn).await, tables);
 }
 
+/// A migration applied from a set that is not given (a team's, older than the
+/// core's newest: a core upgrade after the team's migration) is found before
+/// anything is reverted, so the schema is not left half down.
+#[tokio::test]
+async fn a_revert_that_meets_an_unknown_version_reverts_nothing() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let tables = public_tables(&mut conn).await;
+    conn.batch_execute(
+        "INSERT INTO __diesel_schema_migrations (version) VALUES ('20200101000000')",
+    )
+    .await
+    .unwrap();
+
+    let err = idemstage_persistence::revert_all_migrations(db.url())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        public_tables(&mut conn).await,
+        tables,
+        "the core's newer migrations were reverted"
+    );
+    assert!(err.to_string().contains("20200101000000"), "{err}");
+    assert!(err.to_string().contains("nothing was reverted"), "{err}");
+}
+
 /// The checked-in `schema.rs` must describe exactly what the migrations create:
 /// same tables, columns in order, types, nullability and primary keys. Regenerate it
 /// with `diesel print-schema` (diesel.toml) when this fails.
