@@ -441,10 +441,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
             worker_rounds[i].push(per_s);
         }
     }
-    let worker_per_s = worker_rounds.clone().map(|mut rounds| {
-        rounds.sort_by(f64::total_cmp);
-        rounds[rounds.len() / 2]
-    });
+    let worker_per_s = worker_rounds.clone().map(median);
 
     // (c) Pickup latency: sends to an idle worker, from the send's return to the
     // handler's start.
@@ -475,12 +472,10 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
     }
     let [(p50, p99), (after_p50, after_p99), (durable_p50, durable_p99)] =
         pickup_rounds.each_ref().map(|rounds| {
-            let median = |quantile: fn(&(f64, f64)) -> f64| {
-                let mut values: Vec<f64> = rounds.iter().map(quantile).collect();
-                values.sort_by(f64::total_cmp);
-                values[values.len() / 2]
-            };
-            (median(|r| r.0), median(|r| r.1))
+            (
+                median(rounds.iter().map(|r| r.0).collect()),
+                median(rounds.iter().map(|r| r.1).collect()),
+            )
         });
     let mut report = json!({
         "scenario": "queue",
@@ -652,6 +647,13 @@ async fn drain(
         completed,
         in_database: fixtures::count_jobs(conn, DRAIN_QUEUE, Some("completed")).await?,
     })
+}
+
+/// The median of the rounds of one measure (nearest rank: of an odd count, the
+/// middle one).
+fn median(mut rounds: Vec<f64>) -> f64 {
+    rounds.sort_by(f64::total_cmp);
+    quantile(&rounds, 0.5)
 }
 
 /// The `q`-quantile of sorted samples (nearest rank).
