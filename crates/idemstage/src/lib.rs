@@ -162,8 +162,8 @@ pub mod queue {
         JobState, JobToSend,
     };
     pub use idemstage_persistence::queue::{
-        controls, held_until, hold, pause, resume, send, send_batch, send_in, send_in_waking,
-        set_limits, LeaseCommit, Limits, Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome,
-        Scope, Wake,
+        control_changes, controls, held_until, hold, pause, resume, send, send_batch, send_in,
+        send_in_waking, set_limits, ControlChange, ControlChangeKind, LeaseCommit, Limits,
+        Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope, Wake,
     };
 }

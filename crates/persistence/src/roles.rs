@@ -26,13 +26,14 @@ pub const WORKER_ROLE: &str = "idemstage_worker";
 pub const OPERATOR_ROLE: &str = "idemstage_operator";
 
 /// The core's tables, whose owner a worker must not be.
-pub const CORE_TABLES: [&str; 7] = [
+pub const CORE_TABLES: [&str; 8] = [
     "anfragen",
     "pipeline_runs",
     "pipeline_run_attempts",
     "audit_log",
     "jobs",
     "queue_controls",
+    "queue_control_changes",
     "queue_buckets",
 ];
 

@@ -100,6 +100,24 @@ diesel::table! {
 }
 
 diesel::table! {
+    queue_control_changes (id) {
+        id -> Int8,
+        changed_at -> Timestamptz,
+        queue -> Text,
+        scope -> Text,
+        change -> Text,
+        paused -> Nullable<Bool>,
+        max_active -> Nullable<Int4>,
+        rate_count -> Nullable<Int4>,
+        rate_period_ms -> Nullable<Int8>,
+        rate_burst -> Nullable<Int4>,
+        weight -> Nullable<Int4>,
+        actor -> Nullable<Text>,
+        db_user -> Text,
+    }
+}
+
+diesel::table! {
     queue_controls (queue, scope) {
         queue -> Text,
         scope -> Text,
@@ -121,5 +139,6 @@ diesel::allow_tables_to_appear_in_same_query!(
     pipeline_run_attempts,
     pipeline_runs,
     queue_buckets,
+    queue_control_changes,
     queue_controls,
 );

@@ -6,7 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use idemstage_domain::{StageName, TenantId};
-use idemstage_persistence::queue::{self, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage_persistence::ops::Actor;
+use idemstage_persistence::queue::{
+    self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
+};
 
 use super::BadInput;
 
@@ -18,6 +21,10 @@ pub struct PauseArgs {
     /// Only this tenant's jobs of the stage
     #[arg(long)]
     tenant: Option<String>,
+    /// Who is pausing or resuming, for the record of control changes (default:
+    /// $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
     /// One JSON object instead of a sentence
     #[arg(long)]
     json: bool,
@@ -46,9 +53,16 @@ pub struct LimitArgs {
     /// A tenant's share of a fetch against the others' (tenant scopes)
     #[arg(long)]
     weight: Option<u32>,
-    /// Only show the stage's controls
+    /// Only show the stage's controls (and its latest changes)
     #[arg(long)]
     show: bool,
+    /// Who is setting the limits, for the record of control changes (default:
+    /// $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
+    /// How many of the stage's latest control changes to show
+    #[arg(long, default_value_t = 10)]
+    changes: u32,
     /// One JSON object instead of text
     #[arg(long)]
     json: bool,
@@ -82,14 +96,16 @@ fn parse_rate(text: &str, burst: Option<u32>) -> anyhow::Result<Rate> {
 pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Result<ExitCode> {
     let stage = StageName::parse(&args.stage)?;
     let scope = scope(args.tenant.as_deref(), false)?;
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
+    let actor = super::ops::actor(flag_actor, &mut conn).await?;
     let (outcome, changed) = if pause {
-        match queue::pause(&mut conn, stage.as_str(), &scope).await? {
+        match queue::pause(&mut conn, stage.as_str(), &scope, &actor).await? {
             PauseOutcome::Paused => ("paused", true),
             PauseOutcome::AlreadyPaused => ("already_paused", false),
         }
     } else {
-        match queue::resume(&mut conn, stage.as_str(), &scope).await? {
+        match queue::resume(&mut conn, stage.as_str(), &scope, &actor).await? {
             ResumeOutcome::Resumed => ("resumed", true),
             ResumeOutcome::NotPaused => ("not_paused", false),
         }
@@ -102,6 +118,7 @@ pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Resu
                 "tenant": args.tenant,
                 "outcome": outcome,
                 "changed": changed,
+                "actor": actor,
             })
         );
     } else {
@@ -113,8 +130,10 @@ pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Resu
 pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> {
     let stage = StageName::parse(&args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
     if !args.show {
+        let actor = super::ops::actor(flag_actor, &mut conn).await?;
         let limits = Limits {
             max_active: args.max_active,
             rate: args
@@ -124,51 +143,98 @@ pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> 
                 .transpose()?,
             weight: args.weight,
         };
-        queue::set_limits(&mut conn, stage.as_str(), &scope, &limits).await?;
+        queue::set_limits(&mut conn, stage.as_str(), &scope, &limits, &actor).await?;
     }
     let controls = queue::controls(&mut conn, Some(stage.as_str())).await?;
+    let changes = queue::control_changes(&mut conn, Some(stage.as_str()), args.changes).await?;
     if args.json {
         let rows: Vec<_> = controls
             .iter()
             .map(|c| {
-                serde_json::json!({
-                    "scope": c.scope.as_key(),
-                    "paused": c.paused,
-                    "max_active": c.limits.max_active,
-                    "rate": c.limits.rate.map(|r| serde_json::json!({
-                        "count": r.count,
-                        "per_ms": r.per.as_millis() as u64,
-                        "burst": r.burst,
-                    })),
-                    "weight": c.limits.weight,
-                    "updated_at": c.updated_at,
-                    "updated_by": c.updated_by,
-                })
+                let mut row = limits_json(&c.limits);
+                row["scope"] = c.scope.as_key().into();
+                row["paused"] = c.paused.into();
+                row["updated_at"] = serde_json::json!(c.updated_at);
+                row["updated_by"] = c.updated_by.clone().into();
+                row
+            })
+            .collect();
+        let changes: Vec<_> = changes
+            .iter()
+            .map(|c| {
+                let mut row = limits_json(&c.limits);
+                row["id"] = c.id.into();
+                row["changed_at"] = serde_json::json!(c.changed_at);
+                row["scope"] = c.scope.as_key().into();
+                row["change"] = serde_json::json!(c.kind);
+                row["paused"] = serde_json::json!(c.paused);
+                row["actor"] = serde_json::json!(c.actor);
+                row["db_user"] = c.db_user.clone().into();
+                row
             })
             .collect();
         println!(
             "{}",
-            serde_json::json!({ "stage": stage.as_str(), "controls": rows })
+            serde_json::json!({ "stage": stage.as_str(), "controls": rows, "changes": changes })
         );
     } else {
         for c in &controls {
-            let rate = c.limits.rate.map_or("-".to_owned(), |r| {
-                format!(
-                    "{}/{:?} burst {}",
-                    r.count,
-                    r.per,
-                    r.burst.unwrap_or(r.count)
-                )
-            });
             println!(
-                "{:<20} paused {:<5} max_active {:<6} rate {:<24} weight {}",
+                "{:<20} paused {:<5} {}",
                 c.scope.to_string(),
                 c.paused,
-                c.limits.max_active.map_or("-".into(), |m| m.to_string()),
-                rate,
-                c.limits.weight.map_or("-".into(), |w| w.to_string()),
+                limits_text(&c.limits)
+            );
+        }
+        if !changes.is_empty() {
+            println!("latest changes, newest first:");
+        }
+        for c in &changes {
+            let what = match c.kind {
+                ControlChangeKind::Limits => format!("limits: {}", limits_text(&c.limits)),
+                kind => format!("{kind:?}").to_lowercase(),
+            };
+            println!(
+                "  {} {:<20} {:<60} by {} ({})",
+                c.changed_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),
+                c.scope.to_string(),
+                what,
+                c.actor.as_deref().unwrap_or("-"),
+                c.db_user
             );
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `max_active M rate N/P burst B weight W`, a `-` for each that is unset.
+fn limits_text(limits: &Limits) -> String {
+    let rate = limits.rate.map_or("-".to_owned(), |r| {
+        format!(
+            "{}/{:?} burst {}",
+            r.count,
+            r.per,
+            r.burst.unwrap_or(r.count)
+        )
+    });
+    format!(
+        "max_active {:<6} rate {:<24} weight {}",
+        limits.max_active.map_or("-".into(), |m| m.to_string()),
+        rate,
+        limits.weight.map_or("-".into(), |w| w.to_string()),
+    )
+}
+
+/// `{"max_active", "rate": {"count", "per_ms", "burst"}, "weight"}`, nulls for
+/// the unset ones.
+fn limits_json(limits: &Limits) -> serde_json::Value {
+    serde_json::json!({
+        "max_active": limits.max_active,
+        "rate": limits.rate.map(|r| serde_json::json!({
+            "count": r.count,
+            "per_ms": r.per.as_millis() as u64,
+            "burst": r.burst,
+        })),
+        "weight": limits.weight,
+    })
 }

@@ -25,6 +25,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobToSend, TenantId};
 use idemstage_example::{self as example, check_example_pipeline, Chaos};
+use idemstage_persistence::ops::Actor;
 use idemstage_persistence::queue::{self, Limits, Rate, Scope};
 use idemstage_persistence::PoolConfig;
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
@@ -152,6 +153,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             max_active: Some(args.stage_cap),
             ..Limits::default()
         },
+        &bench_actor(),
     )
     .await?;
     queue::set_limits(
@@ -162,6 +164,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             max_active: Some(args.tenant_cap),
             ..Limits::default()
         },
+        &bench_actor(),
     )
     .await?;
 
@@ -347,6 +350,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
             }),
             ..Limits::default()
         },
+        &bench_actor(),
     )
     .await?;
 
@@ -421,4 +425,9 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "rate_limited_stage_results": counters.snapshot().rate_limited,
         "violations": Vec::<String>::new(),
     }))
+}
+
+/// Who the benches' limits are recorded as set by.
+fn bench_actor() -> Actor {
+    Actor::parse("idemstage bench").expect("a valid actor")
 }

@@ -92,7 +92,10 @@ fn pipeline_stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName> 
 }
 
 /// `--actor`, else `$USER`, else the database's `current_user`.
-async fn actor(flag: Option<Actor>, conn: &mut AsyncPgConnection) -> anyhow::Result<Actor> {
+pub(crate) async fn actor(
+    flag: Option<Actor>,
+    conn: &mut AsyncPgConnection,
+) -> anyhow::Result<Actor> {
     if let Some(actor) = flag {
         return Ok(actor);
     }

@@ -307,8 +307,12 @@ fn json_of(out: &Output) -> serde_json::Value {
 #[tokio::test]
 async fn pause_resume_and_limit_set_the_stage_controls() {
     let db = TestDb::new().await;
-    let pause = ["pause", "--stage", "extract", "--tenant", "acme", "--json"];
-    assert_eq!(json_of(&idemstage(&db, &pause))["outcome"], "paused");
+    let pause = [
+        "pause", "--stage", "extract", "--tenant", "acme", "--actor", "alice", "--json",
+    ];
+    let paused = json_of(&idemstage(&db, &pause));
+    assert_eq!(paused["outcome"], "paused");
+    assert_eq!(paused["actor"], "alice");
     assert_eq!(
         json_of(&idemstage(&db, &pause))["outcome"],
         "already_paused"
@@ -347,6 +351,7 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
         &["limit", "--stage", "extract", "--weight", "3"][..],
         &["pause", "--stage", "Bad Stage"][..],
         &["pause", "--stage", "extract", "--tenant", "Not A Slug"][..],
+        &["pause", "--stage", "extract", "--actor", " "][..],
     ] {
         let out = idemstage(&db, bad);
         assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
@@ -359,6 +364,35 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
     assert_eq!(
         controls["controls"].as_array().unwrap().len(),
         2,
+        "{controls}"
+    );
+    // Three changes, newest first; the repeated pause and resume and the refused
+    // commands changed nothing.
+    let changes: Vec<(String, String, String)> = controls["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["change"].as_str().unwrap().to_owned(),
+                c["scope"].as_str().unwrap().to_owned(),
+                c["actor"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    let kinds: Vec<(&str, &str)> = changes
+        .iter()
+        .map(|(k, s, _)| (k.as_str(), s.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [("limits", "*"), ("resume", "acme"), ("pause", "acme")],
+        "{controls}"
+    );
+    assert_eq!(changes[2].2, "alice");
+    // Without --actor: $USER, else the database user; never empty.
+    assert!(
+        !changes[0].2.is_empty() && !changes[1].2.is_empty(),
         "{controls}"
     );
 }

@@ -750,6 +750,18 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
             count(&mut conn, "SELECT 1 FROM queue_controls WHERE queue = 'extract' AND paused").await,
             0
         );
+        // Both changes are recorded with the session's actor, and listed, newest first.
+        assert_eq!(
+            count(&mut conn, "SELECT 1 FROM queue_control_changes WHERE queue = 'extract' AND scope = 't1' AND actor LIKE 'console:%'").await,
+            2
+        );
+        browser.goto(&console.url("/")).await.unwrap();
+        browser.wait().at_most(Duration::from_secs(30)).for_element(Locator::Id("changes")).await.unwrap();
+        let listed = text_of(&browser, "changes").await;
+        let (resume, pause) = (listed.find("resume"), listed.find("pause"));
+        assert!(resume.is_some() && pause.is_some() && resume < pause, "{listed}");
+        assert!(listed.contains("console:"), "{listed}");
+        screenshot(&browser, "changes").await;
 
         // The dead list, and retry with its button.
         browser.goto(&console.url("/dead")).await.unwrap();

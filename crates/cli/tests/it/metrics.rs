@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+use idemstage_persistence::ops::Actor;
 use idemstage_persistence::queue::{self, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -237,7 +238,8 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
     let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
     // Extract's jobs pile up while it is paused: the queue gauges must show them.
-    queue::pause(&mut conn, "extract", &Scope::Queue)
+    let actor = Actor::parse("metrics test").unwrap();
+    queue::pause(&mut conn, "extract", &Scope::Queue, &actor)
         .await
         .unwrap();
     enqueue(db.url(), 20).await;
@@ -295,7 +297,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    queue::resume(&mut conn, "extract", &Scope::Queue)
+    queue::resume(&mut conn, "extract", &Scope::Queue, &actor)
         .await
         .unwrap();
     let check = assert_quiet_and_sound(db.url(), 180).await;

@@ -3,18 +3,24 @@
 //! `queue_controls` and enforced by the fetch itself (`idemstage_fetch`, migration
 //! `2026-12-01-000070_fair_queue`), so they hold across every worker process and
 //! take effect at the next fetch of any worker.
+//!
+//! Every change of a control is recorded in `queue_control_changes` (migration
+//! `2026-12-01-000140_control_changes`: a trigger, so plain SQL is recorded too)
+//! with the [`Actor`] the change was made for and the database login role;
+//! [`control_changes`] reads them.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
-use diesel::OptionalExtension;
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::validate_queue_name;
 use idemstage_domain::{DomainError, RepoError, TenantId};
 
 use super::millis;
 use crate::error::map_diesel_error;
+use crate::ops::Actor;
 
 /// Whom a control applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,8 +161,12 @@ pub enum ResumeOutcome {
     NotPaused,
 }
 
+/// `$3` the actor: set for the statement's transaction, where the trigger that
+/// records the change reads it (`queue_control_changes.actor`).
 const PAUSE_SQL: &str = "\
-WITH before AS (
+WITH actor AS (
+    SELECT set_config('idemstage.actor', $3, true) AS name
+), before AS (
     SELECT paused FROM queue_controls WHERE queue = $1 AND scope = $2
 ), upsert AS (
     INSERT INTO queue_controls (queue, scope, paused) VALUES ($1, $2, true)
@@ -165,35 +175,43 @@ WITH before AS (
      WHERE NOT queue_controls.paused
     RETURNING 1
 )
-SELECT coalesce((SELECT paused FROM before), false) AS was FROM (SELECT count(*) FROM upsert) u";
+SELECT coalesce((SELECT paused FROM before), false) AS was
+  FROM (SELECT count(*) FROM upsert) u, actor";
 
 /// Resuming wakes idle workers of the queue at once (the NOTIFY fires on commit).
+/// `$3` the actor, as in `PAUSE_SQL`.
 const RESUME_SQL: &str = "\
-WITH resumed AS (
+WITH actor AS (
+    SELECT set_config('idemstage.actor', $3, true) AS name
+), resumed AS (
     UPDATE queue_controls SET paused = false, updated_at = now(), updated_by = current_user
      WHERE queue = $1 AND scope = $2 AND paused
     RETURNING queue
 )
 SELECT (SELECT count(*) FROM resumed) > 0 AS was,
-       (SELECT count(pg_notify('idemstage_jobs', queue)) FROM resumed) AS n";
+       (SELECT count(pg_notify('idemstage_jobs', queue)) FROM resumed) AS n
+  FROM actor";
 
-#[derive(diesel::QueryableByName)]
+#[derive(QueryableByName)]
 struct Was {
     #[diesel(sql_type = Bool)]
     was: bool,
 }
 
 /// Pauses `scope` of `queue`: no worker fetches its jobs from the next fetch on
-/// (running jobs finish). Durable; [`resume`] ends it.
+/// (running jobs finish). Durable; [`resume`] ends it. The change is recorded
+/// with `actor` ([`control_changes`]).
 pub async fn pause(
     conn: &mut AsyncPgConnection,
     queue: &str,
     scope: &Scope,
+    actor: &Actor,
 ) -> Result<PauseOutcome, RepoError> {
     validate_queue_name(queue)?;
     let query = diesel::sql_query(PAUSE_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.as_key());
+        .bind::<Text, _>(scope.as_key())
+        .bind::<Text, _>(actor.as_str());
     let row: Was = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(map_diesel_error)?;
@@ -204,16 +222,19 @@ pub async fn pause(
     })
 }
 
-/// Resumes `scope` of `queue` and wakes the queue's idle workers.
+/// Resumes `scope` of `queue` and wakes the queue's idle workers. The change is
+/// recorded with `actor` ([`control_changes`]).
 pub async fn resume(
     conn: &mut AsyncPgConnection,
     queue: &str,
     scope: &Scope,
+    actor: &Actor,
 ) -> Result<ResumeOutcome, RepoError> {
     validate_queue_name(queue)?;
     let query = diesel::sql_query(RESUME_SQL)
         .bind::<Text, _>(queue)
-        .bind::<Text, _>(scope.as_key());
+        .bind::<Text, _>(scope.as_key())
+        .bind::<Text, _>(actor.as_str());
     let row: Was = crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
         .map_err(map_diesel_error)?;
@@ -224,9 +245,13 @@ pub async fn resume(
     })
 }
 
+/// `$8` the actor, as in `PAUSE_SQL`.
 const SET_LIMITS_SQL: &str = "\
+WITH actor AS (
+    SELECT set_config('idemstage.actor', $8, true) AS name
+)
 INSERT INTO queue_controls (queue, scope, max_active, rate_count, rate_period_ms, rate_burst, weight)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+SELECT $1, $2, $3, $4, $5, $6, $7 FROM actor
 ON CONFLICT (queue, scope) DO UPDATE
    SET max_active = excluded.max_active, rate_count = excluded.rate_count,
        rate_period_ms = excluded.rate_period_ms, rate_burst = excluded.rate_burst,
@@ -235,12 +260,14 @@ ON CONFLICT (queue, scope) DO UPDATE
 /// Sets the limits of `scope` of `queue` (all of them: a `None` field removes
 /// that limit), keeping its pause. Takes effect at the next fetch of every worker;
 /// jobs already active above a lowered cap finish. Bad limits are refused before
-/// anything is written.
+/// anything is written. A change is recorded with `actor` ([`control_changes`]);
+/// setting the limits a scope has already is none.
 pub async fn set_limits(
     conn: &mut AsyncPgConnection,
     queue: &str,
     scope: &Scope,
     limits: &Limits,
+    actor: &Actor,
 ) -> Result<(), RepoError> {
     validate_queue_name(queue)?;
     limits.validate(scope)?;
@@ -252,21 +279,17 @@ pub async fn set_limits(
         .bind::<Nullable<Integer>, _>(rate.map(|r| r.count as i32))
         .bind::<Nullable<BigInt>, _>(rate.map(|r| millis(r.per)))
         .bind::<Nullable<Integer>, _>(rate.and_then(|r| r.burst).map(|b| b as i32))
-        .bind::<Nullable<Integer>, _>(limits.weight.map(|w| w as i32));
+        .bind::<Nullable<Integer>, _>(limits.weight.map(|w| w as i32))
+        .bind::<Text, _>(actor.as_str());
     crate::db::pinned(conn, async move |conn| query.execute(conn).await)
         .await
         .map_err(map_diesel_error)?;
     Ok(())
 }
 
-#[derive(diesel::QueryableByName)]
-struct ControlRow {
-    #[diesel(sql_type = Text)]
-    queue: String,
-    #[diesel(sql_type = Text)]
-    scope: String,
-    #[diesel(sql_type = Bool)]
-    paused: bool,
+/// The limit columns of `queue_controls` and `queue_control_changes`.
+#[derive(QueryableByName)]
+struct LimitColumns {
     #[diesel(sql_type = Nullable<Integer>)]
     max_active: Option<i32>,
     #[diesel(sql_type = Nullable<Integer>)]
@@ -277,6 +300,36 @@ struct ControlRow {
     rate_burst: Option<i32>,
     #[diesel(sql_type = Nullable<Integer>)]
     weight: Option<i32>,
+}
+
+impl From<LimitColumns> for Limits {
+    fn from(c: LimitColumns) -> Limits {
+        let rate = match (c.rate_count, c.rate_period_ms) {
+            (Some(count), Some(ms)) => Some(Rate {
+                count: count as u32,
+                per: Duration::from_millis(ms as u64),
+                burst: c.rate_burst.map(|b| b as u32),
+            }),
+            _ => None,
+        };
+        Limits {
+            max_active: c.max_active.map(|m| m as u32),
+            rate,
+            weight: c.weight.map(|w| w as u32),
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct ControlRow {
+    #[diesel(sql_type = Text)]
+    queue: String,
+    #[diesel(sql_type = Text)]
+    scope: String,
+    #[diesel(sql_type = Bool)]
+    paused: bool,
+    #[diesel(embed)]
+    limits: LimitColumns,
     #[diesel(sql_type = Timestamptz)]
     updated_at: DateTime<Utc>,
     #[diesel(sql_type = Text)]
@@ -300,25 +353,120 @@ pub async fn controls(
         .map_err(map_diesel_error)?;
     rows.into_iter()
         .map(|r| {
-            let rate = match (r.rate_count, r.rate_period_ms) {
-                (Some(count), Some(ms)) => Some(Rate {
-                    count: count as u32,
-                    per: Duration::from_millis(ms as u64),
-                    burst: r.rate_burst.map(|b| b as u32),
-                }),
-                _ => None,
-            };
             Ok(QueueControl {
                 scope: Scope::from_key(&r.scope)?,
+                limits: r.limits.into(),
                 queue: r.queue,
                 paused: r.paused,
-                limits: Limits {
-                    max_active: r.max_active.map(|m| m as u32),
-                    rate,
-                    weight: r.weight.map(|w| w as u32),
-                },
                 updated_at: r.updated_at,
                 updated_by: r.updated_by,
+            })
+        })
+        .collect()
+}
+
+/// What a recorded change of a control did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlChangeKind {
+    /// The scope was paused.
+    Pause,
+    /// The scope was resumed.
+    Resume,
+    /// Its limits (cap, rate, weight) were set to other values.
+    Limits,
+    /// Its control row was deleted (plain SQL; the library never deletes one).
+    Remove,
+}
+
+/// One row of `queue_control_changes`: a change of a control, as [`control_changes`]
+/// reads it. Recorded by the database for every change, however it was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlChange {
+    /// The change's number, rising with each change.
+    pub id: i64,
+    /// When it was made (database clock).
+    pub changed_at: DateTime<Utc>,
+    /// The queue.
+    pub queue: String,
+    /// Whom the control applies to.
+    pub scope: Scope,
+    /// What it did.
+    pub kind: ControlChangeKind,
+    /// Whether the scope is paused after it (`None` after a [`ControlChangeKind::Remove`]).
+    pub paused: Option<bool>,
+    /// The limits after it (none after a [`ControlChangeKind::Remove`]).
+    pub limits: Limits,
+    /// Who the library was told made it (`--actor`, the console's session); `None`
+    /// for a change made without the library.
+    pub actor: Option<String>,
+    /// The database login role of the session that made it.
+    pub db_user: String,
+}
+
+#[derive(QueryableByName)]
+struct ChangeRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    changed_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    queue: String,
+    #[diesel(sql_type = Text)]
+    scope: String,
+    #[diesel(sql_type = Text)]
+    change: String,
+    #[diesel(sql_type = Nullable<Bool>)]
+    paused: Option<bool>,
+    #[diesel(embed)]
+    limits: LimitColumns,
+    #[diesel(sql_type = Nullable<Text>)]
+    actor: Option<String>,
+    #[diesel(sql_type = Text)]
+    db_user: String,
+}
+
+/// The newest `limit` recorded changes of controls, of `queue` or (with `None`) of
+/// all queues, newest first.
+pub async fn control_changes(
+    conn: &mut AsyncPgConnection,
+    queue: Option<&str>,
+    limit: u32,
+) -> Result<Vec<ControlChange>, RepoError> {
+    let query = diesel::sql_query(
+        "SELECT id, changed_at, queue, scope, change, paused, max_active, rate_count, \
+                rate_period_ms, rate_burst, weight, actor, db_user \
+           FROM queue_control_changes WHERE $1::text IS NULL OR queue = $1 \
+          ORDER BY id DESC LIMIT $2",
+    )
+    .bind::<Nullable<Text>, _>(queue)
+    .bind::<BigInt, _>(i64::from(limit));
+    let rows: Vec<ChangeRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
+        .await
+        .map_err(map_diesel_error)?;
+    rows.into_iter()
+        .map(|r| {
+            let kind = match r.change.as_str() {
+                "pause" => ControlChangeKind::Pause,
+                "resume" => ControlChangeKind::Resume,
+                "limits" => ControlChangeKind::Limits,
+                "remove" => ControlChangeKind::Remove,
+                other => {
+                    return Err(RepoError::Database(format!(
+                        "queue_control_changes.change {other:?} is none this version knows"
+                    )))
+                }
+            };
+            Ok(ControlChange {
+                id: r.id,
+                changed_at: r.changed_at,
+                scope: Scope::from_key(&r.scope)?,
+                queue: r.queue,
+                kind,
+                paused: r.paused,
+                limits: r.limits.into(),
+                actor: r.actor,
+                db_user: r.db_user,
             })
         })
         .collect()
@@ -370,7 +518,7 @@ pub async fn held_until(
     queue: &str,
     tenant: Option<&TenantId>,
 ) -> Result<Option<DateTime<Utc>>, RepoError> {
-    #[derive(diesel::QueryableByName)]
+    #[derive(QueryableByName)]
     struct Held {
         #[diesel(sql_type = Nullable<Timestamptz>)]
         held_until: Option<DateTime<Utc>>,

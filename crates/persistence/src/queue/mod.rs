@@ -21,8 +21,8 @@ mod send;
 
 pub use batched::{complete_many, renew_leases, retry_now_many};
 pub use controls::{
-    controls, held_until, hold, pause, resume, set_limits, Limits, PauseOutcome, QueueControl,
-    Rate, ResumeOutcome, Scope,
+    control_changes, controls, held_until, hold, pause, resume, set_limits, ControlChange,
+    ControlChangeKind, Limits, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope,
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};

@@ -9,7 +9,10 @@ use std::time::Duration;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use idemstage_domain::queue::{FetchedJob, JobCompleteOutcome, JobToSend, SendOptions};
 use idemstage_domain::{DomainError, JobId, RepoError, SendResult, TenantId};
-use idemstage_persistence::queue::{self, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage_persistence::ops::Actor;
+use idemstage_persistence::queue::{
+    self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
+};
 use idemstage_testkit::{count, TestDb};
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -58,29 +61,37 @@ async fn a_paused_queue_or_tenant_is_not_fetched_until_resumed() {
     send(&mut conn, "b", 3).await;
 
     assert_eq!(
-        queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        queue::pause(&mut conn, "q", &Scope::Queue, &test_actor())
+            .await
+            .unwrap(),
         PauseOutcome::Paused
     );
     assert_eq!(
-        queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        queue::pause(&mut conn, "q", &Scope::Queue, &test_actor())
+            .await
+            .unwrap(),
         PauseOutcome::AlreadyPaused
     );
     assert!(fetch(&mut conn, 10).await.is_empty(), "a paused queue");
     assert_eq!(
-        queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        queue::resume(&mut conn, "q", &Scope::Queue, &test_actor())
+            .await
+            .unwrap(),
         ResumeOutcome::Resumed
     );
     assert_eq!(
-        queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap(),
+        queue::resume(&mut conn, "q", &Scope::Queue, &test_actor())
+            .await
+            .unwrap(),
         ResumeOutcome::NotPaused
     );
 
-    queue::pause(&mut conn, "q", &Scope::Tenant(t("a")))
+    queue::pause(&mut conn, "q", &Scope::Tenant(t("a")), &test_actor())
         .await
         .unwrap();
     let got = fetch(&mut conn, 10).await;
     assert_eq!(per_tenant(&got), HashMap::from([("b".to_owned(), 3)]));
-    queue::resume(&mut conn, "q", &Scope::Tenant(t("a")))
+    queue::resume(&mut conn, "q", &Scope::Tenant(t("a")), &test_actor())
         .await
         .unwrap();
     let got = fetch(&mut conn, 10).await;
@@ -103,12 +114,18 @@ async fn caps_per_queue_and_per_tenant_bound_the_active_jobs() {
         max_active: Some(n),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &cap(2))
+    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &cap(2), &test_actor())
         .await
         .unwrap();
-    queue::set_limits(&mut conn, "q", &Scope::Tenant(t("c")), &cap(1))
-        .await
-        .unwrap();
+    queue::set_limits(
+        &mut conn,
+        "q",
+        &Scope::Tenant(t("c")),
+        &cap(1),
+        &test_actor(),
+    )
+    .await
+    .unwrap();
     let first = fetch(&mut conn, 100).await;
     assert_eq!(
         per_tenant(&first),
@@ -119,7 +136,7 @@ async fn caps_per_queue_and_per_tenant_bound_the_active_jobs() {
         "every tenant is at its cap"
     );
 
-    queue::set_limits(&mut conn, "q", &Scope::Queue, &cap(4))
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &cap(4), &test_actor())
         .await
         .unwrap();
     complete(&mut conn, &first).await;
@@ -144,14 +161,21 @@ async fn concurrent_fetchers_never_exceed_a_cap() {
         max_active: Some(n),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::Queue, &limits(CAP as u32))
-        .await
-        .unwrap();
+    queue::set_limits(
+        &mut conn,
+        "q",
+        &Scope::Queue,
+        &limits(CAP as u32),
+        &test_actor(),
+    )
+    .await
+    .unwrap();
     queue::set_limits(
         &mut conn,
         "q",
         &Scope::EveryTenant,
         &limits(PER_TENANT as u32),
+        &test_actor(),
     )
     .await
     .unwrap();
@@ -220,7 +244,7 @@ async fn a_rate_limit_spends_tokens_that_refill_on_the_database_clock() {
         }),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::Queue, &rate)
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &rate, &test_actor())
         .await
         .unwrap();
     assert_eq!(fetch(&mut conn, 100).await.len(), 5, "a full bucket");
@@ -268,7 +292,7 @@ async fn a_slow_fetch_does_not_lose_the_refill_of_its_own_duration() {
         .await
         .unwrap();
         send(&mut conn, "a", 20).await;
-        queue::set_limits(&mut conn, "q", &scope, &rate)
+        queue::set_limits(&mut conn, "q", &scope, &rate, &test_actor())
             .await
             .unwrap();
         conn.batch_execute(
@@ -331,7 +355,7 @@ async fn a_hold_stops_the_tenants_bucket_or_else_the_queues() {
         }),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &rate)
+    queue::set_limits(&mut conn, "q", &Scope::EveryTenant, &rate, &test_actor())
         .await
         .unwrap();
     queue::hold(&mut conn, "q", Some(&t("a")), Duration::from_secs(60))
@@ -366,9 +390,15 @@ async fn weights_give_tenants_proportional_shares() {
         weight: Some(w),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::Tenant(t("a")), &weight(3))
-        .await
-        .unwrap();
+    queue::set_limits(
+        &mut conn,
+        "q",
+        &Scope::Tenant(t("a")),
+        &weight(3),
+        &test_actor(),
+    )
+    .await
+    .unwrap();
     let got = fetch(&mut conn, 8).await;
     assert_eq!(
         per_tenant(&got),
@@ -419,7 +449,7 @@ async fn bad_limits_are_refused_with_a_typed_error_and_write_nothing() {
         ),
     ];
     for (scope, limits) in refused {
-        let err = queue::set_limits(&mut conn, "q", &scope, &limits)
+        let err = queue::set_limits(&mut conn, "q", &scope, &limits, &test_actor())
             .await
             .unwrap_err();
         assert!(
@@ -427,7 +457,7 @@ async fn bad_limits_are_refused_with_a_typed_error_and_write_nothing() {
             "{scope} {limits:?}: {err:?}"
         );
     }
-    let err = queue::pause(&mut conn, "bad queue!", &Scope::Queue)
+    let err = queue::pause(&mut conn, "bad queue!", &Scope::Queue, &test_actor())
         .await
         .unwrap_err();
     assert!(matches!(err, RepoError::Invalid(_)), "{err:?}");
@@ -457,7 +487,7 @@ async fn fetch_wait_names_the_time_until_a_control_lets_a_ready_job_through() {
         }),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::Queue, &rate)
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &rate, &test_actor())
         .await
         .unwrap();
     assert_eq!(
@@ -476,24 +506,162 @@ async fn fetch_wait_names_the_time_until_a_control_lets_a_ready_job_through() {
         "{wait:?}"
     );
 
-    queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap();
+    queue::pause(&mut conn, "q", &Scope::Queue, &test_actor())
+        .await
+        .unwrap();
     assert_eq!(
         queue::fetch_wait(&mut conn, &q).await.unwrap(),
         None,
         "paused"
     );
-    queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap();
+    queue::resume(&mut conn, "q", &Scope::Queue, &test_actor())
+        .await
+        .unwrap();
 
     let cap = Limits {
         max_active: Some(2),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "q", &Scope::Queue, &cap)
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &cap, &test_actor())
         .await
         .unwrap();
     assert_eq!(
         queue::fetch_wait(&mut conn, &q).await.unwrap(),
         Some(Duration::from_millis(20)),
         "a full cap is re-checked shortly"
+    );
+}
+
+/// Who these tests' control changes are recorded as made by.
+pub(crate) fn test_actor() -> idemstage_persistence::ops::Actor {
+    idemstage_persistence::ops::Actor::parse("test").unwrap()
+}
+
+/// Every change of a control is recorded by the database, newest first, with the
+/// actor the library was given and the login role; a setting that changes
+/// nothing is no change; plain SQL is recorded too, without an actor.
+#[tokio::test]
+async fn every_control_change_is_recorded_with_who_made_it() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let actor = |name: &str| Actor::parse(name).unwrap();
+    let cap = |m: u32| Limits {
+        max_active: Some(m),
+        ..Limits::default()
+    };
+    let tenant = Scope::Tenant(t("a"));
+    queue::pause(&mut conn, "q", &Scope::Queue, &actor("alice"))
+        .await
+        .unwrap();
+    // Already paused, then the same limits twice: one change, not three.
+    queue::pause(&mut conn, "q", &Scope::Queue, &actor("mallory"))
+        .await
+        .unwrap();
+    queue::set_limits(&mut conn, "q", &tenant, &cap(3), &actor("carol"))
+        .await
+        .unwrap();
+    queue::set_limits(&mut conn, "q", &tenant, &cap(3), &actor("mallory"))
+        .await
+        .unwrap();
+    queue::resume(&mut conn, "q", &Scope::Queue, &actor("bob"))
+        .await
+        .unwrap();
+    queue::resume(&mut conn, "q", &Scope::Queue, &actor("mallory"))
+        .await
+        .unwrap();
+    // Another queue's change is not this queue's.
+    queue::pause(&mut conn, "other", &Scope::Queue, &actor("alice"))
+        .await
+        .unwrap();
+    conn.batch_execute(
+        "UPDATE queue_controls SET max_active = 5 WHERE queue = 'q' AND scope = 'a';
+         DELETE FROM queue_controls WHERE queue = 'q' AND scope = '';",
+    )
+    .await
+    .unwrap();
+
+    let changes = queue::control_changes(&mut conn, Some("q"), 10)
+        .await
+        .unwrap();
+    let seen: Vec<_> = changes
+        .iter()
+        .map(|c| {
+            (
+                c.kind,
+                c.scope.as_key().to_owned(),
+                c.limits.max_active,
+                c.paused,
+                c.actor.clone(),
+            )
+        })
+        .collect();
+    let some = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        seen,
+        vec![
+            (ControlChangeKind::Remove, "".into(), None, None, None),
+            (
+                ControlChangeKind::Limits,
+                "a".into(),
+                Some(5),
+                Some(false),
+                None
+            ),
+            (
+                ControlChangeKind::Resume,
+                "".into(),
+                None,
+                Some(false),
+                some("bob")
+            ),
+            (
+                ControlChangeKind::Limits,
+                "a".into(),
+                Some(3),
+                Some(false),
+                some("carol")
+            ),
+            (
+                ControlChangeKind::Pause,
+                "".into(),
+                None,
+                Some(true),
+                some("alice")
+            ),
+        ]
+    );
+    let user: String = {
+        #[derive(diesel::QueryableByName)]
+        struct U {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            u: String,
+        }
+        use diesel_async::RunQueryDsl;
+        diesel::sql_query("SELECT session_user::text AS u")
+            .get_result::<U>(&mut conn)
+            .await
+            .unwrap()
+            .u
+    };
+    assert!(changes.iter().all(|c| c.db_user == user), "{changes:?}");
+    assert!(
+        changes
+            .windows(2)
+            .all(|w| w[0].id > w[1].id && w[0].changed_at >= w[1].changed_at),
+        "newest first: {changes:?}"
+    );
+    assert_eq!(
+        queue::control_changes(&mut conn, None, 10)
+            .await
+            .unwrap()
+            .len(),
+        6
+    );
+    assert_eq!(
+        queue::control_changes(&mut conn, Some("q"), 2)
+            .await
+            .unwrap()
+            .len(),
+        2
     );
 }

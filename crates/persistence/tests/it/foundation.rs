@@ -40,6 +40,7 @@ async fn migrations_round_trip_up_down_up() {
             "pipeline_run_attempts",
             "pipeline_runs",
             "queue_buckets",
+            "queue_control_changes",
             "queue_controls"
         ]
     );

@@ -104,13 +104,18 @@ async fn the_queue_the_role_check_and_the_reports_work_through_a_transaction_poo
     let stats = queue::queue_stats(&mut other).await.unwrap();
     assert!(!format!("{stats:?}").is_empty());
 
-    // Controls: pause, limits, a hold, and the fetch's wait.
-    queue::pause(&mut conn, "q", &Scope::Queue).await.unwrap();
+    // Controls: pause, limits, their record, a hold, and the fetch's wait.
+    let actor = crate::controls::test_actor();
+    queue::pause(&mut conn, "q", &Scope::Queue, &actor)
+        .await
+        .unwrap();
     assert!(queue::fetch(&mut other, &queues, 4)
         .await
         .unwrap()
         .is_empty());
-    queue::resume(&mut conn, "q", &Scope::Queue).await.unwrap();
+    queue::resume(&mut conn, "q", &Scope::Queue, &actor)
+        .await
+        .unwrap();
     queue::set_limits(
         &mut other,
         "q",
@@ -124,6 +129,7 @@ async fn the_queue_the_role_check_and_the_reports_work_through_a_transaction_poo
             }),
             weight: None,
         },
+        &actor,
     )
     .await
     .unwrap();
@@ -131,6 +137,11 @@ async fn the_queue_the_role_check_and_the_reports_work_through_a_transaction_poo
         queue::controls(&mut conn, Some("q")).await.unwrap().len(),
         2
     );
+    let changes = queue::control_changes(&mut other, Some("q"), 10)
+        .await
+        .unwrap();
+    assert_eq!(changes.len(), 3, "{changes:?}");
+    assert!(changes.iter().all(|c| c.actor.as_deref() == Some("test")));
     queue::hold(&mut other, "q", Some(&tenant), Duration::from_secs(60))
         .await
         .unwrap();

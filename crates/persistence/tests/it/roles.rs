@@ -234,9 +234,27 @@ async fn an_operator_role_reads_every_tenant_and_retries_and_cancels() {
         &mut op,
         "intake",
         &idemstage_persistence::queue::Scope::Queue,
+        &crate::controls::test_actor(),
     )
     .await
     .unwrap();
+    // The change is recorded, as the operator's login role, and the operator
+    // reads the record but cannot write, change or remove any of it.
+    let changes = idemstage_persistence::queue::control_changes(&mut op, Some("intake"), 10)
+        .await
+        .unwrap();
+    assert_eq!(changes.len(), 1, "{changes:?}");
+    assert_eq!(changes[0].db_user, TEST_OPERATOR);
+    assert_eq!(changes[0].actor.as_deref(), Some("test"));
+    for sql in [
+        "INSERT INTO queue_control_changes (queue, scope, change, db_user) \
+         VALUES ('intake', '', 'resume', 'forged')",
+        "UPDATE queue_control_changes SET actor = 'someone else'",
+        "DELETE FROM queue_control_changes",
+        "TRUNCATE queue_control_changes",
+    ] {
+        refused(&mut op, sql).await;
+    }
 }
 
 #[tokio::test]

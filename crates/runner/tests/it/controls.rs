@@ -31,7 +31,7 @@ async fn a_rate_limited_backlog_drains_at_the_rate_not_at_the_poll_interval() {
         }),
         ..Limits::default()
     };
-    queue::set_limits(&mut conn, "limited", &Scope::Queue, &rate)
+    queue::set_limits(&mut conn, "limited", &Scope::Queue, &rate, &test_actor())
         .await
         .unwrap();
     let mut cfg = config("limited");
@@ -52,4 +52,9 @@ async fn a_rate_limited_backlog_drains_at_the_rate_not_at_the_poll_interval() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     running.shutdown().await;
+}
+
+/// Who these tests' control changes are recorded as made by.
+fn test_actor() -> idemstage_persistence::ops::Actor {
+    idemstage_persistence::ops::Actor::parse("test").unwrap()
 }

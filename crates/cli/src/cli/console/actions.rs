@@ -185,18 +185,18 @@ async fn pause_or_resume(
     };
     let mut conn = idemstage_persistence::db::get(&console.pool).await?;
     let (title, changed) = if pause {
-        match queue::pause(&mut conn, stage.as_str(), &scope).await? {
+        match queue::pause(&mut conn, stage.as_str(), &scope, &p.actor).await? {
             PauseOutcome::Paused => ("Paused", true),
             PauseOutcome::AlreadyPaused => ("Already paused", false),
         }
     } else {
-        match queue::resume(&mut conn, stage.as_str(), &scope).await? {
+        match queue::resume(&mut conn, stage.as_str(), &scope, &p.actor).await? {
             ResumeOutcome::Resumed => ("Resumed", true),
             ResumeOutcome::NotPaused => ("Not paused", false),
         }
     };
     drop(conn);
-    // queue_controls records the database user; the console's actor is logged.
+    // Recorded in queue_control_changes with the session's actor; logged too.
     tracing::info!(actor = %p.actor, stage = %stage, %scope, pause, changed, "console: pause/resume");
     let line = format!("stage {stage}, {scope}: {}", title.to_lowercase());
     Ok(done_page(

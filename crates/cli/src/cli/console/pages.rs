@@ -285,6 +285,7 @@ pub(crate) async fn overview(
     let stages = stage_order(&console, rows.iter().map(|r| r.stage.clone()));
     let depths = queue::queue_depths(&mut conn, &stages).await?;
     let controls = queue::controls(&mut conn, None).await?;
+    let changes = queue::control_changes(&mut conn, None, CONTROL_CHANGES_SHOWN).await?;
     drop(conn);
 
     let mut counts: HashMap<(&str, &str, &str), i64> = HashMap::new();
@@ -401,9 +402,68 @@ pub(crate) async fn overview(
                 }
             }
         }
+        section {
+            h2 { "Control changes" }
+            p.note { "The latest " (CONTROL_CHANGES_SHOWN) " pauses, resumes and limits, newest first, with who made them (the actor, and the database user)." }
+            @if changes.is_empty() { p #no-changes { "No control was changed yet." } }
+            @else {
+                table #changes {
+                    thead { tr {
+                        th { "when" } th { "stage" } th { "scope" } th { "change" } th { "by" } th { "database user" }
+                    } }
+                    tbody {
+                        @for c in &changes {
+                            tr #{"change-" (c.id)} {
+                                td { (time(&c.changed_at)) }
+                                td { (c.queue) }
+                                td.tenant { (c.scope) }
+                                td.change { (change_text(c)) }
+                                td.actor { (c.actor.as_deref().unwrap_or("-")) }
+                                td { (c.db_user) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
         (search_form("", ""))
     };
     Ok(layout("Overview", Some(&p), ro, body).into_response())
+}
+
+/// How many control changes the overview lists.
+const CONTROL_CHANGES_SHOWN: u32 = 10;
+
+/// `pause`, `resume`, `remove`, or the limits a `limits` change set.
+fn change_text(c: &queue::ControlChange) -> String {
+    match c.kind {
+        queue::ControlChangeKind::Pause => "pause".into(),
+        queue::ControlChangeKind::Resume => "resume".into(),
+        queue::ControlChangeKind::Remove => "remove".into(),
+        queue::ControlChangeKind::Limits => {
+            let l = &c.limits;
+            let mut parts = Vec::new();
+            if let Some(m) = l.max_active {
+                parts.push(format!("max_active {m}"));
+            }
+            if let Some(r) = l.rate {
+                parts.push(format!(
+                    "rate {}/{:?} burst {}",
+                    r.count,
+                    r.per,
+                    r.burst.unwrap_or(r.count)
+                ));
+            }
+            if let Some(w) = l.weight {
+                parts.push(format!("weight {w}"));
+            }
+            if parts.is_empty() {
+                "limits removed".into()
+            } else {
+                format!("limits: {}", parts.join(", "))
+            }
+        }
+    }
 }
 
 fn search_form(tenant: &str, anfrage: &str) -> Markup {
