@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::stats::WorkerStats;
 use crate::telemetry;
 
 /// The jobs held and the keeper's schedule; cloned handles share it.
@@ -81,6 +82,7 @@ impl Leases {
     /// Starts the keeper; it runs until `stop`.
     pub(super) fn start(
         pool: PgPool,
+        stats: Arc<WorkerStats>,
         backoff_min: Duration,
         backoff_max: Duration,
         stop: CancellationToken,
@@ -93,6 +95,7 @@ impl Leases {
         };
         let keeper = tokio::spawn(keep_leases(
             pool,
+            stats,
             leases.shared.clone(),
             backoff_min,
             backoff_max,
@@ -147,6 +150,7 @@ impl Leases {
 /// backoff (the lease has slack); only a fenced renewal tells the holder to stop.
 async fn keep_leases(
     pool: PgPool,
+    stats: Arc<WorkerStats>,
     shared: Arc<Shared>,
     backoff_min: Duration,
     backoff_max: Duration,
@@ -193,6 +197,9 @@ async fn keep_leases(
                             }
                             RenewLeaseOutcome::Fenced => {
                                 h.lost.cancel();
+                                // After the holder was told: whoever reads the
+                                // count knows the job will not (or no longer) run.
+                                WorkerStats::add(&stats.leases_lost, 1);
                                 telemetry::count_job_renewal(&h.queue, "lost");
                                 st.held.remove(key);
                             }

@@ -156,6 +156,7 @@ impl<H: JobHandler> QueueWorker<H> {
         let leases_stop = CancellationToken::new();
         let (leases, leases_done) = Leases::start(
             self.pool.clone(),
+            self.stats.clone(),
             cfg.error_backoff_min,
             cfg.error_backoff_max,
             leases_stop.clone(),

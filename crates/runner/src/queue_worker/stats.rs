@@ -12,6 +12,7 @@ pub struct WorkerStats {
     pub(super) released: AtomicU64,
     pub(super) deferred: AtomicU64,
     pub(super) fetch_errors: AtomicU64,
+    pub(super) leases_lost: AtomicU64,
 }
 
 /// A worker's counters at one moment (what [`QueueWorker::run`](super::QueueWorker::run)
@@ -32,6 +33,10 @@ pub struct WorkerStatsSnapshot {
     pub deferred: u64,
     /// Fetches that failed with a database error (retried after a backoff).
     pub fetch_errors: u64,
+    /// Held jobs (running or waiting for a slot) whose lease renewal found them
+    /// taken over; counted once the holder has been told, so that its handler is
+    /// stopped or never started from then on.
+    pub leases_lost: u64,
 }
 
 impl WorkerStats {
@@ -46,6 +51,7 @@ impl WorkerStats {
             released: get(&self.released),
             deferred: get(&self.deferred),
             fetch_errors: get(&self.fetch_errors),
+            leases_lost: get(&self.leases_lost),
         }
     }
     pub(super) fn add(c: &AtomicU64, n: u64) {
