@@ -42,7 +42,21 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
 
 /// Size and wait of the pool [`connect_pool`] builds, and how its connections
 /// reach the server; the default is 16 direct connections and a 10 s wait.
+///
+/// Built from the default with the `with_` methods, so that a setting added
+/// later breaks no caller (the struct is `#[non_exhaustive]`):
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstage_persistence::{PoolConfig, Pooler};
+/// let config = PoolConfig::default()
+///     .with_max_size(8)
+///     .with_connection_timeout(Duration::from_secs(5))
+///     .with_pooler(Pooler::Transaction);
+/// assert_eq!(config.max_size, 8);
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// The most connections the pool holds at once (bb8's `max_size`).
     pub max_size: u32,
@@ -59,6 +73,26 @@ impl Default for PoolConfig {
             connection_timeout: Duration::from_secs(10),
             pooler: Pooler::None,
         }
+    }
+}
+
+impl PoolConfig {
+    /// The same, holding at most `max_size` connections.
+    pub fn with_max_size(mut self, max_size: u32) -> Self {
+        self.max_size = max_size;
+        self
+    }
+
+    /// The same, waiting at most `timeout` for a free connection.
+    pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// The same, its connections reaching the server through `pooler`.
+    pub fn with_pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
     }
 }
 
@@ -109,7 +143,7 @@ pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
 /// use idemstage_persistence::{connect_pool, pinned, PoolConfig, Pooler};
 /// # async fn example() -> Result<(), idemstage_domain::RepoError> {
 /// // Through PgBouncer in transaction mode.
-/// let config = PoolConfig { pooler: Pooler::Transaction, ..PoolConfig::default() };
+/// let config = PoolConfig::default().with_pooler(Pooler::Transaction);
 /// let pool = connect_pool("postgres://w:pw@pgbouncer:6432/app", config).await?;
 /// let mut conn = idemstage_persistence::get(&pool).await?;
 /// let one: i32 = pinned(&mut conn, async |conn| {

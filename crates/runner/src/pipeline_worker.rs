@@ -272,7 +272,7 @@ impl PipelineWorker {
     /// };
     /// let pool = idemstage::connect_pool(
     ///     url,
-    ///     PoolConfig { max_size: config.pool_size(), ..PoolConfig::default() },
+    ///     PoolConfig::default().with_max_size(config.pool_size()),
     /// )
     /// .await?;
     /// let counters = Arc::new(Counters::default());

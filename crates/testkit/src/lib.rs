@@ -227,11 +227,9 @@ impl TestDb {
     pub async fn pool(&self, max_size: u32) -> PgPool {
         connect_pool(
             &self.url,
-            PoolConfig {
-                max_size,
-                connection_timeout: Duration::from_secs(30),
-                ..PoolConfig::default()
-            },
+            PoolConfig::default()
+                .with_max_size(max_size)
+                .with_connection_timeout(Duration::from_secs(30)),
         )
         .await
         .expect("pool for test database")

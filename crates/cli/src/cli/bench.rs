@@ -274,10 +274,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
 
     let pool = idemstage_persistence::connect_pool(
         url,
-        PoolConfig {
-            max_size: args.concurrency as u32,
-            ..PoolConfig::default()
-        },
+        PoolConfig::default().with_max_size(args.concurrency as u32),
     )
     .await?;
     let repo = Arc::new(PgRunRepository::new(pool));
@@ -680,10 +677,7 @@ pub(super) async fn bench_worker<H: JobHandler>(
 ) -> anyhow::Result<QueueWorker<H>> {
     let pool = idemstage_persistence::connect_pool(
         url,
-        PoolConfig {
-            max_size: args.concurrency as u32 + 2,
-            ..PoolConfig::default()
-        },
+        PoolConfig::default().with_max_size(args.concurrency as u32 + 2),
     )
     .await?;
     Ok(QueueWorker::new(
@@ -713,14 +707,8 @@ async fn pickup_latency(
     let notifier = match wake {
         queue::Wake::InCommit => None,
         queue::Wake::AfterCommit => Some(queue::Notifier::new(
-            idemstage_persistence::connect_pool(
-                url,
-                PoolConfig {
-                    max_size: 1,
-                    ..PoolConfig::default()
-                },
-            )
-            .await?,
+            idemstage_persistence::connect_pool(url, PoolConfig::default().with_max_size(1))
+                .await?,
         )),
     };
     let handler = {
@@ -839,11 +827,9 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     };
     let pool = idemstage_persistence::connect_pool(
         pool_url,
-        PoolConfig {
-            max_size: config.pool_size(),
-            pooler,
-            ..PoolConfig::default()
-        },
+        PoolConfig::default()
+            .with_max_size(config.pool_size())
+            .with_pooler(pooler),
     )
     .await?;
     let batch_size = config.queue.batch_size;

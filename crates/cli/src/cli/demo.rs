@@ -168,10 +168,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     for _ in 0..args.workers {
         let pool = idemstage_persistence::connect_pool(
             url,
-            PoolConfig {
-                max_size: args.concurrency as u32 * 2 + 2,
-                ..PoolConfig::default()
-            },
+            PoolConfig::default().with_max_size(args.concurrency as u32 * 2 + 2),
         )
         .await?;
         let config = PipelineWorkerConfig {

@@ -364,10 +364,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     config.queue.queues = vec![stage.clone()];
     let pool = idemstage_persistence::connect_pool(
         url,
-        PoolConfig {
-            max_size: config.pool_size(),
-            ..PoolConfig::default()
-        },
+        PoolConfig::default().with_max_size(config.pool_size()),
     )
     .await?;
     let pipeline = example::pipeline(Chaos::default());

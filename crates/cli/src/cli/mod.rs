@@ -46,10 +46,7 @@ impl Db {
         &self,
         config: idemstage_persistence::PoolConfig,
     ) -> Result<idemstage_persistence::PgPool, RepoError> {
-        let config = idemstage_persistence::PoolConfig {
-            pooler: self.pooler,
-            ..config
-        };
+        let config = config.with_pooler(self.pooler);
         idemstage_persistence::connect_pool(&self.url, config).await
     }
 

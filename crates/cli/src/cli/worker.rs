@@ -197,10 +197,7 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         eprintln!("idemstage worker: metrics on http://{addr}/metrics");
     }
     let config = args.worker_config(db)?;
-    let pool_config = PoolConfig {
-        max_size: config.pool_size(),
-        ..PoolConfig::default()
-    };
+    let pool_config = PoolConfig::default().with_max_size(config.pool_size());
     let listen_url = args.listen_url(db);
     let (pool, role) = starting(async || {
         let pool = db.pool(pool_config.clone()).await?;

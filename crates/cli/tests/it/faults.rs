@@ -331,11 +331,9 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
     // waiting for one after 200 ms.
     let pool = idemstage_persistence::connect_pool(
         db.url(),
-        PoolConfig {
-            max_size: 2,
-            connection_timeout: Duration::from_millis(200),
-            ..PoolConfig::default()
-        },
+        PoolConfig::default()
+            .with_max_size(2)
+            .with_connection_timeout(Duration::from_millis(200)),
     )
     .await
     .unwrap();

@@ -40,10 +40,7 @@ async fn worked(db: &idemstage_testkit::TestDb) {
     }
     let pool = idemstage_persistence::connect_pool(
         &db.worker_url(),
-        idemstage_persistence::PoolConfig {
-            max_size: 6,
-            ..Default::default()
-        },
+        idemstage_persistence::PoolConfig::default().with_max_size(6),
     )
     .await
     .unwrap();

@@ -439,11 +439,9 @@ async fn fetch_errors_while_the_database_refuses_connections_are_retried() {
     // A pool that gives up quickly, so that the outage shows up as fetch errors.
     let pool = connect_pool(
         db.url(),
-        PoolConfig {
-            max_size: 2,
-            connection_timeout: Duration::from_millis(300),
-            ..PoolConfig::default()
-        },
+        PoolConfig::default()
+            .with_max_size(2)
+            .with_connection_timeout(Duration::from_millis(300)),
     )
     .await
     .unwrap();

@@ -126,11 +126,11 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         .map_err(|e| BadInput(format!("--listen {}: {e}", args.listen)))?;
     let addr = listener.local_addr()?;
     let pool = db
-        .pool(PoolConfig {
-            max_size: 4,
-            connection_timeout: Duration::from_secs(5),
-            ..PoolConfig::default()
-        })
+        .pool(
+            PoolConfig::default()
+                .with_max_size(4)
+                .with_connection_timeout(Duration::from_secs(5)),
+        )
         .await?;
     let console = Arc::new(Console {
         pool,
