@@ -32,7 +32,7 @@ CREATE TABLE queue_control_changes (
 CREATE INDEX queue_control_changes_queue_idx ON queue_control_changes (queue, id);
 
 CREATE FUNCTION idemstage_record_control_change() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
 DECLARE
     v_row queue_controls;
     v_change text;
