@@ -19,7 +19,11 @@ use anyhow::{bail, Context, Result};
 use crate::{cargo, project_root, with_database_durable};
 
 /// Flags of xtask itself, not passed on to `idemstage bench` and the peers.
-const OWN_FLAGS: [&str; 1] = ["--durable"];
+const OWN_FLAGS: [&str; 2] = ["--durable", "--only"];
+
+/// What `--only` may name: the pairs against pgbench, run alone (no peers, no
+/// queue scenario) for a quick look at a ratio.
+const ONLY_PARTS: [&str; 2] = ["claims", "stages"];
 
 /// One row of the table: a measure, ours, a reference and their ratio.
 struct Row {
@@ -38,6 +42,12 @@ struct Suite {
 
 pub fn main(args: &[String]) -> Result<i32> {
     let durable = flag(args, "--durable");
+    let only = flag(args, "--only");
+    if let Some(only) = &only {
+        if let Some(bad) = only.split(',').find(|p| !ONLY_PARTS.contains(p)) {
+            bail!("--only {bad:?}: give claims, stages or both (claims,stages)");
+        }
+    }
     let external = env::var("DATABASE_URL").is_ok_and(|u| !u.is_empty());
     let modes: Vec<Option<bool>> = match (durable.as_deref(), external) {
         (None, true) => vec![None],
@@ -79,7 +89,11 @@ pub fn main(args: &[String]) -> Result<i32> {
     let target = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
-    let peers = Peers::prepare(&root)?;
+    // The quick pairs need no peers (npm ci, awa's release build).
+    let peers = match only {
+        Some(_) => None,
+        None => Some(Peers::prepare(&root)?),
+    };
 
     let mut suites = Vec::new();
     for mode in modes {
@@ -91,7 +105,15 @@ pub fn main(args: &[String]) -> Result<i32> {
                     if durable { "on" } else { "off" }
                 );
             }
-            suite(&root, &target, &peers, url, &pass, durable)
+            suite(
+                &root,
+                &target,
+                peers.as_ref(),
+                only.as_deref(),
+                url,
+                &pass,
+                durable,
+            )
         })?;
         suites.push(suite);
     }
@@ -256,7 +278,8 @@ const PEERS: [(&str, &str); 3] = [
 fn suite(
     root: &Path,
     target: &Path,
-    peers: &Peers,
+    peers: Option<&Peers>,
+    only: Option<&str>,
     url: &str,
     args: &[String],
     durable: bool,
@@ -337,11 +360,6 @@ fn suite(
         Ok(())
     };
 
-    // The stage's statements alone (job=0), then with the job that carries the
-    // execution (job=1: its fetch and its completion, as the worker sends them).
-    ours("claim", &["--setup-only"])?;
-    let (pg_stage, n) = run_pgbench("stage.sql", &STAGE_ONLY)?;
-    check_stage(&check, n, 0)?;
     let batch = pipeline_batch(args);
     let num = |json: &str, key: &str| -> Result<f64> {
         number(json, key).with_context(|| format!("no number {key:?} in {json}"))
@@ -393,7 +411,6 @@ fn suite(
             last,
         ))
     };
-    let queue = ours("queue", &[])?;
     // Claims, as the stages: PAIR_ROUNDS interleaved rounds, each reference
     // from the same fixtures as our timed run; medians (insert ours, insert
     // pgbench, skip ours, skip pgbench) and our last run's JSON.
@@ -425,6 +442,17 @@ fn suite(
         }
         Ok((per_s.map(median), last))
     };
+    // `--only`: the pairs named, alone; their rows and medians, nothing else.
+    if let Some(only) = only {
+        return quick_pairs(only, durable, &claim_pair, &stage_pair);
+    }
+    let peers = peers.context("the peers are prepared for a full run")?;
+    // The stage's statements alone (job=0), then with the job that carries the
+    // execution (job=1: its fetch and its completion, as the worker sends them).
+    ours("claim", &["--setup-only"])?;
+    let (pg_stage, n) = run_pgbench("stage.sql", &STAGE_ONLY)?;
+    check_stage(&check, n, 0)?;
+    let queue = ours("queue", &[])?;
     let ([c_ins, pg_insert, c_skip, pg_skip], claim) = claim_pair(None)?;
     let (p_stages, pg_stage_job, pg_stage_sequential, pipeline) = stage_pair(None)?;
     let pipeline_no_prefetch = ours("pipeline", &["--pipeline-batch", "0"])?;
@@ -721,6 +749,67 @@ fn suite(
     Ok(Suite {
         durable,
         json,
+        rows,
+    })
+}
+
+/// `cargo xtask bench --only claims,stages`: the claim pair and the stage pair
+/// (each `PAIR_ROUNDS` interleaved rounds against pgbench, shared CPUs), their
+/// rows and medians only.
+type ClaimPair<'a> = dyn Fn(Option<&str>) -> Result<([f64; 4], String)> + 'a;
+type StagePair<'a> = dyn Fn(Option<&str>) -> Result<(f64, f64, f64, String)> + 'a;
+
+fn quick_pairs(
+    only: &str,
+    durable: bool,
+    claim_pair: &ClaimPair<'_>,
+    stage_pair: &StagePair<'_>,
+) -> Result<Suite> {
+    let mut rows = Vec::new();
+    let mut json = Vec::new();
+    let mut row = |measure: &str, ours: f64, reference: f64| {
+        rows.push(Row {
+            measure: measure.to_owned(),
+            ours: format!("{ours:.0}"),
+            reference: format!("pgbench {reference:.0}"),
+            ratio: ratio(ours, reference),
+        })
+    };
+    for part in only.split(',') {
+        match part {
+            "claims" => {
+                let ([ins, pg_ins, skip, pg_skip], _) = claim_pair(None)?;
+                row("claim, insert path (claims/s; medians)", ins, pg_ins);
+                row("claim, skip path (claims/s; medians)", skip, pg_skip);
+                json.push(format!(
+                    "\"claim\": {{\"insert_per_s\": {ins}, \"skip_per_s\": {skip}, \"pgbench_insert_per_s\": {pg_ins:.1}, \"pgbench_skip_per_s\": {pg_skip:.1}}}"
+                ));
+            }
+            "stages" => {
+                let (stages, pg, pg_sequential, _) = stage_pair(None)?;
+                row(
+                    "stage executions/s vs the statements with the job, pipelined (medians)",
+                    stages,
+                    pg,
+                );
+                row(
+                    "the same vs each statement in a round trip of its own (medians)",
+                    stages,
+                    pg_sequential,
+                );
+                json.push(format!(
+                    "\"pipeline\": {{\"stages_per_s\": {stages}, \"pgbench_stages_with_job_per_s\": {pg:.1}, \"pgbench_stages_with_job_sequential_per_s\": {pg_sequential:.1}}}"
+                ));
+            }
+            other => bail!("--only {other:?}: give claims, stages or both"),
+        }
+    }
+    Ok(Suite {
+        durable,
+        json: format!(
+            "    {{\"postgres_durable\": {durable}, \"only\": \"{only}\", {}}}",
+            json.join(", ")
+        ),
         rows,
     })
 }
