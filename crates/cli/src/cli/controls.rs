@@ -183,7 +183,7 @@ pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> 
                 "{:<20} paused {:<5} {}",
                 c.scope.to_string(),
                 c.paused,
-                limits_text(&c.limits)
+                c.limits
             );
         }
         if !changes.is_empty() {
@@ -191,8 +191,8 @@ pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> 
         }
         for c in &changes {
             let what = match c.kind {
-                ControlChangeKind::Limits => format!("limits: {}", limits_text(&c.limits)),
-                kind => format!("{kind:?}").to_lowercase(),
+                ControlChangeKind::Limits => format!("limits: {}", c.limits),
+                kind => kind.as_str().to_owned(),
             };
             println!(
                 "  {} {:<20} {:<60} by {} ({})",
@@ -205,24 +205,6 @@ pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> 
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// `max_active M rate N/P burst B weight W`, a `-` for each that is unset.
-fn limits_text(limits: &Limits) -> String {
-    let rate = limits.rate.map_or("-".to_owned(), |r| {
-        format!(
-            "{}/{:?} burst {}",
-            r.count,
-            r.per,
-            r.burst.unwrap_or(r.count)
-        )
-    });
-    format!(
-        "max_active {:<6} rate {:<24} weight {}",
-        limits.max_active.map_or("-".into(), |m| m.to_string()),
-        rate,
-        limits.weight.map_or("-".into(), |w| w.to_string()),
-    )
 }
 
 /// `{"max_active", "rate": {"count", "per_ms", "burst"}, "weight"}`, nulls for

@@ -7,7 +7,7 @@
 //! Every change of a control is recorded in `queue_control_changes` (migration
 //! `2026-12-01-000140_control_changes`: a trigger, so plain SQL is recorded too)
 //! with the [`Actor`] the change was made for and the database login role;
-//! [`control_changes`] reads them.
+//! [`control_changes`](super::control_changes) reads them.
 
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ impl Scope {
         }
     }
 
-    fn from_key(key: &str) -> Result<Scope, RepoError> {
+    pub(super) fn from_key(key: &str) -> Result<Scope, RepoError> {
         Ok(match key {
             "" => Scope::Queue,
             "*" => Scope::EveryTenant,
@@ -126,6 +126,33 @@ impl Limits {
     }
 }
 
+/// `max_active 3, rate 60/60s burst 60, weight 2`: the limits that are set, or
+/// `no limits`.
+impl std::fmt::Display for Limits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        if let Some(m) = self.max_active {
+            parts.push(format!("max_active {m}"));
+        }
+        if let Some(r) = self.rate {
+            parts.push(format!(
+                "rate {}/{:?} burst {}",
+                r.count,
+                r.per,
+                r.burst.unwrap_or(r.count)
+            ));
+        }
+        if let Some(w) = self.weight {
+            parts.push(format!("weight {w}"));
+        }
+        if parts.is_empty() {
+            f.write_str("no limits")
+        } else {
+            f.write_str(&parts.join(", "))
+        }
+    }
+}
+
 /// One row of `queue_controls`, as [`controls`] reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueControl {
@@ -200,7 +227,7 @@ struct Was {
 
 /// Pauses `scope` of `queue`: no worker fetches its jobs from the next fetch on
 /// (running jobs finish). Durable; [`resume`] ends it. The change is recorded
-/// with `actor` ([`control_changes`]).
+/// with `actor` ([`control_changes`](super::control_changes)).
 pub async fn pause(
     conn: &mut AsyncPgConnection,
     queue: &str,
@@ -223,7 +250,7 @@ pub async fn pause(
 }
 
 /// Resumes `scope` of `queue` and wakes the queue's idle workers. The change is
-/// recorded with `actor` ([`control_changes`]).
+/// recorded with `actor` ([`control_changes`](super::control_changes)).
 pub async fn resume(
     conn: &mut AsyncPgConnection,
     queue: &str,
@@ -260,7 +287,7 @@ ON CONFLICT (queue, scope) DO UPDATE
 /// Sets the limits of `scope` of `queue` (all of them: a `None` field removes
 /// that limit), keeping its pause. Takes effect at the next fetch of every worker;
 /// jobs already active above a lowered cap finish. Bad limits are refused before
-/// anything is written. A change is recorded with `actor` ([`control_changes`]);
+/// anything is written. A change is recorded with `actor` ([`control_changes`](super::control_changes));
 /// setting the limits a scope has already is none.
 pub async fn set_limits(
     conn: &mut AsyncPgConnection,
@@ -289,7 +316,7 @@ pub async fn set_limits(
 
 /// The limit columns of `queue_controls` and `queue_control_changes`.
 #[derive(QueryableByName)]
-struct LimitColumns {
+pub(super) struct LimitColumns {
     #[diesel(sql_type = Nullable<Integer>)]
     max_active: Option<i32>,
     #[diesel(sql_type = Nullable<Integer>)]
@@ -360,113 +387,6 @@ pub async fn controls(
                 paused: r.paused,
                 updated_at: r.updated_at,
                 updated_by: r.updated_by,
-            })
-        })
-        .collect()
-}
-
-/// What a recorded change of a control did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ControlChangeKind {
-    /// The scope was paused.
-    Pause,
-    /// The scope was resumed.
-    Resume,
-    /// Its limits (cap, rate, weight) were set to other values.
-    Limits,
-    /// Its control row was deleted (plain SQL; the library never deletes one).
-    Remove,
-}
-
-/// One row of `queue_control_changes`: a change of a control, as [`control_changes`]
-/// reads it. Recorded by the database for every change, however it was made.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ControlChange {
-    /// The change's number, rising with each change.
-    pub id: i64,
-    /// When it was made (database clock).
-    pub changed_at: DateTime<Utc>,
-    /// The queue.
-    pub queue: String,
-    /// Whom the control applies to.
-    pub scope: Scope,
-    /// What it did.
-    pub kind: ControlChangeKind,
-    /// Whether the scope is paused after it (`None` after a [`ControlChangeKind::Remove`]).
-    pub paused: Option<bool>,
-    /// The limits after it (none after a [`ControlChangeKind::Remove`]).
-    pub limits: Limits,
-    /// Who the library was told made it (`--actor`, the console's session); `None`
-    /// for a change made without the library.
-    pub actor: Option<String>,
-    /// The database login role of the session that made it.
-    pub db_user: String,
-}
-
-#[derive(QueryableByName)]
-struct ChangeRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Timestamptz)]
-    changed_at: DateTime<Utc>,
-    #[diesel(sql_type = Text)]
-    queue: String,
-    #[diesel(sql_type = Text)]
-    scope: String,
-    #[diesel(sql_type = Text)]
-    change: String,
-    #[diesel(sql_type = Nullable<Bool>)]
-    paused: Option<bool>,
-    #[diesel(embed)]
-    limits: LimitColumns,
-    #[diesel(sql_type = Nullable<Text>)]
-    actor: Option<String>,
-    #[diesel(sql_type = Text)]
-    db_user: String,
-}
-
-/// The newest `limit` recorded changes of controls, of `queue` or (with `None`) of
-/// all queues, newest first.
-pub async fn control_changes(
-    conn: &mut AsyncPgConnection,
-    queue: Option<&str>,
-    limit: u32,
-) -> Result<Vec<ControlChange>, RepoError> {
-    let query = diesel::sql_query(
-        "SELECT id, changed_at, queue, scope, change, paused, max_active, rate_count, \
-                rate_period_ms, rate_burst, weight, actor, db_user \
-           FROM queue_control_changes WHERE $1::text IS NULL OR queue = $1 \
-          ORDER BY id DESC LIMIT $2",
-    )
-    .bind::<Nullable<Text>, _>(queue)
-    .bind::<BigInt, _>(i64::from(limit));
-    let rows: Vec<ChangeRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
-        .await
-        .map_err(map_diesel_error)?;
-    rows.into_iter()
-        .map(|r| {
-            let kind = match r.change.as_str() {
-                "pause" => ControlChangeKind::Pause,
-                "resume" => ControlChangeKind::Resume,
-                "limits" => ControlChangeKind::Limits,
-                "remove" => ControlChangeKind::Remove,
-                other => {
-                    return Err(RepoError::Database(format!(
-                        "queue_control_changes.change {other:?} is none this version knows"
-                    )))
-                }
-            };
-            Ok(ControlChange {
-                id: r.id,
-                changed_at: r.changed_at,
-                scope: Scope::from_key(&r.scope)?,
-                queue: r.queue,
-                kind,
-                paused: r.paused,
-                limits: r.limits.into(),
-                actor: r.actor,
-                db_user: r.db_user,
             })
         })
         .collect()

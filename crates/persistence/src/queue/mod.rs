@@ -9,6 +9,7 @@
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
 mod batched;
+mod changes;
 mod controls;
 mod defer;
 mod depth;
@@ -20,9 +21,10 @@ mod notifier;
 mod send;
 
 pub use batched::{complete_many, renew_leases, retry_now_many};
+pub use changes::{control_changes, ControlChange, ControlChangeKind};
 pub use controls::{
-    control_changes, controls, held_until, hold, pause, resume, set_limits, ControlChange,
-    ControlChangeKind, Limits, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope,
+    controls, held_until, hold, pause, resume, set_limits, Limits, PauseOutcome, QueueControl,
+    Rate, ResumeOutcome, Scope,
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};

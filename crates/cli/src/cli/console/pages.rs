@@ -437,32 +437,8 @@ const CONTROL_CHANGES_SHOWN: u32 = 10;
 /// `pause`, `resume`, `remove`, or the limits a `limits` change set.
 fn change_text(c: &queue::ControlChange) -> String {
     match c.kind {
-        queue::ControlChangeKind::Pause => "pause".into(),
-        queue::ControlChangeKind::Resume => "resume".into(),
-        queue::ControlChangeKind::Remove => "remove".into(),
-        queue::ControlChangeKind::Limits => {
-            let l = &c.limits;
-            let mut parts = Vec::new();
-            if let Some(m) = l.max_active {
-                parts.push(format!("max_active {m}"));
-            }
-            if let Some(r) = l.rate {
-                parts.push(format!(
-                    "rate {}/{:?} burst {}",
-                    r.count,
-                    r.per,
-                    r.burst.unwrap_or(r.count)
-                ));
-            }
-            if let Some(w) = l.weight {
-                parts.push(format!("weight {w}"));
-            }
-            if parts.is_empty() {
-                "limits removed".into()
-            } else {
-                format!("limits: {}", parts.join(", "))
-            }
-        }
+        queue::ControlChangeKind::Limits => format!("limits: {}", c.limits),
+        kind => kind.as_str().to_owned(),
     }
 }
 
