@@ -12,7 +12,24 @@ use crate::{DomainError, JobId, TenantId};
 
 /// Options of one send. Defaults: priority 0, start now, 2 retries, no delay,
 /// 15 minutes job lease, no dead-letter queue, no throttle.
+///
+/// Built from the default with the `with_` methods (or by setting a field of a
+/// default value), so that an option added later breaks no caller (the struct is
+/// `#[non_exhaustive]`):
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstage_domain::SendOptions;
+/// let options = SendOptions::default()
+///     .with_singleton_key("invoice-42")
+///     .with_retry_limit(5)
+///     .with_retry_delay(Duration::from_secs(1))
+///     .with_retry_backoff(true);
+/// assert_eq!(options.singleton_key.as_deref(), Some("invoice-42"));
+/// assert!(options.validate().is_ok());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SendOptions {
     /// At most one live (queued, retrying or active) job per (queue, key).
     pub singleton_key: Option<String>,
@@ -56,6 +73,66 @@ impl Default for SendOptions {
 }
 
 impl SendOptions {
+    /// The same, with at most one live job per (queue, `key`).
+    pub fn with_singleton_key(mut self, key: impl Into<String>) -> Self {
+        self.singleton_key = Some(key.into());
+        self
+    }
+
+    /// The same, with a key's window of `seconds` (needs a singleton key).
+    pub fn with_singleton_seconds(mut self, seconds: u32) -> Self {
+        self.singleton_seconds = Some(seconds);
+        self
+    }
+
+    /// The same, at `priority` (higher runs first).
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The same, not fetchable before `delay` after the send (database clock).
+    pub fn with_start_after(mut self, delay: Duration) -> Self {
+        self.start_after = Some(delay);
+        self
+    }
+
+    /// The same, allowing `limit` retryable failures after the first delivery.
+    pub fn with_retry_limit(mut self, limit: i32) -> Self {
+        self.retry_limit = limit;
+        self
+    }
+
+    /// The same, waiting `delay` before a retry (the backoff's base).
+    pub fn with_retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// The same, with (or without) exponential backoff between retries.
+    pub fn with_retry_backoff(mut self, backoff: bool) -> Self {
+        self.retry_backoff = backoff;
+        self
+    }
+
+    /// The same, waiting at most `max` before a retry.
+    pub fn with_retry_delay_max(mut self, max: Duration) -> Self {
+        self.retry_delay_max = Some(max);
+        self
+    }
+
+    /// The same, with a job lease of `lease`.
+    pub fn with_expire_in(mut self, lease: Duration) -> Self {
+        self.expire_in = lease;
+        self
+    }
+
+    /// The same, copying the job to `queue` when it fails for good.
+    pub fn with_dead_letter(mut self, queue: impl Into<String>) -> Self {
+        self.dead_letter = Some(queue.into());
+        self
+    }
+
     /// Refuses (`DomainError::InvalidOption`) a negative `retry_limit`, a zero
     /// `expire_in`, `singleton_seconds` without a key or of 0, a bad dead-letter
     /// queue name, a key outside 1..=512 bytes. Sends call it.

@@ -24,7 +24,10 @@ use crate::{
 
 /// Settings of a [`PipelineWorker`]. The default: 4 executions at once, on every
 /// stage queue of the pipeline, with [`QueueWorkerConfig::default`]'s loop.
+/// Built from the default with the `with_` methods (the struct is
+/// `#[non_exhaustive]`); see [`PipelineWorker::new`] for an example.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PipelineWorkerConfig {
     /// Stage executions at once.
     pub concurrency: usize,
@@ -38,6 +41,24 @@ pub struct PipelineWorkerConfig {
 }
 
 impl PipelineWorkerConfig {
+    /// The same, running at most `concurrency` stage executions at once.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// The same, with `queue` as the queue loop's settings.
+    pub fn with_queue(mut self, queue: QueueWorkerConfig) -> Self {
+        self.queue = queue;
+        self
+    }
+
+    /// The same, waking the next stage's workers as `wake` says.
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.wake = wake;
+        self
+    }
+
     /// The pool size a worker with this config needs: per stage execution, its
     /// connection and its heartbeat's, plus the loop's, the completer's and the
     /// notifier's (the job lease keeper borrows one briefly, for one statement for
@@ -262,14 +283,9 @@ impl PipelineWorker {
     ///
     /// # async fn demo(pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
     /// let url = "postgres://localhost/app";
-    /// let config = PipelineWorkerConfig {
-    ///     concurrency: 8,
-    ///     queue: QueueWorkerConfig {
-    ///         shutdown_grace: Duration::from_secs(10),
-    ///         ..QueueWorkerConfig::default()
-    ///     },
-    ///     ..PipelineWorkerConfig::default()
-    /// };
+    /// let config = PipelineWorkerConfig::default()
+    ///     .with_concurrency(8)
+    ///     .with_queue(QueueWorkerConfig::default().with_shutdown_grace(Duration::from_secs(10)));
     /// let pool = idemstage::connect_pool(
     ///     url,
     ///     PoolConfig::default().with_max_size(config.pool_size()),

@@ -125,7 +125,7 @@ impl Pipeline {
     /// assert_eq!(pipeline.first_stage().name().as_str(), "ocr");
     ///
     /// // Jobs that give up before their stage does are refused.
-    /// let few_retries = SendOptions { retry_limit: 2, ..Pipeline::default_send_options() };
+    /// let few_retries = Pipeline::default_send_options().with_retry_limit(2);
     /// assert!(matches!(
     ///     pipeline.with_send_options(few_retries),
     ///     Err(PipelineError::RetryBudgetTooSmall { .. })
@@ -156,16 +156,14 @@ impl Pipeline {
     /// is what limits executions, and a job must outlive its stage's retries (a
     /// job that gives up first would leave the stage lost).
     pub fn default_send_options() -> SendOptions {
-        SendOptions {
-            retry_limit: 25,
-            retry_delay: std::time::Duration::from_millis(100),
-            retry_backoff: true,
-            retry_delay_max: Some(std::time::Duration::from_secs(30)),
+        SendOptions::default()
+            .with_retry_limit(25)
+            .with_retry_delay(std::time::Duration::from_millis(100))
+            .with_retry_backoff(true)
+            .with_retry_delay_max(std::time::Duration::from_secs(30))
             // Renewed by the worker while it runs: short, so a dead worker's job
             // comes back soon.
-            expire_in: std::time::Duration::from_secs(60),
-            ..SendOptions::default()
-        }
+            .with_expire_in(std::time::Duration::from_secs(60))
     }
 
     /// Options for the jobs this pipeline sends (retries, job lease); the singleton

@@ -116,14 +116,14 @@ pub fn start_pipeline_worker(
     tokio_util::sync::CancellationToken,
     tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
 ) {
-    let mut config = idemstage_runner::PipelineWorkerConfig {
-        concurrency,
-        ..Default::default()
-    };
-    config.queue.poll_interval = Duration::from_millis(200);
-    config.queue.maintenance_interval = Duration::from_millis(1000);
-    config.queue.error_backoff_min = Duration::from_millis(20);
-    config.queue.error_backoff_max = Duration::from_millis(500);
+    let config = idemstage_runner::PipelineWorkerConfig::default()
+        .with_concurrency(concurrency)
+        .with_queue(
+            idemstage_runner::QueueWorkerConfig::default()
+                .with_poll_interval(Duration::from_millis(200))
+                .with_maintenance_interval(Duration::from_millis(1000))
+                .with_error_backoff(Duration::from_millis(20), Duration::from_millis(500)),
+        );
     let worker =
         idemstage_runner::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
     let stop = tokio_util::sync::CancellationToken::new();

@@ -384,10 +384,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
                     tenant: None,
                     queue: ENQUEUE_QUEUE.into(),
                     payload: json!({ "i": i }),
-                    options: SendOptions {
-                        singleton_key: Some(format!("k{}", i % keys)),
-                        ..SendOptions::default()
-                    },
+                    options: SendOptions::default().with_singleton_key(format!("k{}", i % keys)),
                 };
                 if queue::send_in(&mut c, &job).await? == SendResult::Duplicate {
                     refused.fetch_add(1, Ordering::Relaxed);
@@ -683,14 +680,11 @@ pub(super) async fn bench_worker<H: JobHandler>(
     Ok(QueueWorker::new(
         pool,
         url,
-        QueueWorkerConfig {
-            queues: vec![queue.into()],
-            concurrency: args.concurrency,
-            batch_size: u32::try_from(args.concurrency.max(prefetch)).unwrap_or(u32::MAX),
-            prefetch,
-            lease_commit,
-            ..QueueWorkerConfig::default()
-        },
+        QueueWorkerConfig::for_queues([queue])
+            .with_concurrency(args.concurrency)
+            .with_batch_size(u32::try_from(args.concurrency.max(prefetch)).unwrap_or(u32::MAX))
+            .with_prefetch(prefetch)
+            .with_lease_commit(lease_commit),
         handler,
     )?)
 }
@@ -806,21 +800,20 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
 
     let expected = args.anfragen * pipeline.stages().len() as u64;
     let counters = Arc::new(Counters::default());
-    let config = PipelineWorkerConfig {
-        concurrency: args.concurrency,
-        queue: QueueWorkerConfig {
-            // With a prefetch, a free slot's job is in the buffer already;
-            // without, a fetch for the free slots, at most `concurrency`.
-            batch_size: u32::try_from(match args.pipeline_batch {
-                0 => args.concurrency,
-                batch => batch,
-            })
-            .unwrap_or(u32::MAX),
-            prefetch: args.pipeline_batch.saturating_mul(2),
-            ..QueueWorkerConfig::default()
-        },
-        wake: args.wake.into(),
+    // With a prefetch, a free slot's job is in the buffer already; without, a
+    // fetch for the free slots, at most `concurrency`.
+    let batch_size = match args.pipeline_batch {
+        0 => args.concurrency,
+        batch => batch,
     };
+    let config = PipelineWorkerConfig::default()
+        .with_concurrency(args.concurrency)
+        .with_queue(
+            QueueWorkerConfig::default()
+                .with_batch_size(u32::try_from(batch_size).unwrap_or(u32::MAX))
+                .with_prefetch(args.pipeline_batch.saturating_mul(2)),
+        )
+        .with_wake(args.wake.into());
     let (pool_url, pooler) = match &args.pooler_url {
         Some(pooled) => (pooled.as_str(), idemstage_persistence::Pooler::Transaction),
         None => (url, idemstage_persistence::Pooler::None),

@@ -171,10 +171,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
             PoolConfig::default().with_max_size(args.concurrency as u32 * 2 + 2),
         )
         .await?;
-        let config = PipelineWorkerConfig {
-            concurrency: args.concurrency,
-            ..PipelineWorkerConfig::default()
-        };
+        let config = PipelineWorkerConfig::default().with_concurrency(args.concurrency);
         let worker = PipelineWorker::new(pool, url, pipeline.clone(), config, counters.clone())?;
         let token = shutdown.clone();
         workers.spawn(async move { worker.run(token).await });

@@ -28,7 +28,7 @@ use idemstage_example::{self as example, check_example_pipeline, Chaos};
 use idemstage_persistence::ops::Actor;
 use idemstage_persistence::queue::{self, Limits, Rate, Scope};
 use idemstage_persistence::PoolConfig;
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
 use idemstage_stage::first_job;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -355,13 +355,11 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     .await?;
 
     let counters = Arc::new(Counters::default());
-    let mut config = PipelineWorkerConfig {
-        concurrency: args.concurrency,
-        ..PipelineWorkerConfig::default()
-    };
     // The limited stage only: the stages after it would compete for the same
     // slots, and the machine's capacity, not the limit, would set the rate.
-    config.queue.queues = vec![stage.clone()];
+    let config = PipelineWorkerConfig::default()
+        .with_concurrency(args.concurrency)
+        .with_queue(QueueWorkerConfig::for_queues([stage.clone()]));
     let pool = idemstage_persistence::connect_pool(
         url,
         PoolConfig::default().with_max_size(config.pool_size()),

@@ -154,11 +154,9 @@ impl Args {
     }
 
     pub fn worker_config(&self, db: &super::Db) -> anyhow::Result<PipelineWorkerConfig> {
-        let mut config = PipelineWorkerConfig {
-            concurrency: self.concurrency,
-            wake: self.wake.into(),
-            ..PipelineWorkerConfig::default()
-        };
+        let mut config = PipelineWorkerConfig::default()
+            .with_concurrency(self.concurrency)
+            .with_wake(self.wake.into());
         config.queue.listen = self.listen_url(db).is_some();
         match self.poll_ms {
             Some(0) => return Err(BadInput("--poll-ms must be positive".into()).into()),

@@ -335,12 +335,12 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         policy,
     })])
     .unwrap()
-    .with_send_options(SendOptions {
-        retry_limit: 5,
-        retry_delay: Duration::from_millis(10),
-        expire_in: Duration::from_secs(3),
-        ..SendOptions::default()
-    })
+    .with_send_options(
+        SendOptions::default()
+            .with_retry_limit(5)
+            .with_retry_delay(Duration::from_millis(10))
+            .with_expire_in(Duration::from_secs(3)),
+    )
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let mut anfragen = Vec::new();

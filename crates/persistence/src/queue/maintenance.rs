@@ -16,8 +16,17 @@ use crate::error::map_diesel_error;
 pub const MAINTENANCE_LOCK_KEY: i64 = 0x6964_656d_6a6f_6273;
 
 /// Limits of one [`maintain`] run. The default keeps finished jobs for 7 days and
-/// handles at most 10 000 rows per step.
+/// handles at most 10 000 rows per step. Built from the default with the `with_`
+/// methods (the struct is `#[non_exhaustive]`):
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstage_persistence::queue::MaintenanceConfig;
+/// let config = MaintenanceConfig::default().with_retention(Duration::from_secs(3600));
+/// assert_eq!(config.batch_limit, 10_000);
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct MaintenanceConfig {
     /// Completed, cancelled and failed jobs older than this are deleted.
     pub retention: Duration,
@@ -32,6 +41,20 @@ impl Default for MaintenanceConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
             batch_limit: 10_000,
         }
+    }
+}
+
+impl MaintenanceConfig {
+    /// The same, deleting finished jobs older than `retention`.
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The same, handling at most `limit` rows per step.
+    pub fn with_batch_limit(mut self, limit: u32) -> Self {
+        self.batch_limit = limit;
+        self
     }
 }
 

@@ -817,10 +817,8 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
                         tenant: None,
                         queue: "intake".into(),
                         payload: serde_json::json!({}),
-                        options: idemstage_domain::SendOptions {
-                            singleton_key: Some(format!("intake:t1:{anfrage}")),
-                            ..Default::default()
-                        },
+                        options: idemstage_domain::SendOptions::default()
+                            .with_singleton_key(format!("intake:t1:{anfrage}")),
                     };
                     idemstage_persistence::queue::send_in(conn, &job).await?;
                     Ok(registered)

@@ -31,10 +31,7 @@ fn job(queue: &str, payload: serde_json::Value, options: SendOptions) -> JobToSe
 }
 
 fn keyed(key: &str) -> SendOptions {
-    SendOptions {
-        singleton_key: Some(key.to_owned()),
-        ..SendOptions::default()
-    }
+    SendOptions::default().with_singleton_key(key)
 }
 
 fn sent(r: SendResult) -> JobId {
@@ -342,10 +339,7 @@ async fn eight_concurrent_fetchers_deliver_each_of_5000_jobs_exactly_once() {
 async fn fetch_orders_by_priority_then_age_and_respects_start_after_and_queues() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let opts = |priority: i32| SendOptions {
-        priority,
-        ..SendOptions::default()
-    };
+    let opts = |priority: i32| SendOptions::default().with_priority(priority);
     let low_old = sent(
         queue::send_in(&mut conn, &job("q", json!(1), opts(0)))
             .await
@@ -367,11 +361,9 @@ async fn fetch_orders_by_priority_then_age_and_respects_start_after_and_queues()
             &job(
                 "q",
                 json!(4),
-                SendOptions {
-                    priority: 9,
-                    start_after: Some(Duration::from_secs(3600)),
-                    ..SendOptions::default()
-                },
+                SendOptions::default()
+                    .with_priority(9)
+                    .with_start_after(Duration::from_secs(3600)),
             ),
         )
         .await
@@ -449,11 +441,9 @@ async fn an_expired_lease_is_retried_by_maintenance_and_the_stale_worker_is_fenc
             &job(
                 "lease",
                 json!({}),
-                SendOptions {
-                    expire_in: Duration::from_millis(200),
-                    retry_limit: 1,
-                    ..keyed("lease-key")
-                },
+                keyed("lease-key")
+                    .with_expire_in(Duration::from_millis(200))
+                    .with_retry_limit(1),
             ),
         )
         .await
@@ -579,13 +569,11 @@ async fn fixed_retry_delay_then_failed_after_the_limit_with_a_dead_letter_copy()
             &job(
                 "work",
                 json!({ "tenant": "t1" }),
-                SendOptions {
-                    retry_limit: 2,
-                    retry_delay: Duration::from_millis(1500),
-                    dead_letter: Some("work-dead".to_owned()),
-                    priority: 3,
-                    ..keyed("work:t1:A")
-                },
+                keyed("work:t1:A")
+                    .with_retry_limit(2)
+                    .with_retry_delay(Duration::from_millis(1500))
+                    .with_dead_letter("work-dead".to_owned())
+                    .with_priority(3),
             ),
         )
         .await
@@ -650,13 +638,11 @@ async fn exponential_backoff_doubles_with_jitter_and_respects_the_cap() {
             &job(
                 "backoff",
                 json!({}),
-                SendOptions {
-                    retry_limit: 6,
-                    retry_delay: Duration::from_secs(1),
-                    retry_backoff: true,
-                    retry_delay_max: Some(Duration::from_secs(5)),
-                    ..SendOptions::default()
-                },
+                SendOptions::default()
+                    .with_retry_limit(6)
+                    .with_retry_delay(Duration::from_secs(1))
+                    .with_retry_backoff(true)
+                    .with_retry_delay_max(Duration::from_secs(5)),
             ),
         )
         .await
@@ -730,14 +716,7 @@ async fn send_batch_reports_duplicates_within_the_batch_and_against_existing_row
         job("b", json!(3), SendOptions::default()),
         job("b", json!(4), SendOptions::default()),
         job("other", json!(5), keyed("k1")),
-        job(
-            "b",
-            json!(6),
-            SendOptions {
-                singleton_seconds: Some(3600),
-                ..keyed("k2")
-            },
-        ),
+        job("b", json!(6), keyed("k2").with_singleton_seconds(3600)),
         job("b", json!(7), keyed("k2")),
     ];
     let results = queue::send_batch(&mut conn, &batch).await.unwrap();
@@ -779,16 +758,7 @@ async fn send_batch_reports_duplicates_within_the_batch_and_against_existing_row
 async fn throttled_key_allows_one_job_per_window_whatever_its_state() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let throttled = || {
-        job(
-            "t",
-            json!({}),
-            SendOptions {
-                singleton_seconds: Some(3600),
-                ..keyed("tick")
-            },
-        )
-    };
+    let throttled = || job("t", json!({}), keyed("tick").with_singleton_seconds(3600));
     sent(queue::send_in(&mut conn, &throttled()).await.unwrap());
     let j = fetch_one(&mut conn, "t").await;
     queue::complete(&mut conn, j.id, j.attempt, None)
@@ -907,12 +877,10 @@ async fn maintenance_expires_into_dead_letter_deletes_after_retention_and_runs_o
             &job(
                 "m",
                 json!({ "x": 1 }),
-                SendOptions {
-                    retry_limit: 0,
-                    expire_in: Duration::from_millis(100),
-                    dead_letter: Some("m-dead".to_owned()),
-                    ..SendOptions::default()
-                },
+                SendOptions::default()
+                    .with_retry_limit(0)
+                    .with_expire_in(Duration::from_millis(100))
+                    .with_dead_letter("m-dead".to_owned()),
             ),
         )
         .await
@@ -980,10 +948,7 @@ async fn maintenance_expires_into_dead_letter_deletes_after_retention_and_runs_o
         .execute(&mut conn)
         .await
         .unwrap();
-    let config = MaintenanceConfig {
-        retention: Duration::from_secs(24 * 3600),
-        ..MaintenanceConfig::default()
-    };
+    let config = MaintenanceConfig::default().with_retention(Duration::from_secs(24 * 3600));
     let MaintenanceOutcome::Ran(report) = queue::maintain(&mut conn, &config).await.unwrap() else {
         panic!("skipped");
     };
@@ -1040,18 +1005,12 @@ async fn invalid_send_options_are_refused_before_writing() {
         job(
             "q",
             json!({}),
-            SendOptions {
-                dead_letter: Some("no spaces allowed".to_owned()),
-                ..SendOptions::default()
-            },
+            SendOptions::default().with_dead_letter("no spaces allowed".to_owned()),
         ),
         job(
             "q",
             json!({}),
-            SendOptions {
-                singleton_seconds: Some(10),
-                ..SendOptions::default()
-            },
+            SendOptions::default().with_singleton_seconds(10),
         ),
     ] {
         let err = queue::send_in(&mut conn, &bad).await.unwrap_err();
@@ -1233,10 +1192,7 @@ async fn queue_depths_count_ready_delayed_and_active_jobs_per_queue_and_the_olde
             .unwrap(),
         );
     }
-    let later = SendOptions {
-        start_after: Some(Duration::from_secs(3600)),
-        ..SendOptions::default()
-    };
+    let later = SendOptions::default().with_start_after(Duration::from_secs(3600));
     sent(
         queue::send_in(&mut conn, &job("depth_a", json!({ "later": 1 }), later))
             .await

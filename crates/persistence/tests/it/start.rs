@@ -16,10 +16,7 @@ fn job(anfrage: AnfrageId, hash: &str) -> JobToSend {
         tenant: None,
         queue: "intake".into(),
         payload: serde_json::json!({ "tenant_id": "t1", "anfrage_id": anfrage, "input_hash": hash }),
-        options: SendOptions {
-            singleton_key: Some(format!("intake:t1:{anfrage}")),
-            ..SendOptions::default()
-        },
+        options: SendOptions::default().with_singleton_key(format!("intake:t1:{anfrage}")),
     }
 }
 

@@ -12,7 +12,22 @@ pub const MAX_HELD_JOBS: usize = 100_000;
 
 /// Settings of a [`QueueWorker`](super::QueueWorker). Durations are measured by the
 /// worker's clock (tokio time); job leases and retry times are the database's.
+///
+/// Built with [`for_queues`](Self::for_queues) (or from the default) and the
+/// `with_` methods, or by setting a field of such a value, so that a setting
+/// added later breaks no caller (the struct is `#[non_exhaustive]`):
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstage_runner::QueueWorkerConfig;
+/// let config = QueueWorkerConfig::for_queues(["emails"])
+///     .with_concurrency(16)
+///     .with_prefetch(256)
+///     .with_poll_interval(Duration::from_millis(500));
+/// assert!(config.validate().is_ok());
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct QueueWorkerConfig {
     /// The queues to fetch from; at least one (`PipelineWorker` fills in its stages).
     pub queues: Vec<String>,
@@ -86,6 +101,90 @@ impl Default for QueueWorkerConfig {
 }
 
 impl QueueWorkerConfig {
+    /// The default settings, working `queues`.
+    pub fn for_queues<Q: Into<String>>(queues: impl IntoIterator<Item = Q>) -> Self {
+        Self::default().with_queues(queues)
+    }
+
+    /// The same, working `queues`.
+    pub fn with_queues<Q: Into<String>>(mut self, queues: impl IntoIterator<Item = Q>) -> Self {
+        self.queues = queues.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The same, running at most `concurrency` handlers at once.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// The same, leasing at most `batch_size` jobs per fetch.
+    pub fn with_batch_size(mut self, batch_size: u32) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// The same, fetching `prefetch` jobs ahead of the running ones.
+    pub fn with_prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// The same, committing a fetch's leases as `commit` says.
+    pub fn with_lease_commit(mut self, commit: LeaseCommit) -> Self {
+        self.lease_commit = commit;
+        self
+    }
+
+    /// The same, polling every `interval` when no notification arrives.
+    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The same, waking on LISTEN/NOTIFY (`true`) or only polling.
+    pub fn with_listen(mut self, listen: bool) -> Self {
+        self.listen = listen;
+        self
+    }
+
+    /// The same, running queue maintenance every `interval`.
+    pub fn with_maintenance_interval(mut self, interval: Duration) -> Self {
+        self.maintenance_interval = interval;
+        self
+    }
+
+    /// The same, its maintenance runs limited by `maintenance`.
+    pub fn with_maintenance(mut self, maintenance: MaintenanceConfig) -> Self {
+        self.maintenance = maintenance;
+        self
+    }
+
+    /// The same, letting in-flight handlers finish for `grace` at shutdown.
+    pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    /// The same, backing off from `min` to `max` after database errors.
+    pub fn with_error_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.error_backoff_min = min;
+        self.error_backoff_max = max;
+        self
+    }
+
+    /// The same, aborting (and failing, retryable) a handler after `timeout`.
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// The same, sampling its queues' depth into the gauges every `interval`.
+    pub fn with_queue_gauges_interval(mut self, interval: Duration) -> Self {
+        self.queue_gauges_interval = Some(interval);
+        self
+    }
+
     /// Checks the settings ([`QueueWorker::new`](super::QueueWorker::new) does):
     /// refused without queues, with an invalid queue name, with a zero
     /// `concurrency`, `batch_size`, `poll_interval`, `maintenance_interval` or

@@ -73,10 +73,7 @@ use maintenance::{maintenance_loop, queue_gauges_loop};
 ///     println!("job {} (delivery {}): mail to {to}", job.id, job.attempt);
 ///     Ok(())
 /// });
-/// let config = QueueWorkerConfig {
-///     queues: vec!["emails".into()],
-///     ..QueueWorkerConfig::default()
-/// };
+/// let config = QueueWorkerConfig::for_queues(["emails"]);
 /// let worker = QueueWorker::new(pool, url, config, handler)?;
 /// let shutdown = CancellationToken::new();
 /// let stats = worker.run(shutdown).await;

@@ -39,10 +39,7 @@ async fn maintenance_slower_than_the_job_lease_is_refused() {
     .is_ok());
     // The pool a config needs: an execution's connection and its heartbeat's per
     // slot, plus the loop's and the completer's.
-    let four = PipelineWorkerConfig {
-        concurrency: 4,
-        ..PipelineWorkerConfig::default()
-    };
+    let four = PipelineWorkerConfig::default().with_concurrency(4);
     assert_eq!(four.pool_size(), 11);
 }
 
@@ -54,12 +51,10 @@ async fn a_prefetch_beyond_what_a_worker_may_hold_is_refused() {
     use idemstage_runner::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
     let db = idemstage_testkit::TestDb::new().await;
     let handler = || handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
-    let config = QueueWorkerConfig {
-        queues: vec!["q".into()],
-        concurrency: 16,
-        prefetch: MAX_HELD_JOBS - 16 + 1,
-        ..QueueWorkerConfig::default()
-    };
+    let config = QueueWorkerConfig::default()
+        .with_queues(["q"])
+        .with_concurrency(16)
+        .with_prefetch(MAX_HELD_JOBS - 16 + 1);
     let err = QueueWorker::new(db.pool(2).await, db.url(), config.clone(), handler())
         .err()
         .expect("a prefetch beyond MAX_HELD_JOBS was accepted");
@@ -68,10 +63,7 @@ async fn a_prefetch_beyond_what_a_worker_may_hold_is_refused() {
         "{err}"
     );
     assert!(config.validate().is_err());
-    let fitting = QueueWorkerConfig {
-        prefetch: MAX_HELD_JOBS - 16,
-        ..config
-    };
+    let fitting = config.with_prefetch(MAX_HELD_JOBS - 16);
     assert!(fitting.validate().is_ok());
     assert!(QueueWorker::new(db.pool(2).await, db.url(), fitting, handler()).is_ok());
 }

@@ -9,7 +9,6 @@ use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobRetryOutcome, SendOptions};
 use idemstage_persistence::queue;
-use idemstage_runner::QueueWorkerConfig;
 use idemstage_testkit::TestDb;
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -32,11 +31,7 @@ async fn a_batched_completion_whose_lease_was_taken_over_is_fenced_and_not_compl
         .await;
     }
     let (tx, mut started) = mpsc::unbounded_channel();
-    let cfg = QueueWorkerConfig {
-        concurrency: 3,
-        batch_size: 3,
-        ..config("tk")
-    };
+    let cfg = config("tk").with_concurrency(3).with_batch_size(3);
     let w = start(db.pool(6).await, db.url(), cfg, held_handler(tx));
     let mut handlers = Vec::new();
     for _ in 0..3 {
@@ -108,21 +103,16 @@ async fn leases(conn: &mut AsyncPgConnection, queue: &str) -> Leases {
 async fn the_leases_of_held_jobs_are_renewed_together_running_or_waiting() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let short = SendOptions {
-        expire_in: Duration::from_millis(300),
-        ..SendOptions::default()
-    };
+    let short = SendOptions::default().with_expire_in(Duration::from_millis(300));
     let mut ids = Vec::new();
     for i in 0..4 {
         ids.push(send(&mut conn, job("rn", json!({ "i": i }), short.clone())).await);
     }
     let (tx, mut started) = mpsc::unbounded_channel();
-    let cfg = QueueWorkerConfig {
-        concurrency: 2,
-        prefetch: 2,
-        batch_size: 4,
-        ..config("rn")
-    };
+    let cfg = config("rn")
+        .with_concurrency(2)
+        .with_prefetch(2)
+        .with_batch_size(4);
     let w = start(db.pool(6).await, db.url(), cfg, held_handler(tx));
     let first = next_started(&mut started).await;
     let second = next_started(&mut started).await;

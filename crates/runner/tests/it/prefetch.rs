@@ -79,13 +79,11 @@ async fn wait_active(conn: &mut AsyncPgConnection, queue: &str, want: i64, most:
 }
 
 fn prefetching(queue: &str, concurrency: usize, prefetch: usize) -> QueueWorkerConfig {
-    QueueWorkerConfig {
-        concurrency,
-        prefetch,
+    config(queue)
+        .with_concurrency(concurrency)
+        .with_prefetch(prefetch)
         // Larger than the room, so that only the limit bounds a fetch.
-        batch_size: 100,
-        ..config(queue)
-    }
+        .with_batch_size(100)
 }
 
 /// 20 jobs through 2 handlers fetching 3 ahead: after each job, with its
@@ -220,17 +218,11 @@ async fn a_prefetched_job_whose_lease_was_lost_is_not_started() {
     let mut conn = db.conn().await;
     // A short lease, so that the worker renews (and finds the loss) soon; no
     // maintenance, so that only the test takes the job over.
-    let short = SendOptions {
-        expire_in: Duration::from_millis(300),
-        ..SendOptions::default()
-    };
+    let short = SendOptions::default().with_expire_in(Duration::from_millis(300));
     let a = send(&mut conn, job("lost", json!({ "i": 0 }), short.clone())).await;
     let b = send(&mut conn, job("lost", json!({ "i": 1 }), short)).await;
     let (tx, mut started) = mpsc::unbounded_channel();
-    let cfg = QueueWorkerConfig {
-        maintenance_interval: Duration::from_secs(3600),
-        ..prefetching("lost", 1, 1)
-    };
+    let cfg = prefetching("lost", 1, 1).with_maintenance_interval(Duration::from_secs(3600));
     let w = start(db.pool(6).await, db.url(), cfg, held_handler(tx));
     let running = next_started(&mut started).await;
     assert_eq!(running.id, a);

@@ -24,17 +24,13 @@ use tokio_util::sync::CancellationToken;
 pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 pub(crate) fn config(queue: &str) -> QueueWorkerConfig {
-    QueueWorkerConfig {
-        queues: vec![queue.to_owned()],
-        concurrency: 2,
-        batch_size: 2,
-        poll_interval: Duration::from_millis(200),
-        maintenance_interval: Duration::from_millis(200),
-        shutdown_grace: Duration::from_secs(30),
-        error_backoff_min: Duration::from_millis(20),
-        error_backoff_max: Duration::from_millis(200),
-        ..QueueWorkerConfig::default()
-    }
+    QueueWorkerConfig::for_queues([queue])
+        .with_concurrency(2)
+        .with_batch_size(2)
+        .with_poll_interval(Duration::from_millis(200))
+        .with_maintenance_interval(Duration::from_millis(200))
+        .with_shutdown_grace(Duration::from_secs(30))
+        .with_error_backoff(Duration::from_millis(20), Duration::from_millis(200))
 }
 
 pub(crate) struct Running {
@@ -169,10 +165,7 @@ async fn worker_completes_ok_jobs_and_fails_erroring_ones_with_retries() {
         job(
             "w",
             json!({ "tenant": "t2", "fail": true }),
-            SendOptions {
-                retry_limit: 1,
-                ..SendOptions::default()
-            },
+            SendOptions::default().with_retry_limit(1),
         ),
     )
     .await;
@@ -301,10 +294,7 @@ async fn a_panicking_handler_fails_its_job_and_the_worker_lives_on() {
         job(
             "p",
             json!({ "tenant": "t1", "panic": true }),
-            SendOptions {
-                retry_limit: 1,
-                ..SendOptions::default()
-            },
+            SendOptions::default().with_retry_limit(1),
         ),
     )
     .await;
@@ -346,11 +336,7 @@ async fn shutdown_stops_fetching_and_waits_for_in_flight_handlers() {
     let mut conn = db.conn().await;
     let (tx, mut started) = mpsc::unbounded_channel();
     let release = CancellationToken::new();
-    let cfg = QueueWorkerConfig {
-        concurrency: 1,
-        batch_size: 1,
-        ..config("g")
-    };
+    let cfg = config("g").with_concurrency(1).with_batch_size(1);
     let w = start(
         db.pool(4).await,
         db.url(),
@@ -380,10 +366,7 @@ async fn after_the_grace_period_unfinished_jobs_are_given_back_without_a_failure
     let mut conn = db.conn().await;
     let (tx, mut started) = mpsc::unbounded_channel();
     let never = CancellationToken::new();
-    let cfg = QueueWorkerConfig {
-        shutdown_grace: Duration::from_millis(100),
-        ..config("h")
-    };
+    let cfg = config("h").with_shutdown_grace(Duration::from_millis(100));
     let w = start(db.pool(4).await, db.url(), cfg, gated_handler(tx, never));
     let stuck = send(&mut conn, job("h", json!({}), SendOptions::default())).await;
     assert_eq!(started.recv().await, Some(stuck));
@@ -401,10 +384,7 @@ async fn a_handler_running_past_its_timeout_is_aborted_and_its_job_failed() {
     let w = start(
         db.pool(4).await,
         db.url(),
-        QueueWorkerConfig {
-            handler_timeout: Some(Duration::from_millis(300)),
-            ..config("slow")
-        },
+        config("slow").with_handler_timeout(Duration::from_millis(300)),
         gated_handler(tx, CancellationToken::new()),
     );
     let slow = send(
@@ -412,11 +392,9 @@ async fn a_handler_running_past_its_timeout_is_aborted_and_its_job_failed() {
         job(
             "slow",
             json!({}),
-            SendOptions {
-                retry_limit: 0,
-                expire_in: Duration::from_millis(200),
-                ..SendOptions::default()
-            },
+            SendOptions::default()
+                .with_retry_limit(0)
+                .with_expire_in(Duration::from_millis(200)),
         ),
     )
     .await;
@@ -515,11 +493,9 @@ async fn idle_worker_pickup_latency_via_notify() {
             async { Ok(()) }
         })
     };
-    let cfg = QueueWorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        maintenance_interval: Duration::from_secs(3600),
-        ..config("lat")
-    };
+    let cfg = config("lat")
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_maintenance_interval(Duration::from_secs(3600));
     let w = start(db.pool(4).await, db.url(), cfg, handler);
     // Let the worker reach its idle wait: its first (empty) fetch has run once the
     // listener woke it and it fetched again; a warm-up job proves the path works.

@@ -76,10 +76,7 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
     let job = first_job(&pipeline, tenant.clone(), anfrage, input_hash.clone());
     queue::send_in(&mut conn, &job).await.unwrap();
 
-    let mut config = PipelineWorkerConfig {
-        concurrency: 1,
-        ..Default::default()
-    };
+    let mut config = PipelineWorkerConfig::default().with_concurrency(1);
     config.queue.poll_interval = Duration::from_millis(100);
     config.queue.shutdown_grace = Duration::from_millis(100);
     let worker = PipelineWorker::new(

@@ -534,10 +534,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
 #[test]
 fn a_job_retry_budget_below_a_stages_attempts_is_refused() {
     let pipeline = example::pipeline(Chaos::default());
-    let options = idemstage_domain::SendOptions {
-        retry_limit: 2,
-        ..Pipeline::default_send_options()
-    };
+    let options = Pipeline::default_send_options().with_retry_limit(2);
     let Err(err) = pipeline.clone().with_send_options(options) else {
         panic!("a retry_limit below max_attempts was accepted");
     };
@@ -555,9 +552,6 @@ fn a_job_retry_budget_below_a_stages_attempts_is_refused() {
     assert!(err
         .to_string()
         .contains("below stage intake's max_attempts 5"));
-    let enough = idemstage_domain::SendOptions {
-        retry_limit: 5,
-        ..Pipeline::default_send_options()
-    };
+    let enough = Pipeline::default_send_options().with_retry_limit(5);
     assert!(pipeline.with_send_options(enough).is_ok());
 }

@@ -127,10 +127,7 @@ fn worker(
     f: &Fixture,
     counters: &Arc<Counters>,
 ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-    let mut config = PipelineWorkerConfig {
-        concurrency: 4,
-        ..Default::default()
-    };
+    let mut config = PipelineWorkerConfig::default().with_concurrency(4);
     config.queue.poll_interval = Duration::from_millis(200);
     config.queue.maintenance_interval = Duration::from_millis(1000);
     let faults = Faults {
