@@ -16,7 +16,22 @@ pub enum InputChangePolicy {
 
 /// How a stage is claimed and retried. Default: 5 attempts, a 30 s lease renewed
 /// every 10 s, a 300 s timeout, `Reject` on input change.
+///
+/// Built from the default with the `with_` methods (or by setting a field of a
+/// default value), so that a setting added later breaks no stage (the struct is
+/// `#[non_exhaustive]`):
+///
+/// ```
+/// use std::time::Duration;
+/// use idemstage_domain::{InputChangePolicy, StagePolicy};
+/// let policy = StagePolicy::default()
+///     .with_max_attempts(3)
+///     .with_timeout(Duration::from_secs(60))
+///     .with_on_input_change(InputChangePolicy::Rerun);
+/// assert!(policy.validate().is_ok());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StagePolicy {
     /// Attempts before the run is `dead` (`Exhausted`); includes the first.
     pub max_attempts: i32,
@@ -44,6 +59,36 @@ impl Default for StagePolicy {
 }
 
 impl StagePolicy {
+    /// The same, giving up after `attempts` attempts (the first included).
+    pub fn with_max_attempts(mut self, attempts: i32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// The same, a claim holding for `lease` without renewal.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The same, a running body renewing its lease every `heartbeat`.
+    pub fn with_heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+
+    /// The same, a send with another input doing what `policy` says.
+    pub fn with_on_input_change(mut self, policy: InputChangePolicy) -> Self {
+        self.on_input_change = policy;
+        self
+    }
+
+    /// The same, cancelling a body still running after `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Refuses (`DomainError::InvalidOption`) `max_attempts < 1`, a lease under
     /// 10 ms, a heartbeat not shorter than the lease, a zero timeout.
     pub fn validate(&self) -> Result<(), crate::DomainError> {

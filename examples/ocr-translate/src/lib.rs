@@ -167,10 +167,7 @@ pub struct Faults {
 
 /// The ocr stage's policy: the default, but `Rerun` on new input.
 pub fn ocr_policy() -> StagePolicy {
-    StagePolicy {
-        on_input_change: InputChangePolicy::Rerun,
-        ..StagePolicy::default()
-    }
+    StagePolicy::default().with_on_input_change(InputChangePolicy::Rerun)
 }
 
 /// Stage 1: the anfrage's input text into `ocr_pages`.

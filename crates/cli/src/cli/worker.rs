@@ -122,16 +122,14 @@ impl Args {
             return Err(BadInput("--stage-lease-ms must be >= 30".into()).into());
         }
         let stage_lease = Duration::from_millis(stage_lease_ms);
-        let policy = StagePolicy {
-            on_input_change: if self.rerun_on_new_input {
+        let policy = StagePolicy::default()
+            .with_on_input_change(if self.rerun_on_new_input {
                 InputChangePolicy::Rerun
             } else {
                 InputChangePolicy::Reject
-            },
-            lease: stage_lease,
-            heartbeat: stage_lease / 3,
-            ..StagePolicy::default()
-        };
+            })
+            .with_lease(stage_lease)
+            .with_heartbeat(stage_lease / 3);
         Ok(example::pipeline_with(
             Chaos {
                 crash_rate: self.crash_rate,

@@ -323,13 +323,11 @@ impl Stage for Probe {
 async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else() {
     let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
-    let policy = StagePolicy {
-        max_attempts: 2,
-        lease: Duration::from_millis(600),
-        heartbeat: Duration::from_millis(150),
-        timeout: Duration::from_millis(800),
-        ..StagePolicy::default()
-    };
+    let policy = StagePolicy::default()
+        .with_max_attempts(2)
+        .with_lease(Duration::from_millis(600))
+        .with_heartbeat(Duration::from_millis(150))
+        .with_timeout(Duration::from_millis(800));
     let pipeline = Pipeline::new(vec![Arc::new(Probe {
         name: StageName::parse("probe").unwrap(),
         policy,

@@ -173,10 +173,7 @@ async fn small_pipeline_run(db: &TestDb) -> AnfrageId {
         stage: StageName::parse("intake").unwrap(),
         input_hash: idemstage_domain::input_hash_of(text(7).as_bytes()),
         worker: WorkerId::generate(),
-        policy: StagePolicy {
-            max_attempts: 1,
-            ..StagePolicy::default()
-        },
+        policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
     };
     let ClaimOutcome::Claimed {

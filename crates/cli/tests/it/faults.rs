@@ -308,11 +308,9 @@ fn start_worker(
     chaos: Chaos,
     counters: Arc<Counters>,
 ) -> (CancellationToken, JoinHandle<WorkerStatsSnapshot>) {
-    let policy = StagePolicy {
-        lease: Duration::from_millis(STAGE_LEASE_MS),
-        heartbeat: Duration::from_millis(STAGE_LEASE_MS / 3),
-        ..StagePolicy::default()
-    };
+    let policy = StagePolicy::default()
+        .with_lease(Duration::from_millis(STAGE_LEASE_MS))
+        .with_heartbeat(Duration::from_millis(STAGE_LEASE_MS / 3));
     let mut send = Pipeline::default_send_options();
     send.expire_in = Duration::from_millis(JOB_LEASE_MS);
     let pipeline = example::pipeline_with(chaos, policy)

@@ -81,10 +81,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
         stage: StageName::parse("intake").unwrap(),
         input_hash: idemstage_domain::input_hash_of(text.as_bytes()),
         worker: WorkerId::generate(),
-        policy: StagePolicy {
-            max_attempts: 1,
-            ..StagePolicy::default()
-        },
+        policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
     };
     let idemstage_domain::ClaimOutcome::Claimed {

@@ -54,12 +54,10 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     // A lease far longer than the test: only a release can end it early.
-    let policy = StagePolicy {
-        lease: Duration::from_secs(600),
-        heartbeat: Duration::from_secs(60),
-        timeout: Duration::from_secs(600),
-        ..StagePolicy::default()
-    };
+    let policy = StagePolicy::default()
+        .with_lease(Duration::from_secs(600))
+        .with_heartbeat(Duration::from_secs(60))
+        .with_timeout(Duration::from_secs(600));
     let started = Arc::new(Notify::new());
     let pipeline = Pipeline::new(vec![Arc::new(Stuck {
         name: StageName::parse("stuck").unwrap(),

@@ -21,13 +21,11 @@ const TEXT_2: &str = "20 Stk Schrauben M8\n4 m Kabel\n1 h Montage";
 fn rerunning_pipeline(max_attempts: i32) -> Pipeline {
     example::pipeline_with(
         Chaos::default(),
-        StagePolicy {
-            max_attempts,
-            on_input_change: InputChangePolicy::Rerun,
-            lease: Duration::from_secs(30),
-            heartbeat: Duration::from_secs(10),
-            ..StagePolicy::default()
-        },
+        StagePolicy::default()
+            .with_max_attempts(max_attempts)
+            .with_on_input_change(InputChangePolicy::Rerun)
+            .with_lease(Duration::from_secs(30))
+            .with_heartbeat(Duration::from_secs(10)),
     )
     .unwrap()
 }

@@ -284,12 +284,10 @@ impl Stage for Gate {
 fn gate(lease_ms: u64, timeout_ms: u64) -> (Arc<Gate>, Pipeline) {
     let stage = Arc::new(Gate {
         name: StageName::parse("gate").unwrap(),
-        policy: StagePolicy {
-            lease: Duration::from_millis(lease_ms),
-            heartbeat: Duration::from_millis(lease_ms / 4),
-            timeout: Duration::from_millis(timeout_ms),
-            ..StagePolicy::default()
-        },
+        policy: StagePolicy::default()
+            .with_lease(Duration::from_millis(lease_ms))
+            .with_heartbeat(Duration::from_millis(lease_ms / 4))
+            .with_timeout(Duration::from_millis(timeout_ms)),
         release: Arc::new(Notify::new()),
         started: Arc::new(Notify::new()),
     });

@@ -20,10 +20,7 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     send(&mut conn, &tenant, anfrage, &text(1)).await;
 
     // Every body crashes and a stage has one attempt: intake dies.
-    let policy = StagePolicy {
-        max_attempts: 1,
-        ..StagePolicy::default()
-    };
+    let policy = StagePolicy::default().with_max_attempts(1);
     let crashing = example::pipeline_with(Chaos::crashing(1.0), policy).unwrap();
     let counters = Arc::new(idemstage::Counters::default());
     let worker = start_pipeline_worker(pool.clone(), db.url(), crashing, 2, counters.clone());

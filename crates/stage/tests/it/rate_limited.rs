@@ -54,10 +54,7 @@ async fn a_rate_limited_attempt_keeps_the_budget_and_holds_the_stages_bucket() {
     let mut f = fixture().await;
     let stage = Arc::new(Limited {
         name: StageName::parse("limited").unwrap(),
-        policy: StagePolicy {
-            max_attempts: 2,
-            ..StagePolicy::default()
-        },
+        policy: StagePolicy::default().with_max_attempts(2),
         calls: AtomicUsize::new(0),
     });
     let pipeline = Pipeline::new(vec![stage.clone()]).unwrap();

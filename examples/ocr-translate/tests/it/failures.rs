@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemstage::diesel_async::RunQueryDsl;
-use idemstage::{ExecutionOutcome, Pipeline, RegisterOutcome, StagePolicy};
+use idemstage::{ExecutionOutcome, Pipeline, RegisterOutcome};
 use ocr_translate::{pipeline, pipeline_with, Fault, Faults, Ocr, Translate, OCR, TRANSLATE};
 
 use crate::support::*;
@@ -293,11 +293,9 @@ async fn a_connection_killed_mid_transaction_leaves_none_of_its_rows() {
 async fn a_fenced_attempt_writes_nothing_after_a_takeover() {
     let mut f = fixture().await;
     // A heartbeat far away: nothing renews the stale claim during the test.
-    let policy = StagePolicy {
-        lease: Duration::from_secs(120),
-        heartbeat: Duration::from_secs(60),
-        ..ocr_translate::ocr_policy()
-    };
+    let policy = ocr_translate::ocr_policy()
+        .with_lease(Duration::from_secs(120))
+        .with_heartbeat(Duration::from_secs(60));
     let ocr = HeldOnce::new(Arc::new(Ocr::new(None).with_policy(policy.clone())));
     let translate = HeldOnce::new(Arc::new(Translate::new(None).with_policy(policy)));
     let pipeline = Pipeline::new(vec![ocr.clone(), translate.clone()]).unwrap();
