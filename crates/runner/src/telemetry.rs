@@ -88,6 +88,27 @@ pub(crate) fn count_job(name: &'static str, queue: &str, n: u64) {
     }
 }
 
+/// Adds one to the per-queue counter `name` for each of `queues`, one call per run
+/// of the same queue: a batch is mostly of one queue, and each call builds its
+/// label.
+pub(crate) fn count_jobs<'a>(name: &'static str, queues: impl IntoIterator<Item = &'a str>) {
+    let mut run: Option<(&str, u64)> = None;
+    for queue in queues {
+        match &mut run {
+            Some((current, n)) if *current == queue => *n += 1,
+            _ => {
+                if let Some((current, n)) = run {
+                    count_job(name, current, n);
+                }
+                run = Some((queue, 1));
+            }
+        }
+    }
+    if let Some((current, n)) = run {
+        count_job(name, current, n);
+    }
+}
+
 /// Counts one job lease renewal of `queue` (`renewed`, `lost`, `error`).
 pub(crate) fn count_job_renewal(queue: &str, outcome: &'static str) {
     metrics::counter!(JOB_LEASE_RENEWALS, "queue" => queue.to_owned(), "outcome" => outcome)

@@ -97,21 +97,23 @@ async fn complete_batch(
         .await;
         match outcomes {
             Ok(outcomes) => {
-                let mut completed = 0;
-                for (((id, attempt), queue), outcome) in batch.iter().zip(queues).zip(outcomes) {
+                for ((id, attempt), outcome) in batch.iter().zip(&outcomes) {
                     let what = match outcome {
-                        JobCompleteOutcome::Completed => {
-                            completed += 1;
-                            telemetry::count_job(telemetry::JOBS_COMPLETED, queue, 1);
-                            "completed"
-                        }
-                        JobCompleteOutcome::Fenced => {
-                            telemetry::count_job(telemetry::JOBS_FENCED, queue, 1);
-                            "fenced"
-                        }
+                        JobCompleteOutcome::Completed => "completed",
+                        JobCompleteOutcome::Fenced => "fenced",
                     };
                     tracing::debug!(job = %id, attempt, what, "job recorded");
                 }
+                let of = |wanted: JobCompleteOutcome| {
+                    queues
+                        .iter()
+                        .zip(&outcomes)
+                        .filter(move |(_, outcome)| **outcome == wanted)
+                        .map(|(queue, _)| queue.as_str())
+                };
+                telemetry::count_jobs(telemetry::JOBS_COMPLETED, of(JobCompleteOutcome::Completed));
+                telemetry::count_jobs(telemetry::JOBS_FENCED, of(JobCompleteOutcome::Fenced));
+                let completed = of(JobCompleteOutcome::Completed).count() as u64;
                 WorkerStats::add(&stats.completed, completed);
                 WorkerStats::add(&stats.fenced, batch.len() as u64 - completed);
                 return;
