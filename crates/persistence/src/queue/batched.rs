@@ -146,7 +146,7 @@ where
 /// Keyed by (id, attempt): an entry with a stale token is fenced even when another
 /// entry of the same job changed it.
 fn changed_in_order(jobs: &[(JobId, i32)], changed: Vec<Token>) -> Result<Vec<bool>, RepoError> {
-    // Sorted and searched, not hashed: cheaper for the few hundred of a batch.
+    // Parsed once and searched sorted: no id is formatted per token.
     let mut done = changed
         .into_iter()
         .map(|r| Ok((JobId::parse(&r.id)?, r.attempt)))

@@ -113,7 +113,10 @@ async fn complete_batch(
                 };
                 telemetry::count_jobs(telemetry::JOBS_COMPLETED, of(JobCompleteOutcome::Completed));
                 telemetry::count_jobs(telemetry::JOBS_FENCED, of(JobCompleteOutcome::Fenced));
-                let completed = of(JobCompleteOutcome::Completed).count() as u64;
+                let completed = outcomes
+                    .iter()
+                    .filter(|o| **o == JobCompleteOutcome::Completed)
+                    .count() as u64;
                 WorkerStats::add(&stats.completed, completed);
                 WorkerStats::add(&stats.fenced, batch.len() as u64 - completed);
                 return;

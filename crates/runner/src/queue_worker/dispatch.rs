@@ -217,8 +217,8 @@ impl<H: JobHandler> Dispatch<H> {
                 delivery = job.attempt
             );
             // Boxed: the job's future is about 3 KB, and spawning moves it several
-            // times; a box moves as a pointer (a sixth of a drain's per-job CPU
-            // was those copies).
+            // times; a box moves as a pointer (in a drain's profile, 28 % of a job
+            // task's samples were those copies).
             self.running
                 .spawn(Box::pin(run_job(self.cx.clone(), job, lease)).instrument(span));
         }

@@ -51,8 +51,7 @@ async fn a_prefetch_beyond_what_a_worker_may_hold_is_refused() {
     use idemstage_runner::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
     let db = idemstage_testkit::TestDb::new().await;
     let handler = || handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
-    let config = QueueWorkerConfig::default()
-        .with_queues(["q"])
+    let config = QueueWorkerConfig::for_queues(["q"])
         .with_concurrency(16)
         .with_prefetch(MAX_HELD_JOBS - 16 + 1);
     let err = QueueWorker::new(db.pool(2).await, db.url(), config.clone(), handler())
