@@ -9,6 +9,7 @@
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
 mod batched;
+mod buckets;
 mod changes;
 mod controls;
 mod defer;
@@ -21,10 +22,11 @@ mod notifier;
 mod send;
 
 pub use batched::{complete_many, renew_leases, retry_now_many};
+pub use buckets::{held_until, hold};
 pub use changes::{control_changes, ControlChange, ControlChangeKind};
 pub use controls::{
-    controls, held_until, hold, pause, resume, set_limits, Limits, PauseOutcome, QueueControl,
-    Rate, ResumeOutcome, Scope,
+    controls, pause, resume, set_limits, Limits, PauseOutcome, QueueControl, Rate, ResumeOutcome,
+    Scope,
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};
@@ -40,7 +42,7 @@ pub use send::{send, send_batch, send_in, send_in_waking, NOTIFY_CHANNEL};
 
 // The statement texts, for `crate::statements`.
 pub(crate) use batched::{COMPLETE_MANY_SQL, RENEW_LEASES_SQL, RETRY_NOW_MANY_SQL};
-pub(crate) use controls::HOLD_SQL;
+pub(crate) use buckets::HOLD_SQL;
 pub(crate) use defer::RETRY_AFTER_SQL;
 pub(crate) use fetch::{FETCH_ASYNC_COMMIT_SQL, FETCH_SQL, FETCH_WAIT_SQL};
 pub(crate) use finish::{
