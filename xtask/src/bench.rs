@@ -260,7 +260,16 @@ impl Peers {
             }
         }
         eprintln!("xtask bench: peer {name}");
-        let out = output(&mut cmd).map_err(|e| format!("{e:#}"))?;
+        let out = output(&mut cmd).map_err(|e| {
+            // The report keeps a line of it; the whole of what the peer printed
+            // (its stdout and stderr, the last lines) goes to our stderr, so that a
+            // failed peer can be diagnosed after the run.
+            let e = format!("{e:#}");
+            let lines: Vec<&str> = e.lines().collect();
+            let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+            eprintln!("xtask bench: peer {name} failed:\n{tail}");
+            e
+        })?;
         out.lines()
             .rev()
             .find(|l| l.starts_with('{'))
@@ -580,7 +589,7 @@ fn suite(
             .iter()
             .find(|(l, _)| *l == label)
             .and_then(|(_, r)| r.as_ref().err())
-            .map(|e| format!("{label}: failed ({})", e.lines().next().unwrap_or("")))
+            .map(|e| format!("{label}: failed ({})", error_summary(e)))
             .unwrap_or_default()
     };
     let peer_row = |rows: &mut Vec<Row>,
@@ -720,7 +729,7 @@ fn suite(
             Ok(j) => format!("\"{label}\": {}", j.trim()),
             Err(e) => format!(
                 "\"{label}\": {{\"error\": \"{}\"}}",
-                e.lines().next().unwrap_or("").replace(['"', '\\'], "'")
+                error_summary(e).replace(['"', '\\'], "'")
             ),
         })
         .collect::<Vec<_>>()
@@ -815,6 +824,17 @@ fn quick_pairs(
 }
 
 /// Runs `cmd`; its stdout, or an error with its stderr.
+/// A failed command's error in one line: its first line (the command and its exit
+/// status) and, if it printed anything, the last line it printed (most often why).
+fn error_summary(e: &str) -> String {
+    let lines: Vec<&str> = e.lines().collect();
+    let first = lines.first().copied().unwrap_or("");
+    match lines.iter().skip(1).rev().find(|l| !l.trim().is_empty()) {
+        Some(last) => format!("{first} {}", last.trim()),
+        None => first.to_owned(),
+    }
+}
+
 fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd
         .output()
@@ -1113,7 +1133,20 @@ fn string(json: &str, key: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{number, string, without_flags};
+    use super::{error_summary, number, string, without_flags};
+
+    #[test]
+    fn a_failed_peer_is_summed_up_by_its_status_and_its_last_words() {
+        let e = "\"awa\" failed (exit status: 1):\n{\"partial\":1}\n\nError: pool timed out\n\n";
+        assert_eq!(
+            error_summary(e),
+            "\"awa\" failed (exit status: 1): Error: pool timed out"
+        );
+        assert_eq!(
+            error_summary("\"x\" failed (signal: 9):\n\n"),
+            "\"x\" failed (signal: 9):"
+        );
+    }
 
     #[test]
     fn a_flag_given_again_replaces_the_callers() {
