@@ -188,11 +188,13 @@ pub enum ResumeOutcome {
     NotPaused,
 }
 
-/// `$3` the actor: set for the statement's transaction, where the trigger that
-/// records the change reads it (`queue_control_changes.actor`).
+/// `$3` the actor: set for the statement's transaction, tagged with this
+/// statement's start (`idemstage_actor_tag()`, migration `000150`), where the
+/// trigger that records the change reads it (`queue_control_changes.actor`); a
+/// later statement of the transaction has another tag, so it names nobody.
 const PAUSE_SQL: &str = "\
 WITH actor AS (
-    SELECT set_config('idemstage.actor', $3, true) AS name
+    SELECT set_config('idemstage.actor', idemstage_actor_tag() || $3, true) AS name
 ), before AS (
     SELECT paused FROM queue_controls WHERE queue = $1 AND scope = $2
 ), upsert AS (
@@ -209,7 +211,7 @@ SELECT coalesce((SELECT paused FROM before), false) AS was
 /// `$3` the actor, as in `PAUSE_SQL`.
 const RESUME_SQL: &str = "\
 WITH actor AS (
-    SELECT set_config('idemstage.actor', $3, true) AS name
+    SELECT set_config('idemstage.actor', idemstage_actor_tag() || $3, true) AS name
 ), resumed AS (
     UPDATE queue_controls SET paused = false, updated_at = now(), updated_by = current_user
      WHERE queue = $1 AND scope = $2 AND paused
@@ -275,7 +277,7 @@ pub async fn resume(
 /// `$8` the actor, as in `PAUSE_SQL`.
 const SET_LIMITS_SQL: &str = "\
 WITH actor AS (
-    SELECT set_config('idemstage.actor', $8, true) AS name
+    SELECT set_config('idemstage.actor', idemstage_actor_tag() || $8, true) AS name
 )
 INSERT INTO queue_controls (queue, scope, max_active, rate_count, rate_period_ms, rate_burst, weight)
 SELECT $1, $2, $3, $4, $5, $6, $7 FROM actor

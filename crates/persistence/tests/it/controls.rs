@@ -665,3 +665,41 @@ async fn every_control_change_is_recorded_with_who_made_it() {
         2
     );
 }
+
+/// The actor a library call names is that call's alone: a change made by hand
+/// later in the same transaction is recorded without one, also after a call that
+/// changed nothing (a second pause).
+#[tokio::test]
+async fn an_actor_names_its_own_statement_not_the_rest_of_the_transaction() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let alice = Actor::parse("alice").unwrap();
+    conn.batch_execute("BEGIN").await.unwrap();
+    queue::pause(&mut conn, "q", &Scope::Queue, &alice)
+        .await
+        .unwrap();
+    conn.batch_execute("UPDATE queue_controls SET max_active = 5 WHERE queue = 'q'")
+        .await
+        .unwrap();
+    // Already paused: this call changes nothing, and names nobody for what follows.
+    queue::pause(&mut conn, "q", &Scope::Queue, &alice)
+        .await
+        .unwrap();
+    conn.batch_execute("UPDATE queue_controls SET paused = false WHERE queue = 'q'")
+        .await
+        .unwrap();
+    conn.batch_execute("COMMIT").await.unwrap();
+
+    let changes = queue::control_changes(&mut conn, Some("q"), 10)
+        .await
+        .unwrap();
+    let seen: Vec<_> = changes.iter().map(|c| (c.kind, c.actor.clone())).collect();
+    assert_eq!(
+        seen,
+        vec![
+            (ControlChangeKind::Resume, None),
+            (ControlChangeKind::Limits, None),
+            (ControlChangeKind::Pause, Some("alice".to_owned())),
+        ]
+    );
+}

@@ -1,0 +1,40 @@
+-- Back to 000140's trigger function: the actor of the whole transaction.
+CREATE OR REPLACE FUNCTION idemstage_record_control_change() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
+DECLARE
+    v_row queue_controls;
+    v_change text;
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO queue_control_changes (queue, scope, change, actor, db_user)
+        VALUES (OLD.queue, OLD.scope, 'remove',
+                nullif(current_setting('idemstage.actor', true), ''), session_user);
+        RETURN NULL;
+    END IF;
+    v_row := NEW;
+    IF TG_OP = 'UPDATE' THEN
+        IF OLD.paused IS DISTINCT FROM NEW.paused THEN
+            v_change := CASE WHEN NEW.paused THEN 'pause' ELSE 'resume' END;
+        ELSIF (OLD.max_active, OLD.rate_count, OLD.rate_period_ms, OLD.rate_burst, OLD.weight)
+              IS DISTINCT FROM
+              (NEW.max_active, NEW.rate_count, NEW.rate_period_ms, NEW.rate_burst, NEW.weight) THEN
+            v_change := 'limits';
+        ELSE
+            -- Nothing an operator sees changed (the fetch's lock, a repeated
+            -- setting): not a change.
+            RETURN NULL;
+        END IF;
+    ELSE
+        v_change := CASE WHEN NEW.paused THEN 'pause' ELSE 'limits' END;
+    END IF;
+    INSERT INTO queue_control_changes
+        (queue, scope, change, paused, max_active, rate_count, rate_period_ms,
+         rate_burst, weight, actor, db_user)
+    VALUES (v_row.queue, v_row.scope, v_change, v_row.paused, v_row.max_active,
+            v_row.rate_count, v_row.rate_period_ms, v_row.rate_burst, v_row.weight,
+            nullif(current_setting('idemstage.actor', true), ''), session_user);
+    RETURN NULL;
+END
+$$;
+
+DROP FUNCTION idemstage_actor_tag();

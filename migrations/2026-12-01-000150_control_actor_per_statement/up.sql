@@ -1,0 +1,56 @@
+-- The actor a control statement names is that statement's alone. Migration
+-- 000140 read it from the transaction-local `idemstage.actor`, so a change made
+-- by hand later in the same transaction (after `queue::pause` in a team's own
+-- transaction, say) was recorded under the library call's actor. The library now
+-- sets the setting to `idemstage_actor_tag() || actor`, and the trigger takes the
+-- actor only when the tag is its own statement's: the statement's start time
+-- (`statement_timestamp()`, in microseconds), which every client message sets
+-- anew. Statements sent in one simple-query string share it.
+CREATE FUNCTION idemstage_actor_tag() RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT (extract(epoch FROM statement_timestamp()) * 1000000)::bigint::text || ':'
+$$;
+
+CREATE OR REPLACE FUNCTION idemstage_record_control_change() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
+DECLARE
+    v_row queue_controls;
+    v_change text;
+    v_tag text := idemstage_actor_tag();
+    v_setting text := coalesce(current_setting('idemstage.actor', true), '');
+    v_actor text;
+BEGIN
+    IF starts_with(v_setting, v_tag) THEN
+        v_actor := nullif(substr(v_setting, length(v_tag) + 1), '');
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO queue_control_changes (queue, scope, change, actor, db_user)
+        VALUES (OLD.queue, OLD.scope, 'remove',
+                v_actor, session_user);
+        RETURN NULL;
+    END IF;
+    v_row := NEW;
+    IF TG_OP = 'UPDATE' THEN
+        IF OLD.paused IS DISTINCT FROM NEW.paused THEN
+            v_change := CASE WHEN NEW.paused THEN 'pause' ELSE 'resume' END;
+        ELSIF (OLD.max_active, OLD.rate_count, OLD.rate_period_ms, OLD.rate_burst, OLD.weight)
+              IS DISTINCT FROM
+              (NEW.max_active, NEW.rate_count, NEW.rate_period_ms, NEW.rate_burst, NEW.weight) THEN
+            v_change := 'limits';
+        ELSE
+            -- Nothing an operator sees changed (the fetch's lock, a repeated
+            -- setting): not a change.
+            RETURN NULL;
+        END IF;
+    ELSE
+        v_change := CASE WHEN NEW.paused THEN 'pause' ELSE 'limits' END;
+    END IF;
+    INSERT INTO queue_control_changes
+        (queue, scope, change, paused, max_active, rate_count, rate_period_ms,
+         rate_burst, weight, actor, db_user)
+    VALUES (v_row.queue, v_row.scope, v_change, v_row.paused, v_row.max_active,
+            v_row.rate_count, v_row.rate_period_ms, v_row.rate_burst, v_row.weight,
+            v_actor, session_user);
+    RETURN NULL;
+END
+$$;
