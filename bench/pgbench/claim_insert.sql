@@ -64,9 +64,14 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
        last_error = NULL,
        upstream_stage = EXCLUDED.upstream_stage,
        upstream_attempt = EXCLUDED.upstream_attempt
- WHERE r.status = 'stale'
-    OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
-        AND r.attempts < r.max_attempts)
+ WHERE ((r.status = 'stale'
+         OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
+             AND r.attempts < r.max_attempts))
+        AND (r.success_attempt IS NULL OR NOT EXISTS (
+               SELECT 1 FROM pipeline_run_attempts s
+                WHERE s.run_id = r.id AND s.attempt = r.success_attempt
+                  AND s.input_hash = EXCLUDED.input_hash
+                  AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND :rerun)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt;
 COMMIT;

@@ -65,9 +65,14 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
        last_error = NULL,
        upstream_stage = EXCLUDED.upstream_stage,
        upstream_attempt = EXCLUDED.upstream_attempt
- WHERE r.status = 'stale'
-    OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
-        AND r.attempts < r.max_attempts)
+ WHERE ((r.status = 'stale'
+         OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
+             AND r.attempts < r.max_attempts))
+        AND (r.success_attempt IS NULL OR NOT EXISTS (
+               SELECT 1 FROM pipeline_run_attempts s
+                WHERE s.run_id = r.id AND s.attempt = r.success_attempt
+                  AND s.input_hash = EXCLUDED.input_hash
+                  AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND :rerun)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt;
 SELECT clock_timestamp() AS db_now,
@@ -75,10 +80,11 @@ SELECT clock_timestamp() AS db_now,
        u.status AS upstream_status, u.success_attempt AS upstream_success,
        u.lease_expires_at AS upstream_lease, h.input_hash AS upstream_hash,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
-       r.lease_expires_at
+       r.lease_expires_at, s.input_hash AS success_hash, s.upstream_attempt AS success_upstream
   FROM (SELECT 1) AS one
   LEFT JOIN anfragen a ON a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0')
   LEFT JOIN pipeline_runs u ON u.tenant_id = :tenant AND u.anfrage_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text
   LEFT JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-  LEFT JOIN pipeline_runs r ON r.tenant_id = :tenant AND r.anfrage_id = lpad((:a)::text, 26, '0') AND r.stage = :done_stage;
+  LEFT JOIN pipeline_runs r ON r.tenant_id = :tenant AND r.anfrage_id = lpad((:a)::text, 26, '0') AND r.stage = :done_stage
+  LEFT JOIN pipeline_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt;
 COMMIT;

@@ -91,6 +91,18 @@ pub enum RepoError {
         /// SHA-256 (hex) of the input refused.
         new_hash: String,
     },
+    /// The input a run is bound to (by hash) is stored neither as the anfrage's
+    /// input nor among its replaced inputs: written around the library, or older
+    /// than the kept inputs. Permanent: no attempt can read it.
+    #[error("anfrage {anfrage} of tenant {tenant}: the input its run is bound to (sha256 {input_hash}) is not stored")]
+    BoundInputMissing {
+        /// The tenant.
+        tenant: String,
+        /// The anfrage.
+        anfrage: String,
+        /// The hash the run is bound to.
+        input_hash: String,
+    },
     /// Insert-or-get found neither its own insert nor an existing row, repeatedly.
     #[error("insert-or-get of {what} gave up after {tries} tries: the row kept disappearing")]
     InsertOrGetExhausted {

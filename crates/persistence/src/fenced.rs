@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::error::map_diesel_error;
 use crate::queue::Wake;
-use crate::schema::{anfragen, audit_log};
+use crate::schema::audit_log;
 
 /// How often insert-or-get retries when the row it conflicted with is gone again.
 pub const INSERT_OR_GET_TRIES: u32 = 5;
@@ -253,27 +253,43 @@ impl<'c> FencedTx<'c> {
         }
     }
 
-    /// Reads the anfrage's input text (same transaction, same tenant).
+    /// Reads the input this run is bound to (same transaction, same tenant): the
+    /// text whose hash the claim bound (`pipeline_runs.input_hash`; for a later
+    /// stage, the hash its upstream's success read). That is the anfrage's stored
+    /// input while it is current, else the replaced input kept for it: a stage
+    /// computed after the input was replaced still reads what its lineage names.
     pub async fn anfrage_text(&mut self) -> Result<String, RepoError> {
-        use anfragen::dsl as a;
-        a::anfragen
-            .filter(a::tenant_id.eq(self.token.tenant.as_str()))
-            .filter(a::id.eq(self.token.anfrage.to_string()))
-            .select(a::input_text)
-            .first(self.conn)
+        #[derive(QueryableByName)]
+        struct Bound {
+            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+            input_hash: Option<String>,
+            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+            input_text: Option<String>,
+        }
+        let bound: Option<Bound> = diesel::sql_query(crate::runs::sql::BOUND_INPUT)
+            .bind::<diesel::sql_types::Text, _>(self.token.run_id.to_string())
+            .bind::<diesel::sql_types::Integer, _>(self.token.attempt)
+            .get_result(self.conn)
             .await
             .optional()
-            .map_err(map_diesel_error)?
-            .ok_or_else(|| RepoError::AnfrageNotFound {
-                tenant: self.token.tenant.to_string(),
-                anfrage: self.token.anfrage.to_string(),
-            })
-            // The limit holds for input that did not come through `register_anfrage`
-            // (written by hand or by another tool): a clear, permanent error.
-            .and_then(|text: String| {
-                crate::anfragen::validate_input(&text)?;
-                Ok(text)
-            })
+            .map_err(map_diesel_error)?;
+        let not_found = || RepoError::AnfrageNotFound {
+            tenant: self.token.tenant.to_string(),
+            anfrage: self.token.anfrage.to_string(),
+        };
+        let bound = bound.ok_or_else(not_found)?;
+        let (Some(hash), text) = (bound.input_hash, bound.input_text) else {
+            return Err(not_found());
+        };
+        let text = text.ok_or_else(|| RepoError::BoundInputMissing {
+            tenant: self.token.tenant.to_string(),
+            anfrage: self.token.anfrage.to_string(),
+            input_hash: hash,
+        })?;
+        // The limit holds for input that did not come through `register_anfrage`
+        // (written by hand or by another tool): a clear, permanent error.
+        crate::anfragen::validate_input(&text)?;
+        Ok(text)
     }
 }
 

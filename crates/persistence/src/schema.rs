@@ -1,6 +1,16 @@
 // @generated automatically by Diesel CLI.
 
 diesel::table! {
+    anfrage_inputs (tenant_id, anfrage_id, input_sha256) {
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        input_sha256 -> Text,
+        input_text -> Text,
+        replaced_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     anfragen (id) {
         tenant_id -> Text,
         id -> Text,
@@ -133,6 +143,7 @@ diesel::table! {
 }
 
 diesel::allow_tables_to_appear_in_same_query!(
+    anfrage_inputs,
     anfragen,
     audit_log,
     jobs,

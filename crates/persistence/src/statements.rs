@@ -66,6 +66,8 @@ pub fn all() -> Vec<Statement> {
         s("run_claim", runs::sql::CLAIM),
         s("run_explain_skip", runs::sql::EXPLAIN_SKIP),
         s("run_mark_exhausted", runs::sql::MARK_EXHAUSTED),
+        s("run_restore_success", runs::sql::RESTORE_SUCCESS),
+        s("run_bound_input", runs::sql::BOUND_INPUT),
         s("run_lineage_current", runs::sql::LINEAGE_CURRENT),
         s("run_fence_success", runs::sql::FENCE_SUCCESS),
         s(

@@ -9,6 +9,8 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::{map_diesel_error, RepoError};
 
+mod bound;
+
 /// What the database says about a run of the example pipeline, read after the fact.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PipelineCheck {
@@ -36,6 +38,11 @@ pub struct PipelineCheck {
     /// (or, for the first stage, from the anfrage's stored input), or from another
     /// stage than the one before them (must be 0).
     pub stale_lineage: i64,
+    /// Current results of extract, feasibility and calculate that differ from what
+    /// the input their run is bound to (`input_hash`) computes, or whose bound input
+    /// is not stored (must be 0): a stage that read another input than its lineage
+    /// names.
+    pub unbound_results: i64,
     /// Child rows and results written by an attempt other than the run's current
     /// success, and audit entries written by an attempt that did not succeed
     /// (must be 0).
@@ -53,7 +60,7 @@ pub struct PipelineCheck {
     pub missing_audit: i64,
     /// Runs whose attempt history does not match the run: a missing attempt row, an
     /// attempt still `running` that is not the run's live attempt, or a `success` run
-    /// whose current attempt is not recorded as the success (must be 0).
+    /// whose success attempt is not recorded as a success (must be 0).
     pub attempt_history_errors: i64,
     /// Attempts that ended `fenced` or `abandoned`: stale workers seen (informational).
     pub abandoned: i64,
@@ -164,7 +171,7 @@ UNION ALL SELECT 'missing_audit',
     (SELECT count(*) FROM pipeline_runs r
       WHERE r.status = 'success' AND r.stage IN ('intake', 'extract', 'calculate')
         AND NOT EXISTS (SELECT 1 FROM audit_log l
-                         WHERE l.run_id = r.id AND l.attempt = r.attempts
+                         WHERE l.run_id = r.id AND l.attempt = r.success_attempt
                            AND l.action = CASE r.stage WHEN 'intake' THEN 'anfrage.intake'
                                                        WHEN 'extract' THEN 'anfrage.extracted'
                                                        ELSE 'anfrage.calculated' END))
@@ -176,7 +183,8 @@ UNION ALL SELECT 'attempt_history_errors',
                        AND (a.attempt <> r.attempts OR r.status <> 'running'))
          OR (r.status = 'success' AND NOT EXISTS (
                 SELECT 1 FROM pipeline_run_attempts a
-                 WHERE a.run_id = r.id AND a.attempt = r.attempts AND a.outcome = 'success')))
+                 WHERE a.run_id = r.id AND a.attempt = r.success_attempt
+                   AND a.outcome = 'success')))
 UNION ALL SELECT 'abandoned',
     (SELECT count(*) FROM pipeline_run_attempts WHERE outcome IN ('fenced', 'abandoned'))
 UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
@@ -221,6 +229,7 @@ pub async fn check_example_pipeline(
         }
     }
     check.stages_succeeded = check.runs_by_status.get("success").copied().unwrap_or(0);
+    check.unbound_results = bound::unbound_results(conn).await?;
     Ok(check)
 }
 
@@ -235,6 +244,12 @@ impl PipelineCheck {
             v.push(format!(
                 "{} successes not computed from their upstream's current success",
                 self.stale_lineage
+            ));
+        }
+        if self.unbound_results != 0 {
+            v.push(format!(
+                "{} results not computed from the input their run is bound to",
+                self.unbound_results
             ));
         }
         if self.foreign_writes != 0 {

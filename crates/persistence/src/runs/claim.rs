@@ -165,6 +165,10 @@ struct Explained {
     input_hash: Option<String>,
     #[diesel(sql_type = Nullable<Timestamptz>)]
     lease_expires_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    success_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    success_upstream: Option<i32>,
 }
 
 /// The claim returned no row: read the source and the run and say why, or `None`
@@ -189,6 +193,8 @@ async fn explain_skip(
             anfrage: req.anfrage.to_string(),
         });
     };
+    // The upstream attempt a claim would bind now (none for the first stage).
+    let bound_upstream = req.upstream.as_ref().and(e.upstream_success);
     let bound_hash = match &req.upstream {
         None if stored_hash != req.input_hash => {
             return Ok(Some(ClaimOutcome::Rejected(RejectReason::InputMismatch {
@@ -224,6 +230,30 @@ async fn explain_skip(
         return Ok(None);
     };
     let status: RunStatus = status.parse()?;
+    // Its current success is what this claim would compute: restore it, never run it
+    // again (a second success on the same input). A live lease is still InFlight.
+    let held = status == RunStatus::Running && lease >= e.db_now;
+    let restorable = matches!(
+        status,
+        RunStatus::Failed | RunStatus::Dead | RunStatus::Stale | RunStatus::Running
+    );
+    if restorable
+        && !held
+        && e.success_hash.as_deref() == Some(bound_hash.as_str())
+        && e.success_upstream == bound_upstream
+    {
+        let restored = diesel::sql_query(sql::RESTORE_SUCCESS)
+            .bind::<Text, _>(&run_id)
+            .bind::<Integer, _>(attempts)
+            .cached()
+            .execute(conn)
+            .await
+            .map_err(map_diesel_error)?;
+        let run_id = RunId::parse(&run_id)?;
+        return Ok((restored == 1).then_some(ClaimOutcome::Skipped(
+            SkipReason::AlreadySucceeded { run_id },
+        )));
+    }
     Ok(match status {
         RunStatus::Success if hash == bound_hash => {
             Some(ClaimOutcome::Skipped(SkipReason::AlreadySucceeded {

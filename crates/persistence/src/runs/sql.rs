@@ -20,6 +20,12 @@
 /// (`$9`), a success on another input. `stale` and rerun rows get a fresh attempt
 /// budget on top of the used one; `attempts` itself only grows (fencing token).
 ///
+/// A run whose current success is what this claim would compute (the same input
+/// hash and upstream attempt: an input set back to the one it succeeded on while a
+/// rerun on another input failed, lost its lease or went `stale` on its lineage) is
+/// not admitted: running it again would be a second success on the same input. The
+/// explanation restores it to that success instead ([`RESTORE_SUCCESS`]).
+///
 /// The update's lease is its own `clock_timestamp()`, not `EXCLUDED`'s: the
 /// inserted values are computed before the conflict's row lock is waited for.
 ///
@@ -56,9 +62,14 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
        last_error = NULL,
        upstream_stage = EXCLUDED.upstream_stage,
        upstream_attempt = EXCLUDED.upstream_attempt
- WHERE r.status = 'stale'
-    OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
-        AND r.attempts < r.max_attempts)
+ WHERE ((r.status = 'stale'
+         OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
+             AND r.attempts < r.max_attempts))
+        AND (r.success_attempt IS NULL OR NOT EXISTS (
+               SELECT 1 FROM pipeline_run_attempts s
+                WHERE s.run_id = r.id AND s.attempt = r.success_attempt
+                  AND s.input_hash = EXCLUDED.input_hash
+                  AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND $9)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt";
 
@@ -71,12 +82,32 @@ SELECT clock_timestamp() AS db_now,
        u.status AS upstream_status, u.success_attempt AS upstream_success,
        u.lease_expires_at AS upstream_lease, h.input_hash AS upstream_hash,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
-       r.lease_expires_at
+       r.lease_expires_at, s.input_hash AS success_hash, s.upstream_attempt AS success_upstream
   FROM (SELECT 1) AS one
   LEFT JOIN anfragen a ON a.tenant_id = $1 AND a.id = $2
   LEFT JOIN pipeline_runs u ON u.tenant_id = $1 AND u.anfrage_id = $2 AND u.stage = $4::text
   LEFT JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-  LEFT JOIN pipeline_runs r ON r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3";
+  LEFT JOIN pipeline_runs r ON r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3
+  LEFT JOIN pipeline_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt";
+
+/// A run whose success is current again ends its detour: it is `success` on that
+/// attempt once more, with the attempt's input and upstream, and the attempt after
+/// it (a rerun on another input that failed, died, went `stale` on its own lineage
+/// or lost its lease) never commits. Only from a state no worker holds (a running
+/// attempt only once its lease ran out), fenced on the token. `$1` run id, `$2`
+/// attempts.
+pub const RESTORE_SUCCESS: &str = "\
+UPDATE pipeline_runs AS r
+   SET status = 'success', input_hash = s.input_hash, upstream_attempt = s.upstream_attempt,
+       finished_at = clock_timestamp(),
+       lease_expires_at = least(r.lease_expires_at, clock_timestamp()),
+       last_error = 'restored to the success of attempt ' || r.success_attempt
+                    || ': its input is current again'
+  FROM pipeline_run_attempts s
+ WHERE r.id = $1 AND r.attempts = $2
+   AND s.run_id = r.id AND s.attempt = r.success_attempt
+   AND (r.status IN ('failed', 'dead', 'stale')
+        OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))";
 
 /// Marks a run `dead` whose budget is used up, but only in a state the claim's
 /// guard refuses for that reason (failed, or running with an expired lease): a
@@ -87,6 +118,21 @@ UPDATE pipeline_runs
        last_error = 'attempt budget used up (last lease expired)'
  WHERE id = $1 AND attempts >= max_attempts
    AND (status = 'failed' OR (status = 'running' AND lease_expires_at < clock_timestamp()))";
+
+/// The input a run's attempt is bound to: the text of the run's `input_hash`, the
+/// anfrage's stored input while it is current, else the replaced input kept in
+/// `anfrage_inputs` (migration `000160`). Fenced on the token: no row for an
+/// attempt that is not the run's current one. `$1` run id, `$2` attempt.
+pub const BOUND_INPUT: &str = "\
+SELECT r.input_hash,
+       coalesce((SELECT a.input_text FROM anfragen a
+                  WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+                    AND a.input_sha256 = r.input_hash),
+                (SELECT i.input_text FROM anfrage_inputs i
+                  WHERE i.tenant_id = r.tenant_id AND i.anfrage_id = r.anfrage_id
+                    AND i.input_sha256 = r.input_hash)) AS input_text
+  FROM pipeline_runs r
+ WHERE r.id = $1 AND r.attempts = $2";
 
 /// The lineage check, the first statement of the fenced completion: is the input
 /// this attempt read still current? For the first stage, the anfrage's stored input
@@ -123,9 +169,10 @@ UPDATE pipeline_runs
 /// `upstream_stage`) is `stale` and runs again, and its results are no longer
 /// current (`success_attempt` NULL), so nothing downstream is computed from them
 /// until it has run again. A running downstream attempt is fenced by this (its
-/// completion expects `running`). A failed or dead rerun never gets here, so it
-/// invalidates nothing. `$1` tenant, `$2` anfrage, `$3` stage,
-/// `$4` reason.
+/// completion expects `running`). A `cancelled` stage stays cancelled (final on
+/// every path): only its results stop being current, so nothing after it runs. A
+/// failed or dead rerun never gets here, so it invalidates nothing. `$1` tenant,
+/// `$2` anfrage, `$3` stage, `$4` reason.
 pub const INVALIDATE_DOWNSTREAM: &str = "\
 WITH RECURSIVE downstream AS (
     SELECT d.stage FROM pipeline_runs d
@@ -135,10 +182,12 @@ WITH RECURSIVE downstream AS (
      WHERE d.tenant_id = $1 AND d.anfrage_id = $2
 )
 UPDATE pipeline_runs
-   SET status = 'stale', last_error = $4, success_attempt = NULL,
+   SET status = CASE WHEN status = 'cancelled' THEN 'cancelled' ELSE 'stale' END,
+       last_error = CASE WHEN status = 'cancelled' THEN last_error ELSE $4 END,
+       success_attempt = NULL,
        lease_expires_at = least(lease_expires_at, clock_timestamp())
  WHERE tenant_id = $1 AND anfrage_id = $2 AND stage IN (SELECT stage FROM downstream)
-   AND status <> 'stale'";
+   AND status <> 'stale' AND NOT (status = 'cancelled' AND success_attempt IS NULL)";
 
 /// The run's attempt read an upstream that is no longer current: the attempt ends
 /// (`fenced` in the history) and the run is `stale`, claimable at once. Fenced on

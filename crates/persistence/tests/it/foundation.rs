@@ -34,6 +34,7 @@ async fn migrations_round_trip_up_down_up() {
     assert_eq!(
         tables,
         [
+            "anfrage_inputs",
             "anfragen",
             "audit_log",
             "jobs",

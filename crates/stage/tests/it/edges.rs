@@ -1,0 +1,323 @@
+//! The promise at its edges (issue 29): an input set back to the one a stage
+//! succeeded on never runs it again, a cancelled stage stays cancelled, and a
+//! stage reads the input its lineage names, not the newest one. Driven through
+//! the executor, as workers would, and checked with the pipeline's own checker.
+
+use std::time::Duration;
+
+use diesel_async::RunQueryDsl;
+use idemstage::ops::{self, Actor};
+use idemstage_domain::{input_hash_of, InputChangePolicy, SkipReason, StagePolicy};
+use idemstage_example::{self as example, check_example_pipeline, Chaos};
+use idemstage_stage::{ExecutionOutcome, Pipeline, StageJob};
+use idemstage_testkit::count;
+
+use crate::{fixture, Fixture};
+
+const TEXT_1: &str = "10 Stk Schrauben M8";
+const TEXT_2: &str = "99 Stk Schrauben M8";
+
+fn policy(max_attempts: i32) -> StagePolicy {
+    StagePolicy::default()
+        .with_max_attempts(max_attempts)
+        .with_on_input_change(InputChangePolicy::Rerun)
+        .with_lease(Duration::from_secs(30))
+        .with_heartbeat(Duration::from_secs(10))
+}
+
+/// Every stage `Rerun` on new input, bodies as `chaos` says.
+fn pipeline(chaos: Chaos, max_attempts: i32) -> Pipeline {
+    example::pipeline_with(chaos, policy(max_attempts)).unwrap()
+}
+
+/// Replaces the anfrage's stored input as `start_in` under `Rerun` does (the
+/// same UPDATE), and returns the job that carries it.
+async fn set_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
+    let hash = input_hash_of(text.as_bytes());
+    diesel::sql_query(format!(
+        "UPDATE anfragen SET input_text = '{text}', input_sha256 = '{hash}' WHERE id = '{}'",
+        job.anfrage_id
+    ))
+    .execute(&mut f.conn)
+    .await
+    .unwrap();
+    StageJob {
+        input_hash: hash,
+        ..job.clone()
+    }
+}
+
+async fn run(f: &Fixture, pipeline: &Pipeline, stage: &str, job: &StageJob) -> ExecutionOutcome {
+    let stage = pipeline.stage(stage).unwrap();
+    f.executor().run(pipeline, stage, job).await.unwrap()
+}
+
+async fn run_all(f: &Fixture, pipeline: &Pipeline, job: &StageJob) {
+    for stage in ["intake", "extract", "feasibility", "calculate"] {
+        let outcome = run(f, pipeline, stage, job).await;
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+            "{stage}: {outcome:?}"
+        );
+    }
+}
+
+async fn status(f: &mut Fixture, stage: &str) -> String {
+    #[derive(diesel::QueryableByName)]
+    struct S {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        status: String,
+    }
+    let s: S = diesel::sql_query(format!(
+        "SELECT status FROM pipeline_runs WHERE stage = '{stage}'"
+    ))
+    .get_result(&mut f.conn)
+    .await
+    .unwrap();
+    s.status
+}
+
+fn already_succeeded(outcome: &ExecutionOutcome) -> bool {
+    matches!(
+        outcome,
+        ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
+    )
+}
+
+/// Item 1: intake succeeded on text 1, a rerun on text 2 failed once (the run
+/// `failed`, its job retrying), the input went back to text 1. The retrying job
+/// used to claim the failed run and run intake (and every stage after it) again on
+/// text 1: a second success on the same input.
+#[tokio::test]
+async fn a_retrying_rerun_on_an_input_set_back_does_not_run_again() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let job = f.anfrage(TEXT_1).await;
+    run_all(&f, &calm, &job).await;
+
+    let changed = set_input(&mut f, &job, TEXT_2).await;
+    let crashing = pipeline(Chaos::crashing(1.0), 3);
+    let failed = run(&f, &crashing, "intake", &changed).await;
+    assert!(
+        matches!(failed, ExecutionOutcome::Failed { dead: false, .. }),
+        "{failed:?}"
+    );
+    assert_eq!(status(&mut f, "intake").await, "failed");
+
+    // Back to text 1; the retrying job (re-pointed at text 1 by the send) runs.
+    let back = set_input(&mut f, &job, TEXT_1).await;
+    let again = run(&f, &calm, "intake", &back).await;
+    assert!(already_succeeded(&again), "{again:?}");
+    assert_eq!(status(&mut f, "intake").await, "success");
+    for stage in ["extract", "feasibility", "calculate"] {
+        let outcome = run(&f, &calm, stage, &back).await;
+        assert!(already_succeeded(&outcome), "{stage}: {outcome:?}");
+    }
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    assert_eq!(check.stages_succeeded, 4);
+    // The restored run is on its first success, attempt 1 (text 1, upstream none).
+    assert_eq!(
+        count(
+            &mut f.conn,
+            &format!(
+                "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND success_attempt = 1
+                    AND attempts = 2 AND input_hash = '{}'",
+                back.input_hash
+            )
+        )
+        .await,
+        1
+    );
+}
+
+/// Item 1, through the operator: the rerun on text 2 ended `dead`, the input went
+/// back to text 1, `retry` revived the dead run, and it used to execute again on
+/// the hash of its current success.
+#[tokio::test]
+async fn an_operator_retry_of_a_dead_rerun_on_an_input_set_back_does_not_run_again() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 1);
+    let job = f.anfrage(TEXT_1).await;
+    run_all(&f, &calm, &job).await;
+
+    let changed = set_input(&mut f, &job, TEXT_2).await;
+    let crashing = pipeline(Chaos::crashing(1.0), 1);
+    let dead = run(&f, &crashing, "intake", &changed).await;
+    assert!(
+        matches!(dead, ExecutionOutcome::Failed { dead: true, .. }),
+        "{dead:?}"
+    );
+    let back = set_input(&mut f, &job, TEXT_1).await;
+    ops::retry(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.anfrage_id,
+        None,
+        &Actor::parse("ops-bot").unwrap(),
+        &calm,
+    )
+    .await
+    .unwrap();
+    let again = run(&f, &calm, "intake", &back).await;
+    assert!(already_succeeded(&again), "{again:?}");
+    assert_eq!(status(&mut f, "intake").await, "success");
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    assert_eq!(check.stages_succeeded, 4);
+}
+
+/// Item 2: a stage that ran (and failed) before it was cancelled used to come back
+/// when its upstream re-ran: the invalidation marked it `stale`, and it succeeded.
+#[tokio::test]
+async fn a_cancelled_stage_stays_cancelled_when_its_upstream_reruns() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let crashing = pipeline(Chaos::crashing(1.0), 3);
+    let job = f.anfrage(TEXT_1).await;
+    assert!(matches!(
+        run(&f, &calm, "intake", &job).await,
+        ExecutionOutcome::Succeeded { .. }
+    ));
+    let failed = run(&f, &crashing, "extract", &job).await;
+    assert!(
+        matches!(failed, ExecutionOutcome::Failed { .. }),
+        "{failed:?}"
+    );
+    ops::cancel(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.anfrage_id,
+        &Actor::parse("ops-bot").unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status(&mut f, "extract").await, "cancelled");
+
+    // A rerun of intake on new input succeeds and sends extract's job.
+    let changed = set_input(&mut f, &job, TEXT_2).await;
+    let rerun = run(&f, &calm, "intake", &changed).await;
+    assert!(
+        matches!(rerun, ExecutionOutcome::Succeeded { .. }),
+        "{rerun:?}"
+    );
+    assert_eq!(status(&mut f, "extract").await, "cancelled");
+    let extract = run(&f, &calm, "extract", &changed).await;
+    assert!(
+        matches!(
+            extract,
+            ExecutionOutcome::Skipped(SkipReason::Cancelled { .. })
+        ),
+        "{extract:?}"
+    );
+    assert_eq!(status(&mut f, "extract").await, "cancelled");
+    assert_eq!(
+        count(&mut f.conn, "SELECT 1 FROM anfrage_extraktionen").await,
+        0
+    );
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+}
+
+/// Item 3: intake succeeded on text 1, the input was replaced by text 2, the stages
+/// after intake ran before intake's rerun did, and the rerun then died. They used
+/// to read text 2 (99 x 1.50) while their lineage names text 1 (10 x 1.50), and the
+/// checker saw nothing.
+#[tokio::test]
+async fn a_downstream_stage_reads_the_input_its_lineage_names() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 1);
+    let job = f.anfrage(TEXT_1).await;
+    assert!(matches!(
+        run(&f, &calm, "intake", &job).await,
+        ExecutionOutcome::Succeeded { .. }
+    ));
+    let changed = set_input(&mut f, &job, TEXT_2).await;
+    for stage in ["extract", "feasibility", "calculate"] {
+        let outcome = run(&f, &calm, stage, &changed).await;
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+            "{stage}: {outcome:?}"
+        );
+    }
+    let crashing = pipeline(Chaos::crashing(1.0), 1);
+    let dead = run(&f, &crashing, "intake", &changed).await;
+    assert!(
+        matches!(dead, ExecutionOutcome::Failed { dead: true, .. }),
+        "{dead:?}"
+    );
+    // 10 x 1.50 = 15.00 EUR, text 1's, as the lineage says.
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM calculation_results WHERE total_cents = 1500"
+        )
+        .await,
+        1
+    );
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+}
+
+/// Item 3, the checker: results that do not match the input their run is bound to
+/// are reported (they were written here by hand, as a stage reading the newest
+/// input used to).
+#[tokio::test]
+async fn the_checker_reports_results_not_computed_from_the_bound_input() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 1);
+    let job = f.anfrage(TEXT_1).await;
+    run_all(&f, &calm, &job).await;
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.unbound_results, 0, "{check:?}");
+    diesel::sql_query("UPDATE calculation_results SET total_cents = 14850")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    diesel::sql_query("UPDATE anfrage_extraktionen SET quantity = 99")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.unbound_results, 2, "{check:?}");
+    assert_eq!(check.violations().len(), 1, "{check:?}");
+}
+
+/// Item 11: a run created `cancelled` for a queued stage recorded an attempt that
+/// finished before it started (the trigger used the transaction's start).
+#[tokio::test]
+async fn an_attempt_never_finishes_before_it_starts() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let job = f.anfrage(TEXT_1).await;
+    // Intake succeeds and sends extract's job; extract is only queued.
+    assert!(matches!(
+        run(&f, &calm, "intake", &job).await,
+        ExecutionOutcome::Succeeded { .. }
+    ));
+    ops::cancel(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.anfrage_id,
+        &Actor::parse("ops-bot").unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status(&mut f, "extract").await, "cancelled");
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM pipeline_run_attempts WHERE finished_at < started_at"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM pipeline_run_attempts WHERE finished_at IS NULL"
+        )
+        .await,
+        0
+    );
+}
