@@ -310,6 +310,7 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
                         CancelledFrom::Failed => "failed".into(),
                         CancelledFrom::Stale => "stale".into(),
                         CancelledFrom::Queued => "queued".into(),
+                        CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
                     };
                     println!("cancelled stage {} (was {from})", s.stage);
                 }

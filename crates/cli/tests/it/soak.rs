@@ -2,7 +2,10 @@
 //! `IDEMSTAGE_SOAK_SECS` (default 15) seconds; `cargo xtask soak --minutes N` runs
 //! it in release for N minutes. Three `idemstage worker` processes (stages re-run
 //! on new input) work a stream of anfragen (each sent twice; some sent again later
-//! with another text: a rerun) while, at random moments, a worker is SIGKILLed and
+//! with another text: a rerun; some set to another text and straight back, 1 → 2
+//! → 1; some re-run on a blank input that intake refuses, so the rerun dies, and
+//! later set back; some cancelled right after a rerun was sent) while an operator
+//! retries dead stages, and, at random moments, a worker is SIGKILLed and
 //! replaced, a worker is SIGSTOPped past its lease and continued, worker
 //! connections are terminated mid-transaction, statements are cancelled, or a
 //! session holds row locks on runs and anfragen while the database's
@@ -15,7 +18,9 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer};
 use diesel_async::RunQueryDsl;
-use idemstage_domain::{AnfrageId, TenantId};
+use idemstage::ops::{self, Actor};
+use idemstage_domain::{input_hash_of, AnfrageId, TenantId};
+use idemstage_stage::first_job;
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
@@ -37,6 +42,53 @@ async fn send_retrying(
         }
     }
     panic!("send kept failing");
+}
+
+/// A rerun that dies: the anfrage's input replaced by a blank one, which
+/// `start_in` refuses and intake fails on permanently, written around the library
+/// (as another tool might) in the same steps as `start_in`: the input, the intake
+/// job, a live job re-pointed at it.
+async fn send_blank_rerun(
+    conn: &mut diesel_async::AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: AnfrageId,
+) -> Result<(), idemstage_domain::RepoError> {
+    use diesel::sql_types::{Jsonb, Text};
+    use diesel_async::AsyncConnection;
+    let blank = " ";
+    let hash = input_hash_of(blank.as_bytes());
+    let job = first_job(
+        &crate::support::pipeline(),
+        tenant.clone(),
+        anfrage,
+        hash.clone(),
+    );
+    conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+        diesel::sql_query(
+            "UPDATE anfragen SET input_text = $1, input_sha256 = $2 WHERE tenant_id = $3 AND id = $4",
+        )
+        .bind::<Text, _>(blank)
+        .bind::<Text, _>(&hash)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Text, _>(anfrage.to_string())
+        .execute(conn)
+        .await
+        .map_err(|e| idemstage_persistence::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        idemstage_persistence::queue::send_in(conn, &job).await?;
+        diesel::sql_query(
+            "UPDATE jobs SET payload = $1, retry_count = 0
+              WHERE queue = $2 AND singleton_key = $3 AND state IN ('created', 'retry', 'active')",
+        )
+        .bind::<Jsonb, _>(&job.payload)
+        .bind::<Text, _>(&job.queue)
+        .bind::<Text, _>(job.options.singleton_key.as_deref().unwrap_or_default())
+        .execute(conn)
+        .await
+        .map_err(|e| idemstage_persistence::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        Ok(())
+    })
+    .await
+    .map_err(idemstage_persistence::TxError::into_repo)
 }
 
 fn soak_secs() -> u64 {
@@ -94,6 +146,10 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 .unwrap();
             pid_tx.send(pid.pid).unwrap();
             let (mut sent, mut reruns) = (0usize, 0usize);
+            let mut edges: BTreeMap<&str, u32> = BTreeMap::new();
+            // Anfragen whose rerun on a blank input died (or will), to set back later.
+            let mut blanked: Vec<(TenantId, AnfrageId, usize)> = Vec::new();
+            let operator = Actor::parse("soak-operator").unwrap();
             while !stop.is_cancelled() {
                 let live = count(
                     &mut conn,
@@ -107,17 +163,54 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                         for _ in 0..2 {
                             send_retrying(&mut conn, &tenant, anfrage, &text(sent)).await;
                         }
-                        keys.push((tenant, anfrage));
+                        keys.push((tenant, anfrage, sent));
                         sent += 1;
                     }
                     // A rerun: an earlier anfrage sent again with another text.
-                    let (tenant, anfrage) = keys[rand::rng().random_range(0..keys.len())].clone();
+                    let pick = |keys: &Vec<(TenantId, AnfrageId, usize)>| {
+                        keys[rand::rng().random_range(0..keys.len())].clone()
+                    };
+                    let (tenant, anfrage, _) = pick(&keys);
                     send_retrying(&mut conn, &tenant, anfrage, &text(10_000 + reruns)).await;
                     reruns += 1;
+                    // An input set back: another text, then the first one again at once.
+                    let (tenant, anfrage, first) = pick(&keys);
+                    send_retrying(&mut conn, &tenant, anfrage, &text(20_000 + reruns)).await;
+                    send_retrying(&mut conn, &tenant, anfrage, &text(first)).await;
+                    *edges.entry("inputs set back").or_default() += 1;
+                    let edge = rand::rng().random_range(0..3);
+                    match edge {
+                        0 => {
+                            // A rerun that dies; a later round sets it back.
+                            let (tenant, anfrage, first) = pick(&keys);
+                            if send_blank_rerun(&mut conn, &tenant, anfrage).await.is_ok() {
+                                blanked.push((tenant, anfrage, first));
+                                *edges.entry("dead reruns").or_default() += 1;
+                            }
+                        }
+                        1 => {
+                            // A cancel right after a rerun was sent.
+                            let (tenant, anfrage, _) = pick(&keys);
+                            send_retrying(&mut conn, &tenant, anfrage, &text(30_000 + reruns))
+                                .await;
+                            if ops::cancel(&mut conn, &tenant, &anfrage, &operator)
+                                .await
+                                .is_ok()
+                            {
+                                *edges.entry("cancels during reruns").or_default() += 1;
+                            }
+                        }
+                        _ if !blanked.is_empty() => {
+                            let (tenant, anfrage, first) = blanked.swap_remove(0);
+                            send_retrying(&mut conn, &tenant, anfrage, &text(first)).await;
+                            *edges.entry("dead reruns set back").or_default() += 1;
+                        }
+                        _ => {}
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            (sent, reruns)
+            (sent, reruns, edges)
         })
     };
     // The sender's own connection is spared, so that it sends every anfrage it counts.
@@ -135,7 +228,37 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         let pause = rand::rng().random_range(300..1500);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = rand::rng().random_range(0..workers.children.len());
-        match rand::rng().random_range(0..5) {
+        match rand::rng().random_range(0..6) {
+            2 => {
+                // The operator retries dead stages (a dead rerun among them, maybe
+                // on an input set back since).
+                #[derive(diesel::QueryableByName)]
+                struct Dead {
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    tenant_id: String,
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    anfrage_id: String,
+                }
+                let dead: Vec<Dead> = diesel::sql_query(
+                    "SELECT DISTINCT tenant_id::text, anfrage_id::text FROM pipeline_runs
+                      WHERE status = 'dead' LIMIT 3",
+                )
+                .load(&mut conn)
+                .await
+                .unwrap_or_default();
+                let planner = crate::support::pipeline();
+                let actor = Actor::parse("soak-operator").unwrap();
+                for d in dead {
+                    let tenant = TenantId::parse(&d.tenant_id).unwrap();
+                    let anfrage = AnfrageId::parse(&d.anfrage_id).unwrap();
+                    if ops::retry(&mut conn, &tenant, &anfrage, None, &actor, &planner)
+                        .await
+                        .is_ok()
+                    {
+                        *faults.entry("operator retries").or_default() += 1;
+                    }
+                }
+            }
             0 => {
                 workers.kill_and_replace(victim);
                 *faults.entry("sigkill").or_default() += 1;
@@ -195,7 +318,8 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         }
     }
     stop.cancel();
-    let (sent, reruns) = sender.await.unwrap();
+    let (sent, reruns, edges) = sender.await.unwrap();
+    faults.extend(edges);
     let check = assert_quiet_and_sound(db.url(), 300).await;
     workers.assert_all_alive();
     workers.stop_all();

@@ -29,6 +29,11 @@ pub enum CancelledFrom {
     /// It had no run, only a live job: its run was created `cancelled`, so no
     /// later job can claim it.
     Queued,
+    /// It had succeeded and its rerun on another input was queued (its live job
+    /// carries another input hash): the rerun never runs, and the results of its
+    /// success stay current (`success_attempt` kept), as for a rerun cancelled
+    /// while running.
+    RerunQueued,
 }
 
 /// One stage the cancel ended.
@@ -94,6 +99,8 @@ struct CancelledJobRow {
     state: String,
     #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
     singleton_key: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    input_hash: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -123,6 +130,17 @@ UPDATE pipeline_runs
  WHERE tenant_id = $1 AND anfrage_id = $2 AND id = ANY($3::text[])
    AND status IN ('running', 'failed', 'stale')";
 
+/// A success whose live job carries another input (a rerun sent, not yet
+/// claimed) ends `cancelled`; its `success_attempt` stays, so what was computed
+/// from it stays current. The row is locked above. `$1` tenant, `$2` anfrage, `$3`
+/// stage, `$4` the job's input hash, `$5` the reason.
+const CANCEL_QUEUED_RERUN_SQL: &str = "\
+UPDATE pipeline_runs
+   SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $5
+ WHERE tenant_id = $1 AND anfrage_id = $2 AND stage = $3
+   AND status = 'success' AND input_hash IS DISTINCT FROM $4
+RETURNING id";
+
 /// A stage that had only a job: its run is created `cancelled` (attempt 1,
 /// recorded `cancelled` by the attempt trigger). No row back: a claim created the
 /// run since the lock above, and it is locked and cancelled like the others.
@@ -142,8 +160,10 @@ RETURNING id";
 /// (a worker holding one is fenced on its job lease), and every stage of it that
 /// is not final (`running`, `failed`, `stale`, or with only a queued job) ends
 /// `cancelled`, a final status no claim takes: a running attempt's commit is
-/// refused by the fence (`Fenced`), and nothing of it is written. Stages that
-/// are final (`success`, `dead`) stay as they are, and so do their results.
+/// refused by the fence (`Fenced`), and nothing of it is written. A success whose
+/// rerun on another input is queued ends `cancelled` too (its results stay
+/// current). Other final stages (`success`, `dead`) stay as they are, and so do
+/// their results.
 ///
 /// One transaction scoped to `tenant`, with its `audit_log` entry
 /// (`operator.cancel`, with `actor`): it locks the anfrage's runs upstream-first
@@ -188,7 +208,8 @@ async fn cancel_in(
          UPDATE jobs j SET state = 'cancelled', completed_at = now(), \
                 lease_expires_at = NULL, last_error = $3 \
            FROM live WHERE j.id = live.id \
-         RETURNING j.id, j.queue, live.state, j.singleton_key"
+         RETURNING j.id, j.queue, live.state, j.singleton_key, \
+                   j.payload->>'input_hash' AS input_hash"
     );
     let cancelled_jobs: Vec<CancelledJobRow> = diesel::sql_query(jobs_sql)
         .bind::<Text, _>(tenant.as_str())
@@ -202,10 +223,28 @@ async fn cancel_in(
         let Ok(stage) = StageName::parse(&j.queue) else {
             continue; // not a stage's queue
         };
-        if j.singleton_key.as_deref() != Some(&stage_singleton_key(&stage, tenant, anfrage))
-            || had_run.contains(&stage)
-        {
-            continue; // not the stage's own job, or its run was handled above
+        if j.singleton_key.as_deref() != Some(&stage_singleton_key(&stage, tenant, anfrage)) {
+            continue; // not the stage's own job
+        }
+        if had_run.contains(&stage) {
+            // A success whose rerun on another input was queued: the rerun is what
+            // the cancel stops, so the stage ends cancelled (results kept).
+            let rerun: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_RERUN_SQL)
+                .bind::<Text, _>(tenant.as_str())
+                .bind::<Text, _>(anfrage.to_string())
+                .bind::<Text, _>(stage.as_str())
+                .bind::<diesel::sql_types::Nullable<Text>, _>(j.input_hash.as_deref())
+                .bind::<Text, _>(&reason)
+                .load(conn)
+                .await?;
+            if let Some(row) = rerun.into_iter().next() {
+                stages.push(CancelledStage {
+                    stage,
+                    run_id: RunId::parse(&row.id)?,
+                    from: CancelledFrom::RerunQueued,
+                });
+            }
+            continue;
         }
         let inserted: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_SQL)
             .bind::<Text, _>(RunId::new().to_string())

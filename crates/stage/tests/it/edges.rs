@@ -321,3 +321,64 @@ async fn an_attempt_never_finishes_before_it_starts() {
         0
     );
 }
+
+/// A cancel right after a rerun on new input was sent (its job queued, not yet
+/// claimed) used to cancel only the job: the stage stayed `success` on the old
+/// input while the anfrage's stored input was the new one nothing would ever run
+/// on. Now the stage ends `cancelled`, as when the rerun is cancelled running, and
+/// what it computed stays current.
+#[tokio::test]
+async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
+    use diesel_async::AsyncConnection;
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let job = f.anfrage(TEXT_1).await;
+    run_all(&f, &calm, &job).await;
+    let (tenant, anfrage) = (job.tenant_id.clone(), job.anfrage_id);
+    f.conn
+        .transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+            Ok(idemstage_stage::start_in(conn, &calm, &tenant, &anfrage, TEXT_2).await?)
+        })
+        .await
+        .unwrap();
+    let outcome = ops::cancel(
+        &mut f.conn,
+        &tenant,
+        &anfrage,
+        &Actor::parse("ops-bot").unwrap(),
+    )
+    .await
+    .unwrap();
+    let ops::CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    // The executor here completes no jobs: the stages' own (same input) jobs are
+    // cancelled too, and leave their successes alone.
+    assert!(jobs.iter().any(|j| j.queue == "intake"), "{outcome:?}");
+    assert_eq!(stages.len(), 1, "{outcome:?}");
+    assert_eq!(stages[0].from, ops::CancelledFrom::RerunQueued);
+    assert_eq!(status(&mut f, "intake").await, "cancelled");
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND success_attempt = 1"
+        )
+        .await,
+        1
+    );
+    let changed = StageJob {
+        input_hash: input_hash_of(TEXT_2.as_bytes()),
+        ..job.clone()
+    };
+    let again = run(&f, &calm, "intake", &changed).await;
+    assert!(
+        matches!(
+            again,
+            ExecutionOutcome::Skipped(SkipReason::Cancelled { .. })
+        ),
+        "{again:?}"
+    );
+    let check = check_example_pipeline(&mut f.conn).await.unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    assert_eq!(check.stages_succeeded, 3);
+}

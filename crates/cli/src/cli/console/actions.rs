@@ -142,6 +142,7 @@ pub(crate) async fn cancel(
                             CancelledFrom::Failed => "failed".into(),
                             CancelledFrom::Stale => "stale".into(),
                             CancelledFrom::Queued => "queued".into(),
+                            CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
                         };
                         format!("cancelled stage {} (was {from})", s.stage)
                     })
