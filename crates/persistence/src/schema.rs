@@ -12,6 +12,14 @@ diesel::table! {
 }
 
 diesel::table! {
+    anfragen_open (tenant_id, anfrage_id) {
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     audit_log (id) {
         id -> Text,
         tenant_id -> Text,
@@ -86,6 +94,7 @@ diesel::table! {
         success_attempt -> Nullable<Int4>,
         upstream_stage -> Nullable<Text>,
         upstream_attempt -> Nullable<Int4>,
+        stopped_attempt -> Nullable<Int4>,
     }
 }
 
@@ -134,6 +143,7 @@ diesel::table! {
 
 diesel::allow_tables_to_appear_in_same_query!(
     anfragen,
+    anfragen_open,
     audit_log,
     jobs,
     pipeline_run_attempts,

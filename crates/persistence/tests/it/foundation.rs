@@ -35,6 +35,7 @@ async fn migrations_round_trip_up_down_up() {
         tables,
         [
             "anfragen",
+            "anfragen_open",
             "audit_log",
             "jobs",
             "pipeline_run_attempts",
