@@ -34,9 +34,11 @@
 
 ALTER TABLE pipeline_runs ADD COLUMN stopped_attempt integer;
 
+-- Plain text: the writers (the triggers below) pass only a tenant slug and a
+-- ULID they checked, and a domain's regex would run again on every stage job.
 CREATE TABLE anfragen_open (
-    tenant_id  tenant_slug NOT NULL,
-    anfrage_id ulid_text   NOT NULL,
+    tenant_id  text        NOT NULL,
+    anfrage_id text        NOT NULL,
     opened_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (tenant_id, anfrage_id)
 );
@@ -53,11 +55,15 @@ GRANT SELECT, INSERT, DELETE ON anfragen_open TO idemstage_app;
 GRANT SELECT, INSERT ON anfragen_open TO idemstage_worker, idemstage_operator;
 
 -- `$1` tenant, `$2` anfrage: the anfrage is (again) one to look at.
+-- PL/pgSQL, not SQL: a SQL function called from a trigger is planned again on
+-- every call (a bulk insert of stage jobs measured 300 against 60 us a row).
 CREATE FUNCTION idemstage_open_anfrage(p_tenant text, p_anfrage text) RETURNS void
-LANGUAGE sql AS $$
-    SELECT pg_catalog.pg_advisory_xact_lock_shared(1768189295, pg_catalog.hashtext(p_anfrage));
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1768189295, pg_catalog.hashtext(p_anfrage));
     INSERT INTO public.anfragen_open (tenant_id, anfrage_id) VALUES (p_tenant, p_anfrage)
         ON CONFLICT DO NOTHING;
+END;
 $$;
 GRANT EXECUTE ON FUNCTION idemstage_open_anfrage(text, text)
     TO idemstage_app, idemstage_worker, idemstage_operator;
