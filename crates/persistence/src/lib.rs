@@ -13,6 +13,7 @@
 //!   starts with.
 //! - [`ops`]: the operator commands: inspect an anfrage, retry a dead stage,
 //!   cancel an anfrage, list the dead letters.
+//! - [`reconcile`]: the reconciler's statements (stages without a live job).
 //!
 //! Errors are the domain's `RepoError`; `RepoError::is_retryable` says whether the
 //! same call may succeed later. Every function that takes `&mut AsyncPgConnection`
@@ -51,6 +52,7 @@ pub mod error;
 pub mod fenced;
 pub mod ops;
 pub mod queue;
+pub mod reconcile;
 pub mod report;
 pub mod roles;
 pub mod runs;

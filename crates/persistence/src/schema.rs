@@ -22,6 +22,14 @@ diesel::table! {
 }
 
 diesel::table! {
+    anfragen_open (tenant_id, anfrage_id) {
+        tenant_id -> Text,
+        anfrage_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     audit_log (id) {
         id -> Text,
         tenant_id -> Text,
@@ -96,6 +104,7 @@ diesel::table! {
         success_attempt -> Nullable<Int4>,
         upstream_stage -> Nullable<Text>,
         upstream_attempt -> Nullable<Int4>,
+        stopped_attempt -> Nullable<Int4>,
     }
 }
 
@@ -145,6 +154,7 @@ diesel::table! {
 diesel::allow_tables_to_appear_in_same_query!(
     anfrage_inputs,
     anfragen,
+    anfragen_open,
     audit_log,
     jobs,
     pipeline_run_attempts,

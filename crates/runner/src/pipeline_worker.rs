@@ -14,7 +14,7 @@ use std::time::Duration;
 use idemstage_domain::{FetchedJob, RejectReason, RunStatus, SkipReason, WorkerId};
 use idemstage_persistence::queue::Wake;
 use idemstage_persistence::{PgPool, PgRunRepository};
-use idemstage_stage::{ExecutionOutcome, Executor, JobLease, Pipeline, StageJob};
+use idemstage_stage::{ExecutionOutcome, Executor, JobLease, Pipeline, Reconciler, StageJob};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -38,6 +38,15 @@ pub struct PipelineWorkerConfig {
     /// stage's commit: PostgreSQL serializes notifying commits, which caps a busy
     /// pipeline (BENCHMARKS.md, "NOTIFY under load").
     pub wake: Wake,
+    /// How often the worker's [`Reconciler`] looks for stages that are expected,
+    /// not final and without a live job (a job deleted by hand, or failed while
+    /// its stage was not), and sends their jobs again; the first pass comes one
+    /// interval after the start. Default 30 s; `None`: never (another worker's
+    /// reconciler must run then). Several workers reconciling at once is
+    /// harmless: a second send is a `Duplicate`.
+    pub reconcile_interval: Option<Duration>,
+    /// The most open anfragen one reconciler pass looks at (default 1000).
+    pub reconcile_batch_limit: u32,
 }
 
 impl PipelineWorkerConfig {
@@ -59,6 +68,18 @@ impl PipelineWorkerConfig {
         self
     }
 
+    /// The same, reconciling every `interval` (`None`: never).
+    pub fn with_reconcile_interval(mut self, interval: Option<Duration>) -> Self {
+        self.reconcile_interval = interval;
+        self
+    }
+
+    /// The same, looking at most at `limit` open anfragen per reconciler pass.
+    pub fn with_reconcile_batch_limit(mut self, limit: u32) -> Self {
+        self.reconcile_batch_limit = limit;
+        self
+    }
+
     /// The pool size a worker with this config needs: per stage execution, its
     /// connection and its heartbeat's, plus the loop's, the completer's and the
     /// notifier's (the job lease keeper borrows one briefly, for one statement for
@@ -76,6 +97,8 @@ impl Default for PipelineWorkerConfig {
             concurrency: 4,
             queue: QueueWorkerConfig::default(),
             wake: Wake::default(),
+            reconcile_interval: Some(DEFAULT_RECONCILE_INTERVAL),
+            reconcile_batch_limit: Reconciler::DEFAULT_BATCH_LIMIT,
         }
     }
 }
@@ -85,6 +108,9 @@ struct PipelineHandler {
     executor: Executor,
     counters: Arc<Counters>,
 }
+
+/// How often a `PipelineWorker` reconciles by default.
+pub const DEFAULT_RECONCILE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// How long a stopping worker waits for the releases of its aborted stages.
 const RELEASE_WAIT: Duration = Duration::from_secs(5);
@@ -261,6 +287,8 @@ pub struct PipelineWorker {
     worker_id: WorkerId,
     /// A clone of the handler's, for the releases at shutdown.
     executor: Executor,
+    /// The reconciler and its interval, if it runs.
+    reconciler: Option<(Reconciler, Duration, PgPool)>,
 }
 
 impl PipelineWorker {
@@ -268,8 +296,9 @@ impl PipelineWorker {
     /// [`PipelineWorkerConfig::pool_size`] connections); `database_url` is for its
     /// LISTEN connection, which cannot be pooled. `counters` may be shared between
     /// workers. Refused (`WorkerError::Config`) if a configured queue is not a stage
-    /// of the pipeline, the queue loop's settings are invalid, or
-    /// `maintenance_interval` is longer than the pipeline's job lease (`expire_in`).
+    /// of the pipeline, the queue loop's settings are invalid,
+    /// `maintenance_interval` is longer than the pipeline's job lease (`expire_in`),
+    /// or `reconcile_interval` is zero.
     /// Nothing connects before [`run`](PipelineWorker::run).
     ///
     /// ```no_run
@@ -339,6 +368,16 @@ impl PipelineWorker {
             Arc::new(PgRunRepository::new(pool.clone()).with_wake(config.wake)),
             worker_id.clone(),
         );
+        if config.reconcile_interval == Some(Duration::ZERO) {
+            return Err(WorkerError::Config(
+                "reconcile_interval must be positive (None: no reconciler)".into(),
+            ));
+        }
+        let reconciler = config.reconcile_interval.map(|every| {
+            let reconciler =
+                Reconciler::new(pipeline.clone()).with_batch_limit(config.reconcile_batch_limit);
+            (reconciler, every, pool.clone())
+        });
         let handler = PipelineHandler {
             pipeline,
             executor: executor.clone(),
@@ -348,6 +387,7 @@ impl PipelineWorker {
             inner: QueueWorker::new(pool, database_url, queue, handler)?,
             worker_id,
             executor,
+            reconciler,
         })
     }
 
@@ -362,8 +402,43 @@ impl PipelineWorker {
     /// executions to be released, and returns the queue loop's counters. Database
     /// errors never end it. See [`PipelineWorker::new`] for an example.
     pub async fn run(self, shutdown: CancellationToken) -> WorkerStatsSnapshot {
+        let reconciling = self.reconciler.map(|(reconciler, every, pool)| {
+            tokio::spawn(reconcile_loop(reconciler, every, pool, shutdown.clone()))
+        });
         let stats = self.inner.run(shutdown).await;
+        if let Some(task) = reconciling {
+            if let Err(e) = task.await {
+                tracing::error!(error = %e, "reconciler failed");
+            }
+        }
         self.executor.finish_releases(RELEASE_WAIT).await;
         stats
+    }
+}
+
+/// A reconciler pass every `every` (the first after one interval: at the start
+/// every job is where the last worker left it, and maintenance brings back the
+/// expired ones first), until `stop`. A failed pass is logged; the next one
+/// tries again.
+async fn reconcile_loop(
+    mut reconciler: Reconciler,
+    every: Duration,
+    pool: PgPool,
+    stop: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        match reconciler.pass(&pool).await {
+            Ok(report) if report.resent + report.settled > 0 => {
+                tracing::info!(?report, "reconciler");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "reconciler pass failed"),
+        }
     }
 }

@@ -10,11 +10,13 @@
 mod executor;
 mod ops;
 mod pipeline;
+mod reconcile;
 mod start;
 pub mod telemetry;
 
 pub use executor::{ExecutionOutcome, Executor, JobLease};
 pub use pipeline::{first_job, Pipeline, PipelineError, StageJob};
+pub use reconcile::{ReconcileReport, Reconciler};
 pub use start::{start, start_in};
 
 use async_trait::async_trait;

@@ -31,15 +31,24 @@ struct JobRow {
     last_error: Option<String>,
 }
 
+/// Labelled with the tenant its payload names, if that is a slug: the database
+/// refuses a job labelled otherwise (migration `000200`).
 async fn insert_job(conn: &mut AsyncPgConnection, queue: &str, payload: Value) -> JobId {
     let id = JobId::new();
-    diesel::sql_query("INSERT INTO jobs (id, queue, payload, retry_limit) VALUES ($1, $2, $3, 3)")
-        .bind::<Text, _>(id.to_string())
-        .bind::<Text, _>(queue)
-        .bind::<Jsonb, _>(payload)
-        .execute(conn)
-        .await
-        .unwrap();
+    diesel::sql_query(
+        "INSERT INTO jobs (id, queue, payload, retry_limit, tenant_id)
+         VALUES ($1, $2, $3, 3,
+                 CASE WHEN jsonb_typeof($3 -> 'tenant_id') = 'string'
+                       AND ($3 ->> 'tenant_id') ~ '^[a-z0-9][a-z0-9_-]*$'
+                       AND length($3 ->> 'tenant_id') <= 63
+                      THEN $3 ->> 'tenant_id' ELSE '' END)",
+    )
+    .bind::<Text, _>(id.to_string())
+    .bind::<Text, _>(queue)
+    .bind::<Jsonb, _>(payload)
+    .execute(conn)
+    .await
+    .unwrap();
     id
 }
 

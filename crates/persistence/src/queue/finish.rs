@@ -96,12 +96,13 @@ pub(crate) fn failure_set_sql(retry: &str) -> String {
 }
 
 /// The dead-letter copy of failed rows `src` (a CTE with the columns of `jobs`):
-/// payload and priority, and a last_error naming the original job and its error.
+/// payload, priority and tenant (the payload's, which migration `000200` checks),
+/// and a last_error naming the original job and its error.
 pub(crate) fn dead_letter_insert_sql(new_id: &str, src: &str, extra_where: &str) -> String {
     let valid_queue = VALID_QUEUE_SQL.replace("{col}", &format!("{src}.dead_letter"));
     format!(
-        "INSERT INTO jobs (id, queue, priority, payload, last_error)
-         SELECT {new_id}, {src}.dead_letter, {src}.priority, {src}.payload,
+        "INSERT INTO jobs (id, queue, priority, payload, tenant_id, last_error)
+         SELECT {new_id}, {src}.dead_letter, {src}.priority, {src}.payload, {src}.tenant_id,
                 format('dead-lettered from job %s of queue %s: %s',
                        {src}.id, {src}.queue, {src}.last_error)
            FROM {src}

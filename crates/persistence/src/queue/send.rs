@@ -108,6 +108,7 @@ pub(crate) async fn send_pipelined(
 fn statement_for(job: &JobToSend, wake: Wake) -> Result<&'static str, RepoError> {
     validate_queue_name(&job.queue)?;
     job.options.validate()?;
+    job.validate_labels()?;
     Ok(match (job.options.singleton_seconds.is_some(), wake) {
         (true, Wake::InCommit) => &SEND_ANY_CONFLICT_SQL,
         (false, Wake::InCommit) => &SEND_LIVE_SINGLETON_SQL,
@@ -202,6 +203,7 @@ pub async fn send_batch(
     for job in jobs {
         validate_queue_name(&job.queue)?;
         job.options.validate()?;
+        job.validate_labels()?;
     }
     if jobs.is_empty() {
         return Ok(Vec::new());

@@ -814,9 +814,11 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
                     )
                     .await?;
                     let job = idemstage_domain::JobToSend {
-                        tenant: None,
+                        tenant: Some(t.clone()),
                         queue: "intake".into(),
-                        payload: serde_json::json!({}),
+                        payload: serde_json::json!({
+                            "tenant_id": "t1", "anfrage_id": anfrage.to_string()
+                        }),
                         options: idemstage_domain::SendOptions::default()
                             .with_singleton_key(format!("intake:t1:{anfrage}")),
                     };

@@ -36,6 +36,7 @@ async fn migrations_round_trip_up_down_up() {
         [
             "anfrage_inputs",
             "anfragen",
+            "anfragen_open",
             "audit_log",
             "jobs",
             "pipeline_run_attempts",

@@ -7,6 +7,7 @@ mod controls;
 mod fair;
 mod foundation;
 mod isolation;
+mod job_labels;
 mod ops;
 mod pgbench_scripts;
 mod pooler;

@@ -8,5 +8,6 @@ mod db_errors;
 mod leases;
 mod prefetch;
 mod queue_worker;
+mod reconcile;
 mod shutdown;
 mod support;

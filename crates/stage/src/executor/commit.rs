@@ -53,6 +53,12 @@ impl Executor {
                         .map_err(panic_message)??;
                     let next = match (outcome, &next_job) {
                         (StageFlow::Continue, Some(next_job)) => Some(next_job),
+                        (StageFlow::Stop, Some(_)) => {
+                            // The next stage is not expected after this success:
+                            // the reconciler must not send its job.
+                            idemstage_persistence::reconcile::record_stop(tx).await?;
+                            None
+                        }
                         _ => None,
                     };
                     // One round trip for both. The completion last, so that its

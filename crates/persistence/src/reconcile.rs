@@ -1,0 +1,260 @@
+//! The reconciler's statements (migration `000200`): which anfragen may have an
+//! expected stage without a live job (`anfragen_open`), the plan for a batch of
+//! one tenant's anfragen (which stage jobs to send again, which anfragen are
+//! settled), settling them, and the mark of a success whose body ended the
+//! anfrage (`StageFlow::Stop`), after which the next stage is not expected.
+//!
+//! A stage is *expected* when it is the first (while the anfrage exists) or its
+//! upstream has a current success that did not stop the anfrage; it is *final*
+//! when its run is `success`, `dead` or `cancelled`. The plan sends again the job
+//! of every expected stage that is not final (no run, `failed`, `stale`, or
+//! `running` with an expired lease) and has no live job under its singleton key;
+//! the claim then decides, as for any job. The stage order is the caller's
+//! (`Pipeline`): the database does not know it.
+
+use diesel::sql_types::{Array, Bool, Integer, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::{AnfrageId, RepoError, StageName, TenantId};
+
+use crate::error::map_diesel_error;
+use crate::FencedTx;
+
+/// The class of the transaction-level advisory locks on an anfrage (`'idmo'`):
+/// shared by every writer of a stage job (the trigger of `jobs`), exclusive for
+/// the reconciler's last check before it settles the anfrage.
+pub const OPEN_LOCK_CLASS: i32 = 0x6964_6d6f;
+
+/// An anfrage that may have an expected stage without a live job.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct OpenAnfrage {
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The anfrage.
+    pub anfrage: AnfrageId,
+}
+
+/// An expected stage that is not final and has no live job: its job is to be
+/// sent again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LostStage {
+    /// The anfrage.
+    pub anfrage: AnfrageId,
+    /// The stage (its queue).
+    pub stage: StageName,
+    /// The anfrage's stored input hash, for the job's payload.
+    pub input_hash: String,
+}
+
+/// What [`plan`] found for a batch of one tenant's anfragen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantPlan {
+    /// The stages whose job is to be sent again.
+    pub lost: Vec<LostStage>,
+    /// The anfragen with every expected stage final and no live job (or no
+    /// anfrage of this tenant at all): nothing to look at until a job is written
+    /// for them again.
+    pub settled: Vec<AnfrageId>,
+}
+
+#[derive(diesel::QueryableByName)]
+struct OpenRow {
+    #[diesel(sql_type = Text)]
+    tenant_id: String,
+    #[diesel(sql_type = Text)]
+    anfrage_id: String,
+}
+
+#[derive(diesel::QueryableByName)]
+struct StageRow {
+    #[diesel(sql_type = Text)]
+    anfrage_id: String,
+    #[diesel(sql_type = Text)]
+    stage: String,
+    #[diesel(sql_type = Text)]
+    input_hash: String,
+    #[diesel(sql_type = Bool)]
+    resend: bool,
+    #[diesel(sql_type = Bool)]
+    keeps_open: bool,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Text)]
+    anfrage_id: String,
+}
+
+/// `$1`, `$2` the last anfrage of the previous batch (tenant, anfrage; `''` to
+/// start), `$3` the batch's size: the next open anfragen in key order (the primary key).
+const OPEN_SQL: &str = "\
+SELECT tenant_id, anfrage_id FROM anfragen_open
+ WHERE (tenant_id, anfrage_id) > ($1::text, $2::text)
+ ORDER BY tenant_id, anfrage_id
+ LIMIT $3";
+
+/// `$1` the stages in pipeline order, `$2` the tenant, `$3` its anfragen: one row
+/// per (anfrage, stage) of the anfragen that exist for the tenant. Index probes
+/// only: the anfrage's primary key, `pipeline_runs_tenant_anfrage_stage_uq` for the
+/// run and its upstream's, `jobs_singleton_live_uq` for a live job.
+const PLAN_SQL: &str = "\
+WITH stages AS (
+    SELECT s.stage, s.pos FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
+), stage_state AS (
+    SELECT a.id AS anfrage_id, a.input_sha256, s.stage, r.status,
+           r.status = 'running' AND r.lease_expires_at < clock_timestamp() AS lease_over,
+           s.pos = 1 OR (u.success_attempt IS NOT NULL
+                         AND u.stopped_attempt IS DISTINCT FROM u.success_attempt) AS expected,
+           EXISTS (SELECT 1 FROM jobs j
+                    WHERE j.queue = s.stage
+                      AND j.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
+                      AND j.state IN ('created', 'retry', 'active')) AS live_job
+      FROM anfragen a
+     CROSS JOIN stages s
+      LEFT JOIN pipeline_runs r
+             ON r.tenant_id = a.tenant_id AND r.anfrage_id = a.id AND r.stage = s.stage
+      LEFT JOIN stages us ON us.pos = s.pos - 1
+      LEFT JOIN pipeline_runs u
+             ON u.tenant_id = a.tenant_id AND u.anfrage_id = a.id AND u.stage = us.stage
+     WHERE a.tenant_id = $2 AND a.id = ANY($3::text[])
+)
+SELECT anfrage_id, stage, input_sha256 AS input_hash,
+       coalesce(expected AND NOT live_job
+                AND (status IS NULL OR status IN ('failed', 'stale') OR lease_over), false)
+           AS resend,
+       coalesce(live_job OR (expected AND (status IS NULL
+                                           OR status NOT IN ('success', 'dead', 'cancelled'))),
+                true) AS keeps_open
+  FROM stage_state";
+
+/// `$1` the anfragen, `$2` [`OPEN_LOCK_CLASS`]: those whose lock this transaction got (no writer of one of
+/// their jobs is in a transaction right now, and none can commit one before this
+/// transaction ends).
+const LOCK_SQL: &str = "\
+SELECT a AS anfrage_id FROM unnest($1::text[]) AS a
+ WHERE pg_try_advisory_xact_lock($2, hashtext(a))";
+
+/// `$1` run, `$2` its successful attempt.
+const STOP_SQL: &str = "\
+UPDATE pipeline_runs SET stopped_attempt = $2 WHERE id = $1 AND success_attempt = $2";
+
+/// The next `limit` open anfragen after `after` (from the start if `None`), in key
+/// order, across tenants (as the connecting user: the worker may read this
+/// table). Fewer than `limit` means the end was reached.
+pub async fn open_anfragen(
+    conn: &mut AsyncPgConnection,
+    after: Option<&OpenAnfrage>,
+    limit: u32,
+) -> Result<Vec<OpenAnfrage>, RepoError> {
+    let (tenant, anfrage) = after.map_or((String::new(), String::new()), |a| {
+        (a.tenant.to_string(), a.anfrage.to_string())
+    });
+    let query = diesel::sql_query(OPEN_SQL)
+        .bind::<Text, _>(tenant)
+        .bind::<Text, _>(anfrage)
+        .bind::<Integer, _>(i32::try_from(limit.max(1)).unwrap_or(i32::MAX));
+    let rows: Vec<OpenRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
+        .await
+        .map_err(map_diesel_error)?;
+    rows.into_iter()
+        .map(|r| {
+            Ok(OpenAnfrage {
+                tenant: TenantId::parse(&r.tenant_id)?,
+                anfrage: AnfrageId::parse(&r.anfrage_id)?,
+            })
+        })
+        .collect()
+}
+
+/// The plan for `anfragen` of `tenant`, whose stages are `stages` in pipeline
+/// order. Run it inside a transaction scoped to `tenant` (`tenant::transaction`):
+/// it reads only what the scope shows.
+pub async fn plan(
+    conn: &mut AsyncPgConnection,
+    stages: &[StageName],
+    tenant: &TenantId,
+    anfragen: &[AnfrageId],
+) -> Result<TenantPlan, RepoError> {
+    let stage_names: Vec<&str> = stages.iter().map(StageName::as_str).collect();
+    let ids: Vec<String> = anfragen.iter().map(ToString::to_string).collect();
+    let rows: Vec<StageRow> = diesel::sql_query(PLAN_SQL)
+        .bind::<Array<Text>, _>(&stage_names)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Array<Text>, _>(&ids)
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    let mut open = std::collections::HashSet::new();
+    let mut lost = Vec::new();
+    for row in rows {
+        if row.keeps_open {
+            open.insert(row.anfrage_id.clone());
+        }
+        if row.resend {
+            lost.push(LostStage {
+                anfrage: AnfrageId::parse(&row.anfrage_id)?,
+                stage: StageName::parse(&row.stage)?,
+                input_hash: row.input_hash,
+            });
+        }
+    }
+    let settled = anfragen
+        .iter()
+        .filter(|a| !open.contains(&a.to_string()))
+        .copied()
+        .collect();
+    Ok(TenantPlan { lost, settled })
+}
+
+/// Settles those of `anfragen` (found settled by a [`plan`] a moment ago) that
+/// still are: takes their locks (skipping any a writer holds), plans them again
+/// in a snapshot taken after the locks, and deletes their `anfragen_open` rows.
+/// Run it in a transaction of its own scoped to `tenant`, with nothing else in
+/// it, so that it never waits for a lock while holding one. Returns how many it
+/// settled.
+pub async fn settle(
+    conn: &mut AsyncPgConnection,
+    stages: &[StageName],
+    tenant: &TenantId,
+    anfragen: &[AnfrageId],
+) -> Result<usize, RepoError> {
+    let ids: Vec<String> = anfragen.iter().map(ToString::to_string).collect();
+    let locked: Vec<Locked> = diesel::sql_query(LOCK_SQL)
+        .bind::<Array<Text>, _>(&ids)
+        .bind::<Integer, _>(OPEN_LOCK_CLASS)
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    let locked: Vec<AnfrageId> = locked
+        .iter()
+        .map(|l| AnfrageId::parse(&l.anfrage_id))
+        .collect::<Result<_, _>>()?;
+    if locked.is_empty() {
+        return Ok(0);
+    }
+    let settled: Vec<String> = plan(conn, stages, tenant, &locked)
+        .await?
+        .settled
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    diesel::sql_query("DELETE FROM anfragen_open WHERE tenant_id = $1 AND anfrage_id = ANY($2)")
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Array<Text>, _>(&settled)
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)
+}
+
+/// Marks the success this fenced transaction commits as the anfrage's end
+/// (`StageFlow::Stop`): the stage after it is not expected while this attempt
+/// is the run's current success, so the reconciler sends nothing for it.
+pub async fn record_stop(tx: &mut FencedTx<'_>) -> Result<(), RepoError> {
+    let (run, attempt) = (tx.token().run_id.to_string(), tx.token().attempt);
+    diesel::sql_query(STOP_SQL)
+        .bind::<Text, _>(run)
+        .bind::<Integer, _>(attempt)
+        .execute(tx.conn())
+        .await
+        .map(|_| ())
+        .map_err(map_diesel_error)
+}
