@@ -2,7 +2,9 @@
 //! worker login role cannot leave the tenant scope for more rights, delete runs or
 //! change the schema, yet runs the whole pipeline; an operator login role reads
 //! every tenant and retries and cancels; `roles::check_worker_role` tells them
-//! from the superuser owner.
+//! from the superuser owner. `escalation`: roles that could get around it.
+
+mod escalation;
 
 use std::sync::Arc;
 
