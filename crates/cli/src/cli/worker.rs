@@ -64,9 +64,10 @@ pub struct Args {
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Start even when connected as a role that row-level security does not
-    /// restrict (a superuser, BYPASSRLS, or the tables' owner). Without it such a
-    /// worker refuses to start (exit 2): connect as a login role in
-    /// idemstage_worker instead (README, "Deploying")
+    /// restrict, or that can make itself the tables' owner (a superuser,
+    /// BYPASSRLS, CREATEROLE, the owner of the tables, the database or the schema,
+    /// CREATE on the schema). Without it such a worker refuses to start (exit 2):
+    /// connect as a login role in idemstage_worker instead (README, "Deploying")
     #[arg(long, env = "IDEMSTAGE_ALLOW_OWNER")]
     pub allow_owner: bool,
     /// A direct URL to the server (not through a pooler) for LISTEN, which wakes the
@@ -223,8 +224,8 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         if !args.allow_owner {
             return Err(BadInput(format!(
                 "idemstage worker refuses to start: {role}. Connect as a login role in \
-                 {} (CREATE ROLE w LOGIN PASSWORD '..' IN ROLE {}; README, \"Deploying\"), \
-                 or pass --allow-owner",
+                 {} that owns nothing and has no CREATEROLE (CREATE ROLE w LOGIN \
+                 PASSWORD '..' IN ROLE {}; README, \"Deploying\"), or pass --allow-owner",
                 idemstage_persistence::roles::WORKER_ROLE,
                 idemstage_persistence::roles::WORKER_ROLE,
             ))

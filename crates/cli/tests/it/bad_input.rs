@@ -591,3 +591,60 @@ async fn a_worker_connected_as_a_role_rls_does_not_restrict_refuses_to_start() {
     assert!(started, "{stderr}");
     assert!(!stderr.contains("allow-owner"), "{stderr}");
 }
+
+/// Issue 29, item 6: a login role in idemstage_worker that can make itself the
+/// tables' owner (CREATEROLE), or that owns the database (and so may replace what
+/// is in its schema public), is refused like the owner: exit 2, saying why.
+/// Before, both started.
+#[tokio::test]
+async fn a_worker_on_a_role_that_can_make_itself_the_owner_refuses_to_start() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = idemstage_testkit::example::db().await;
+    let mut admin = db.conn().await;
+    let suffix = idemstage_domain::AnfrageId::new()
+        .to_string()
+        .to_lowercase();
+    let (createrole, db_owner) = (
+        format!("idemstage_t_cr_{suffix}"),
+        format!("idemstage_t_do_{suffix}"),
+    );
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {createrole} LOGIN PASSWORD '{createrole}' CREATEROLE IN ROLE idemstage_worker;
+             CREATE ROLE {db_owner} LOGIN PASSWORD '{db_owner}' IN ROLE idemstage_worker;
+             DO $$ BEGIN
+                 EXECUTE format('ALTER DATABASE %I OWNER TO {db_owner}', current_database());
+             END $$;"
+        ))
+        .await
+        .unwrap();
+    // Each in a process of its own, killed if it starts (as it did before).
+    let outcomes: Vec<_> = [
+        (&createrole, "has CREATEROLE"),
+        (&db_owner, "owns (or may become the owner of) database"),
+    ]
+    .into_iter()
+    .map(|(role, why)| {
+        let (started, stderr) =
+            worker_starts(&idemstage_testkit::url_with_user(db.url(), role), &[]);
+        (started, stderr, why)
+    })
+    .collect();
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 EXECUTE format('ALTER DATABASE %I OWNER TO CURRENT_USER', current_database());
+             END $$;
+             DROP ROLE {createrole}; DROP ROLE {db_owner};"
+        ))
+        .await
+        .unwrap();
+    for (started, stderr, why) in outcomes {
+        assert!(!started && stderr.contains("exit: Some(2)"), "{stderr}");
+        assert!(
+            stderr.contains("refuses to start") && stderr.contains(why),
+            "{stderr}"
+        );
+        assert!(stderr.contains("--allow-owner"), "{stderr}");
+    }
+}

@@ -813,6 +813,8 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
                         conn, &t, &anfrage, "1 Stk",
                     )
                     .await?;
+                    // The scope of register_anfrage lasts to the end of this
+                    // transaction: the job is the scope's tenant's (000172).
                     let job = idemstage_domain::JobToSend {
                         tenant: Some(t.clone()),
                         queue: "intake".into(),

@@ -2,7 +2,9 @@
 //! worker login role cannot leave the tenant scope for more rights, delete runs or
 //! change the schema, yet runs the whole pipeline; an operator login role reads
 //! every tenant and retries and cancels; `roles::check_worker_role` tells them
-//! from the superuser owner.
+//! from the superuser owner. `escalation`: roles that could get around it.
+
+mod escalation;
 
 use std::sync::Arc;
 
@@ -287,4 +289,65 @@ async fn a_role_that_owns_the_tables_is_told_apart() {
         }
     );
     assert!(check.to_string().contains("owns"), "{check}");
+}
+
+/// Issue 29, item 7: `audit_log` is append-only for the worker's and the
+/// operator's login roles, as `queue_control_changes` is: inside the tenant scope
+/// (as `idemstage_app`, where both write their entries) and outside it, UPDATE,
+/// DELETE and TRUNCATE are refused, while the library's INSERT still works.
+/// Before, both rewrote and deleted their tenant's entries inside the scope.
+#[tokio::test]
+async fn the_audit_log_is_append_only_for_the_worker_and_the_operator() {
+    let db = idemstage_testkit::TestDb::new().await;
+    let mut owner = db.conn().await;
+    let t = tenant("ta");
+    let anfrage = new_anfrage(&mut owner, &t).await.to_string();
+    for url in [db.worker_url(), db.operator_url()] {
+        let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+        idemstage_persistence::tenant::transaction::<_, idemstage_persistence::TxError, _>(
+            &mut conn,
+            &t,
+            async |c| {
+                idemstage_persistence::fenced::audit(
+                    c,
+                    &t,
+                    &anfrage,
+                    "test.entry",
+                    None,
+                    serde_json::json!({}),
+                )
+                .await
+                .map_err(Into::into)
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{url}: the library's audit entry: {e:?}"));
+        for sql in [
+            "UPDATE audit_log SET action = 'forged'",
+            "DELETE FROM audit_log",
+            "TRUNCATE audit_log",
+        ] {
+            let scoped =
+                idemstage_persistence::tenant::transaction::<(), diesel::result::Error, _>(
+                    &mut conn,
+                    &t,
+                    async |c| c.batch_execute(sql).await,
+                )
+                .await
+                .expect_err(&format!("{url}: {sql} allowed in the scope"));
+            assert!(
+                scoped.to_string().contains("permission denied"),
+                "{sql}: {scoped}"
+            );
+            refused(&mut conn, sql).await;
+        }
+    }
+    assert_eq!(
+        count(
+            &mut owner,
+            "SELECT 1 FROM audit_log WHERE action = 'test.entry'"
+        )
+        .await,
+        2
+    );
 }

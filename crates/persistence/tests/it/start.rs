@@ -13,6 +13,8 @@ use crate::support::*;
 
 fn job(anfrage: AnfrageId, hash: &str) -> JobToSend {
     JobToSend {
+        // The job of the scope's tenant: in start_in's transaction it is sent in
+        // the tenant scope (migration 000172).
         tenant: Some(tenant("t1")),
         queue: "intake".into(),
         payload: serde_json::json!({ "tenant_id": "t1", "anfrage_id": anfrage, "input_hash": hash }),

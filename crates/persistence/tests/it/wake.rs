@@ -98,7 +98,12 @@ async fn the_notifier_coalesces_a_burst_into_one_notification_per_queue() {
 
 fn send_next<'t>(tx: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
     async move {
-        let sent = tx.send_job(&job("next_stage")).await?;
+        // In the fenced transaction a job is the scope's tenant's (000172).
+        let next = JobToSend {
+            tenant: Some(tx.token().tenant.clone()),
+            ..job("next_stage")
+        };
+        let sent = tx.send_job(&next).await?;
         assert!(matches!(sent, SendResult::Sent(_)), "{sent:?}");
         Ok(())
     }

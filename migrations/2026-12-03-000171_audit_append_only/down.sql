@@ -1,0 +1,1 @@
+GRANT UPDATE, DELETE ON public.audit_log TO idemstage_app;
