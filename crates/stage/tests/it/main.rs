@@ -21,6 +21,7 @@ use tokio::sync::Notify;
 
 use idemstage_testkit::count;
 
+mod interruptions;
 mod lineage;
 mod ops;
 mod quantities;
