@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 use idemstage_testkit::count;
 
 mod interruptions;
+mod large_writes;
 mod lineage;
 mod ops;
 mod quantities;
