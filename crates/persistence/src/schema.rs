@@ -86,6 +86,8 @@ diesel::table! {
         success_attempt -> Nullable<Int4>,
         upstream_stage -> Nullable<Text>,
         upstream_attempt -> Nullable<Int4>,
+        interruptions -> Int4,
+        interrupted_attempt -> Nullable<Int4>,
     }
 }
 
