@@ -15,7 +15,8 @@ pub enum InputChangePolicy {
 }
 
 /// How a stage is claimed and retried. Default: 5 attempts, a 30 s lease renewed
-/// every 10 s, a 300 s timeout, `Reject` on input change.
+/// every 10 s, a 300 s timeout, `Reject` on input change, 5 interruptions in a row
+/// given back uncounted.
 ///
 /// Built from the default with the `with_` methods (or by setting a field of a
 /// default value), so that a setting added later breaks no stage (the struct is
@@ -44,6 +45,13 @@ pub struct StagePolicy {
     /// A body (`prepare` and `run`) still running after this long is cancelled and
     /// counts as a failed, retryable attempt. Measured on the worker's clock.
     pub timeout: Duration,
+    /// How many attempts in a row an interruption (a retryable database error:
+    /// a lost connection, a timeout, a conflict) may give back without counting
+    /// them against `max_attempts`; the next interrupted attempt in that row
+    /// counts as failed, with its error. Bounds a failure that only looks
+    /// passing, which would otherwise be retried for ever. 0: every interrupted
+    /// attempt counts.
+    pub max_interruptions: i32,
 }
 
 impl Default for StagePolicy {
@@ -54,6 +62,7 @@ impl Default for StagePolicy {
             heartbeat: Duration::from_secs(10),
             on_input_change: InputChangePolicy::Reject,
             timeout: Duration::from_secs(300),
+            max_interruptions: 5,
         }
     }
 }
@@ -89,8 +98,16 @@ impl StagePolicy {
         self
     }
 
+    /// The same, giving back at most `interruptions` interrupted attempts in a
+    /// row uncounted.
+    pub fn with_max_interruptions(mut self, interruptions: i32) -> Self {
+        self.max_interruptions = interruptions;
+        self
+    }
+
     /// Refuses (`DomainError::InvalidOption`) `max_attempts < 1`, a lease under
-    /// 10 ms, a heartbeat not shorter than the lease, a zero timeout.
+    /// 10 ms, a heartbeat not shorter than the lease, a zero timeout, a negative
+    /// `max_interruptions`.
     pub fn validate(&self) -> Result<(), crate::DomainError> {
         use crate::DomainError::InvalidOption;
         if self.max_attempts < 1 {
@@ -106,6 +123,11 @@ impl StagePolicy {
         }
         if self.timeout.is_zero() {
             return Err(InvalidOption("timeout must be positive".into()));
+        }
+        if self.max_interruptions < 0 {
+            return Err(InvalidOption(
+                "max_interruptions must not be negative".into(),
+            ));
         }
         Ok(())
     }

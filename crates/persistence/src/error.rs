@@ -8,8 +8,10 @@ use idemstage_domain::{RepoError, StageError};
 /// statement timeouts and cancelled statements `Timeout`; 53xxx `Resources`; a
 /// closed connection, a broken transaction manager and a server shutting down or
 /// ending the session `Unavailable`. Everything else is `Database`, not
-/// retryable: constraint violations, bad SQL, and also `NotFound` (use
-/// `.optional()` where no row is an answer).
+/// retryable: constraint violations, bad SQL, a statement the driver refused to
+/// send (more than 65,535 bind parameters, a parameter it cannot serialize: the
+/// same statement fails the same way every time, on a connection that is fine),
+/// and also `NotFound` (use `.optional()` where no row is an answer).
 ///
 /// Errors that Diesel has no kind for are recognized by PostgreSQL's English
 /// message texts: with a translated `lc_messages` they come out as `Database`.
@@ -17,9 +19,13 @@ pub fn map_diesel_error(e: DieselError) -> RepoError {
     match &e {
         DieselError::DatabaseError(kind, info) => match kind {
             DatabaseErrorKind::SerializationFailure => RepoError::Conflict(info.message().into()),
-            DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand => {
-                RepoError::Unavailable(info.message().into())
-            }
+            DatabaseErrorKind::ClosedConnection => RepoError::Unavailable(info.message().into()),
+            // diesel-async reports every driver error without a SQLSTATE under this
+            // kind: a lost connection, but also a statement refused before sending.
+            DatabaseErrorKind::UnableToSendCommand => match client_class(info.message()) {
+                Client::Refused(why) => RepoError::Database(format!("{}{why}", info.message())),
+                Client::ConnectionGone => RepoError::Unavailable(info.message().into()),
+            },
             _ => match transient_class(info.message()) {
                 Some(Transient::Conflict) => RepoError::Conflict(info.message().into()),
                 Some(Transient::Timeout) => RepoError::Timeout(info.message().into()),
@@ -76,6 +82,45 @@ fn transient_class(message: &str) -> Option<Transient> {
         .iter()
         .find(|(text, _)| lower.contains(text))
         .map(|&(_, class)| class)
+}
+
+/// What a driver error without a SQLSTATE (diesel-async's `UnableToSendCommand`)
+/// says about the connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Client {
+    /// The driver refused this statement before sending it; the connection is
+    /// fine and the same statement fails the same way again. What to add to the
+    /// message (a hint, or nothing).
+    Refused(&'static str),
+    /// The connection is gone, or its state unknown.
+    ConnectionGone,
+}
+
+/// Classifies a driver error by its text, tokio-postgres's `Display` of its
+/// error kinds (the kind itself is not kept by diesel-async). Its errors about a
+/// statement are deterministic; the rest (`connection closed`, `error
+/// communicating with the server`, a timeout, a protocol message it could not
+/// parse, diesel-async's connection task gone: `channel closed`) and any text not
+/// known here are a connection that cannot be trusted any more.
+fn client_class(message: &str) -> Client {
+    const REFUSED: &[(&str, &str)] = &[
+        (
+            "error encoding message to server",
+            " (refused by the driver, not sent: a statement with more than 65,535 bind \
+             parameters, or a value too large for the protocol; write large row sets \
+             in chunks, e.g. FencedTx::replace_children_chunked)",
+        ),
+        ("error serializing parameter", ""),
+        ("error deserializing column", ""),
+        ("invalid column", ""),
+        ("parameters but got", ""),
+        ("query returned an unexpected number of", ""),
+    ];
+    let lower = message.to_ascii_lowercase();
+    REFUSED
+        .iter()
+        .find(|(text, _)| lower.contains(text))
+        .map_or(Client::ConnectionGone, |&(_, why)| Client::Refused(why))
 }
 
 fn describe(e: &DieselError) -> String {
@@ -185,6 +230,54 @@ mod tests {
         assert_eq!(
             transient_class("invalid byte sequence for encoding \"UTF8\": 0x00"),
             None
+        );
+    }
+
+    fn driver_error(message: &str) -> DieselError {
+        DieselError::DatabaseError(
+            DatabaseErrorKind::UnableToSendCommand,
+            Box::new(message.to_owned()),
+        )
+    }
+
+    /// tokio-postgres's texts of its error kinds (`Error`'s `Display`), as
+    /// diesel-async passes them on: only those of a lost connection are
+    /// `Unavailable`.
+    #[test]
+    fn driver_errors_are_unavailable_only_when_the_connection_is_gone() {
+        for gone in [
+            "connection closed",
+            "error communicating with the server",
+            "timeout waiting for server",
+            "error parsing response from server",
+            "unexpected message from server",
+            "channel closed",
+        ] {
+            let mapped = map_diesel_error(driver_error(gone));
+            assert!(
+                matches!(mapped, RepoError::Unavailable(_)),
+                "{gone}: {mapped:?}"
+            );
+        }
+        for refused in [
+            "error encoding message to server",
+            "error serializing parameter 3",
+            "error deserializing column 0",
+            "invalid column `x`",
+            "expected 2 parameters but got 3",
+            "query returned an unexpected number of rows",
+        ] {
+            let mapped = map_diesel_error(driver_error(refused));
+            assert!(
+                matches!(&mapped, RepoError::Database(m) if m.starts_with(refused)),
+                "{refused}: {mapped:?}"
+            );
+            assert!(!mapped.is_retryable());
+        }
+        let encode = map_diesel_error(driver_error("error encoding message to server"));
+        assert!(
+            encode.to_string().contains("65,535 bind parameters"),
+            "{encode}"
         );
     }
 }

@@ -11,8 +11,8 @@ use diesel_async::methods::{ExecuteDsl, LoadQuery};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::future::BoxFuture;
 use idemstage_domain::{
-    ClaimToken, JobCompleteOutcome, JobId, JobToSend, RepoError, RowId, SendResult, StageError,
-    TenantId,
+    ClaimToken, DomainError, JobCompleteOutcome, JobId, JobToSend, RepoError, RowId, SendResult,
+    StageError, TenantId,
 };
 use serde::Serialize;
 
@@ -22,6 +22,10 @@ use crate::schema::audit_log;
 
 /// How often insert-or-get retries when the row it conflicted with is gone again.
 pub const INSERT_OR_GET_TRIES: u32 = 5;
+
+/// The most bind parameters one statement may have: the protocol counts them in 16
+/// bits, and the driver refuses a statement with more before sending it.
+pub const MAX_BIND_PARAMETERS: usize = 65_535;
 
 /// The stage's writes, run inside the fenced transaction. It is `Fn`, not `FnOnce`,
 /// because a serialization failure or deadlock (or a connection lost before the
@@ -93,6 +97,8 @@ impl<'c> FencedTx<'c> {
     /// DELETE-before-INSERT of a parent's child rows: `delete` (all children of the
     /// parent), then `insert` (the new set). Safe only here: the fence's row lock
     /// serializes every replacer of the same run, so two cannot both survive.
+    /// `insert` is one statement, of at most [`MAX_BIND_PARAMETERS`]: for a set
+    /// whose size the input decides, use [`FencedTx::replace_children_chunked`].
     pub async fn replace_children<'q, D, I>(
         &mut self,
         delete: D,
@@ -110,7 +116,8 @@ impl<'c> FencedTx<'c> {
     /// The per-row variant for large child sets: `upsert` every row of the new set
     /// (`INSERT … ON CONFLICT (parent, position) DO UPDATE`), then `delete_rest`
     /// (the parent's rows whose position is not in the new set). Ends in the same
-    /// state as [`FencedTx::replace_children`].
+    /// state as [`FencedTx::replace_children`]. For a set whose size the input
+    /// decides, use [`FencedTx::upsert_children_chunked`].
     pub async fn upsert_children<'q, U, D>(
         &mut self,
         upsert: U,
@@ -126,6 +133,79 @@ impl<'c> FencedTx<'c> {
             .await
             .map_err(map_diesel_error)?;
         Ok(Replaced { deleted, written })
+    }
+
+    /// [`FencedTx::replace_children`] for a child set of any size: `delete`, then
+    /// `insert(chunk)` for consecutive chunks of `rows`, each chunk small enough
+    /// that its statement stays under [`MAX_BIND_PARAMETERS`] when one row binds at
+    /// most `binds_per_row` parameters (the columns one row's insert sets). One
+    /// multi-row INSERT of every row breaks that limit from 65,535 / columns rows
+    /// on (7,281 rows of 9 columns), and fails the same way on every attempt.
+    ///
+    /// No rows: only the delete runs. `binds_per_row` 0 or above the limit is
+    /// refused (`Invalid`) before anything is written.
+    pub async fn replace_children_chunked<'r, R, D, I>(
+        &mut self,
+        delete: D,
+        rows: &'r [R],
+        binds_per_row: usize,
+        insert: impl Fn(&'r [R]) -> I + Send,
+    ) -> Result<Replaced, RepoError>
+    where
+        R: Sync,
+        D: ExecuteDsl<AsyncPgConnection> + Send,
+        I: ExecuteDsl<AsyncPgConnection> + Send,
+    {
+        let chunk = rows_per_statement(binds_per_row)?;
+        let deleted = delete.execute(self.conn).await.map_err(map_diesel_error)?;
+        let written = self.write_chunks(rows, chunk, insert).await?;
+        Ok(Replaced { deleted, written })
+    }
+
+    /// [`FencedTx::upsert_children`] for a child set of any size: `upsert(chunk)`
+    /// for consecutive chunks of `rows` (sized as in
+    /// [`FencedTx::replace_children_chunked`]), then `delete_rest`. Its filter on
+    /// the positions kept should bind them as one array (Diesel's `eq_any` does).
+    pub async fn upsert_children_chunked<'r, R, U, D>(
+        &mut self,
+        rows: &'r [R],
+        binds_per_row: usize,
+        upsert: impl Fn(&'r [R]) -> U + Send,
+        delete_rest: D,
+    ) -> Result<Replaced, RepoError>
+    where
+        R: Sync,
+        U: ExecuteDsl<AsyncPgConnection> + Send,
+        D: ExecuteDsl<AsyncPgConnection> + Send,
+    {
+        let chunk = rows_per_statement(binds_per_row)?;
+        let written = self.write_chunks(rows, chunk, upsert).await?;
+        let deleted = delete_rest
+            .execute(self.conn)
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(Replaced { deleted, written })
+    }
+
+    /// Runs `write(chunk)` for consecutive chunks of `rows`; the rows written.
+    async fn write_chunks<'r, R, W>(
+        &mut self,
+        rows: &'r [R],
+        chunk: usize,
+        write: impl Fn(&'r [R]) -> W + Send,
+    ) -> Result<usize, RepoError>
+    where
+        R: Sync,
+        W: ExecuteDsl<AsyncPgConnection> + Send,
+    {
+        let mut written = 0;
+        for part in rows.chunks(chunk) {
+            written += write(part)
+                .execute(self.conn)
+                .await
+                .map_err(map_diesel_error)?;
+        }
+        Ok(written)
     }
 
     /// Insert-or-get: `insert()` is an `INSERT … ON CONFLICT DO NOTHING RETURNING
@@ -291,6 +371,18 @@ impl<'c> FencedTx<'c> {
         crate::anfragen::validate_input(&text)?;
         Ok(text)
     }
+}
+
+/// The rows of one statement of a chunked write whose rows bind at most
+/// `binds_per_row` parameters each: as many as stay under [`MAX_BIND_PARAMETERS`].
+/// `Invalid` for 0 or more than the limit (no row would fit).
+pub fn rows_per_statement(binds_per_row: usize) -> Result<usize, RepoError> {
+    if binds_per_row == 0 || binds_per_row > MAX_BIND_PARAMETERS {
+        return Err(RepoError::Invalid(DomainError::InvalidOption(format!(
+            "binds_per_row must be 1 to {MAX_BIND_PARAMETERS}, not {binds_per_row}"
+        ))));
+    }
+    Ok(MAX_BIND_PARAMETERS / binds_per_row)
 }
 
 /// [`FencedTx::insert_or_get`] on any connection (the caller's transaction).

@@ -104,6 +104,8 @@ diesel::table! {
         success_attempt -> Nullable<Int4>,
         upstream_stage -> Nullable<Text>,
         upstream_attempt -> Nullable<Int4>,
+        interruptions -> Int4,
+        interrupted_attempt -> Nullable<Int4>,
         stopped_attempt -> Nullable<Int4>,
     }
 }

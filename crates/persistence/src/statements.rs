@@ -77,6 +77,7 @@ pub fn all() -> Vec<Statement> {
         s("run_stale_on_lineage", runs::sql::STALE_ON_LINEAGE),
         s("run_fail", runs::sql::FAIL),
         s("run_release", runs::sql::RELEASE),
+        s("run_interrupt", runs::sql::INTERRUPT),
         s("run_renew", runs::sql::RENEW),
     ]
 }

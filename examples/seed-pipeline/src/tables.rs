@@ -50,6 +50,10 @@ struct NewExtraktion<'a> {
     attempt: i32,
 }
 
+/// The columns `NewExtraktion` inserts, each a bind parameter: what decides how
+/// many rows one INSERT may carry (`FencedTx::replace_children_chunked`).
+const EXTRAKTION_COLUMNS: usize = 9;
+
 fn extraktion_rows<'a>(token: &'a ClaimToken, rows: &'a [Extraktion]) -> Vec<NewExtraktion<'a>> {
     rows.iter()
         .map(|r| NewExtraktion {
@@ -175,44 +179,45 @@ impl ExampleTables for FencedTx<'_> {
                 .filter(ae::tenant_id.eq(token.tenant.as_str()))
                 .filter(ae::anfrage_id.eq(token.anfrage.to_string())),
         );
-        let insert =
-            diesel::insert_into(ae::anfrage_extraktionen).values(extraktion_rows(&token, rows));
-        self.replace_children(delete, insert).await
+        // In chunks: one INSERT of an input's every line broke the protocol's
+        // 65,535 bind parameters from 7,282 lines on (issue 29).
+        self.replace_children_chunked(delete, rows, EXTRAKTION_COLUMNS, |chunk| {
+            diesel::insert_into(ae::anfrage_extraktionen).values(extraktion_rows(&token, chunk))
+        })
+        .await
     }
 
     async fn upsert_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError> {
         use anfrage_extraktionen::dsl as ae;
         let token = self.token().clone();
+        // One array parameter (`= ANY($n)`), whatever the number of positions.
         let keep: Vec<i32> = rows.iter().map(|r| r.position_index).collect();
-        let upsert = diesel::insert_into(ae::anfrage_extraktionen)
-            .values(extraktion_rows(&token, rows))
-            .on_conflict((ae::tenant_id, ae::anfrage_id, ae::position_index))
-            .do_update()
-            .set((
-                ae::description.eq(excluded(ae::description)),
-                ae::quantity.eq(excluded(ae::quantity)),
-                ae::unit.eq(excluded(ae::unit)),
-                ae::run_id.eq(excluded(ae::run_id)),
-                ae::attempt.eq(excluded(ae::attempt)),
-            ));
         let delete_rest = diesel::delete(
             ae::anfrage_extraktionen
                 .filter(ae::tenant_id.eq(token.tenant.as_str()))
                 .filter(ae::anfrage_id.eq(token.anfrage.to_string()))
                 .filter(diesel::dsl::not(ae::position_index.eq_any(keep))),
         );
-        if rows.is_empty() {
-            // An upsert of no rows is no statement; only the delete remains.
-            let deleted = delete_rest
-                .execute(self.conn())
-                .await
-                .map_err(map_diesel_error)?;
-            return Ok(Replaced {
-                deleted,
-                written: 0,
-            });
-        }
-        self.upsert_children(upsert, delete_rest).await
+        // No rows: no upsert statement, only the delete.
+        self.upsert_children_chunked(
+            rows,
+            EXTRAKTION_COLUMNS,
+            |chunk| {
+                diesel::insert_into(ae::anfrage_extraktionen)
+                    .values(extraktion_rows(&token, chunk))
+                    .on_conflict((ae::tenant_id, ae::anfrage_id, ae::position_index))
+                    .do_update()
+                    .set((
+                        ae::description.eq(excluded(ae::description)),
+                        ae::quantity.eq(excluded(ae::quantity)),
+                        ae::unit.eq(excluded(ae::unit)),
+                        ae::run_id.eq(excluded(ae::run_id)),
+                        ae::attempt.eq(excluded(ae::attempt)),
+                    ))
+            },
+            delete_rest,
+        )
+        .await
     }
 
     async fn insert_or_get_datei(

@@ -7,6 +7,7 @@ mod cli;
 mod console;
 mod failover;
 mod faults;
+mod large_input;
 mod metrics;
 mod ops;
 mod pooler;

@@ -1,5 +1,6 @@
-//! The lease's other ends, fenced on the token: renew, fail, release, and the
-//! `fenced` mark in the attempt history.
+//! The lease's other ends, fenced on the token: renew, fail, release, an
+//! interruption (released, or counted past its bound), and the `fenced` mark in
+//! the attempt history.
 
 use std::time::Duration;
 
@@ -146,6 +147,65 @@ impl PgRunRepository {
         Ok(lease_outcome(released))
     }
 
+    /// Gives back an attempt that a retryable database error interrupted, fenced
+    /// on the token, unless `max_interruptions` attempts in a row before it were
+    /// given back already: then it counts as a failed, retryable attempt
+    /// (`failed`, or `dead` with the budget used up), its `error` recorded in
+    /// `last_error` and the attempt history. Released, it is `abandoned` in the
+    /// history with the run claimable at once, as [`release`](Self::release)
+    /// leaves it. `error` is sanitised before it is stored.
+    pub async fn interrupt(
+        &self,
+        token: &ClaimToken,
+        error: &str,
+        max_interruptions: i32,
+    ) -> Result<InterruptOutcome, RepoError> {
+        #[derive(QueryableByName)]
+        struct Interrupted {
+            #[diesel(sql_type = Text)]
+            status: String,
+            #[diesel(sql_type = Integer)]
+            attempts: i32,
+            #[diesel(sql_type = Integer)]
+            in_row: i32,
+        }
+        let mut conn = self.conn().await?;
+        let released_reason = sanitize_error_text(&format!("interrupted, not counted: {error}"));
+        let counted_reason = sanitize_error_text(&format!(
+            "{error} (counted after {max_interruptions} interruptions in a row given back uncounted)"
+        ));
+        let row: Option<Interrupted> =
+            crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
+                let row: Option<Interrupted> = diesel::sql_query(sql::INTERRUPT)
+                    .bind::<Text, _>(token.run_id.to_string())
+                    .bind::<Integer, _>(token.attempt)
+                    .bind::<Text, _>(&released_reason)
+                    .bind::<Integer, _>(max_interruptions)
+                    .bind::<Text, _>(&counted_reason)
+                    .cached()
+                    .get_result(conn)
+                    .await
+                    .optional()?;
+                // Counted, the attempt trigger has recorded it `failed` already.
+                if row.as_ref().is_some_and(|r| r.status == "running") {
+                    mark_attempt(conn, token, "abandoned").await?;
+                }
+                Ok(row)
+            })
+            .await
+            .map_err(TxError::into_repo)?;
+        Ok(match row {
+            None => InterruptOutcome::Fenced,
+            Some(r) if r.status == "running" => InterruptOutcome::Released {
+                in_row: r.in_row + 1,
+            },
+            Some(r) => InterruptOutcome::Counted {
+                attempt: r.attempts,
+                dead: r.status == "dead",
+            },
+        })
+    }
+
     /// Marks the token's attempt `fenced` in the history (it lost its lease), if
     /// the attempt is still `running` or `abandoned` there. [`complete`] does this
     /// itself when its transaction finds the token gone.
@@ -159,6 +219,25 @@ impl PgRunRepository {
         .await
         .map_err(TxError::into_repo)
     }
+}
+
+/// What [`PgRunRepository::interrupt`] did with an interrupted attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterruptOutcome {
+    /// Given back uncounted, the `in_row`-th interrupted attempt in a row.
+    Released {
+        /// Interrupted attempts in a row given back, this one included.
+        in_row: i32,
+    },
+    /// One interruption too many in a row: counted as a failed attempt.
+    Counted {
+        /// The attempt that counted.
+        attempt: i32,
+        /// The run is `dead`: that was the last attempt of its budget.
+        dead: bool,
+    },
+    /// The token no longer holds; nothing was recorded.
+    Fenced,
 }
 
 #[derive(QueryableByName)]

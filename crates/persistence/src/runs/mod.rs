@@ -6,6 +6,8 @@ mod lease;
 mod read;
 pub mod sql;
 
+pub use lease::InterruptOutcome;
+
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};

@@ -215,6 +215,37 @@ UPDATE pipeline_runs
  WHERE id = $1 AND attempts = $2 AND status = 'running'
 RETURNING lease_expires_at";
 
+/// An attempt interrupted by the database (a retryable error), fenced on the
+/// token: given back like `RELEASE` (lease ended now, budget one larger) while
+/// fewer than `$4` attempts in a row before it were; otherwise it counts, as
+/// `FAIL` of a retryable error would: `failed`, or `dead` with the budget used up,
+/// its error `$5`. The row of interruptions continues only from the attempt just
+/// before this one (`interrupted_attempt`), so any other end of an attempt starts
+/// a new row. `$3` the release's reason. The row is locked first, so the decision
+/// is made on the version it updates.
+pub const INTERRUPT: &str = "\
+WITH run AS (
+    SELECT id,
+           CASE WHEN interrupted_attempt = attempts - 1 THEN interruptions ELSE 0 END
+               AS in_row
+      FROM pipeline_runs
+     WHERE id = $1 AND attempts = $2 AND status = 'running'
+       FOR UPDATE)
+UPDATE pipeline_runs AS r
+   SET status = CASE WHEN run.in_row < $4 THEN 'running'
+                     WHEN r.attempts >= r.max_attempts THEN 'dead'
+                     ELSE 'failed' END,
+       lease_expires_at = CASE WHEN run.in_row < $4 THEN clock_timestamp()
+                               ELSE r.lease_expires_at END,
+       max_attempts = r.max_attempts + CASE WHEN run.in_row < $4 THEN 1 ELSE 0 END,
+       finished_at = CASE WHEN run.in_row < $4 THEN r.finished_at ELSE clock_timestamp() END,
+       last_error = CASE WHEN run.in_row < $4 THEN $3 ELSE $5 END,
+       interruptions = CASE WHEN run.in_row < $4 THEN run.in_row + 1 ELSE 0 END,
+       interrupted_attempt = CASE WHEN run.in_row < $4 THEN r.attempts END
+  FROM run
+ WHERE r.id = run.id
+RETURNING r.status, r.attempts, run.in_row";
+
 /// Extends the lease from the statement's clock, fenced on the token. `$3` the
 /// lease in microseconds.
 pub const RENEW: &str = "\

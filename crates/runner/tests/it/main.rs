@@ -5,6 +5,7 @@
 mod config;
 mod controls;
 mod db_errors;
+mod interruptions;
 mod leases;
 mod prefetch;
 mod queue_worker;

@@ -11,6 +11,7 @@ use idemstage_domain::{
     ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
     RepoError, RunId, SkipReason, StageError, WorkerId,
 };
+use idemstage_persistence::runs::InterruptOutcome;
 use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
@@ -57,7 +58,9 @@ pub enum ExecutionOutcome {
     },
     /// A database error (timeout, lost connection, conflict, out of resources)
     /// interrupted the attempt before it committed. Not the stage's failure: the
-    /// claim was given back and the attempt does not count against `max_attempts`.
+    /// claim was given back and the attempt does not count against `max_attempts`,
+    /// up to the policy's `max_interruptions` attempts in a row; the next one
+    /// interrupted in that row is `Failed` with the error.
     Interrupted {
         /// The attempt that was given back.
         attempt: i32,
@@ -362,16 +365,34 @@ impl Executor {
             }
             Err(error) if is_infrastructure(&error) => {
                 // The database, not the stage: give the claim back uncounted, so
-                // that an outage or a lock timeout cannot use up the stage's budget.
+                // that an outage or a lock timeout cannot use up the stage's
+                // budget; but only so many times in a row, so that an error that
+                // merely looks passing cannot loop for ever.
                 let message = error.to_string();
-                tracing::warn!(error = %message, "stage attempt interrupted by the database; released");
-                self.repo
-                    .release(&token, &format!("interrupted, not counted: {message}"))
-                    .await?;
-                Ok(ExecutionOutcome::Interrupted {
-                    attempt,
-                    error: message,
-                })
+                Ok(
+                    match self
+                        .repo
+                        .interrupt(&token, &message, policy.max_interruptions)
+                        .await?
+                    {
+                        InterruptOutcome::Released { in_row } => {
+                            tracing::warn!(error = %message, in_row, "stage attempt interrupted by the database; released");
+                            ExecutionOutcome::Interrupted {
+                                attempt,
+                                error: message,
+                            }
+                        }
+                        InterruptOutcome::Counted { attempt, dead } => {
+                            tracing::warn!(error = %message, dead, "stage attempt interrupted once too often in a row; counted as failed");
+                            ExecutionOutcome::Failed {
+                                attempt,
+                                error: message,
+                                dead,
+                            }
+                        }
+                        InterruptOutcome::Fenced => ExecutionOutcome::Fenced { attempt },
+                    },
+                )
             }
             Err(error) => {
                 let message = error.to_string();

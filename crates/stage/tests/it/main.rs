@@ -22,6 +22,8 @@ use tokio::sync::Notify;
 use idemstage_testkit::count;
 
 mod edges;
+mod interruptions;
+mod large_writes;
 mod lineage;
 mod ops;
 mod quantities;

@@ -1,0 +1,113 @@
+//! Issue 29, item 5, through a stage worker: a stage interrupted by the database
+//! on every attempt is deferred a bounded number of times, then its attempts
+//! count, and it ends `dead` with its reason and its job failed, not deferred for
+//! ever.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use diesel_async::RunQueryDsl;
+use idemstage_domain::{input_hash_of, AnfrageId, StageError, StageName, StagePolicy, TenantId};
+use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::{map_diesel_error, FencedTx};
+use idemstage_runner::Counters;
+use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
+use serde_json::Value;
+
+use crate::support::{count, start_pipeline_worker, stop_pipeline_worker};
+
+/// Hits a statement timeout (57014, retryable: an interruption) on every attempt.
+struct AlwaysInterrupted {
+    name: StageName,
+    policy: StagePolicy,
+}
+
+#[async_trait]
+impl Stage for AlwaysInterrupted {
+    fn name(&self) -> &StageName {
+        &self.name
+    }
+    fn policy(&self) -> &StagePolicy {
+        &self.policy
+    }
+    async fn run(
+        &self,
+        _: &StageJob,
+        _: &Value,
+        tx: &mut FencedTx<'_>,
+    ) -> Result<StageFlow, StageError> {
+        diesel::sql_query("SET LOCAL statement_timeout = '20ms'")
+            .execute(tx.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        diesel::sql_query("SELECT pg_sleep(1)")
+            .execute(tx.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(StageFlow::Continue)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
+    let db = idemstage_testkit::example::db().await;
+    let mut conn = db.conn().await;
+    let pipeline = Pipeline::new(vec![Arc::new(AlwaysInterrupted {
+        name: StageName::parse("flaky").unwrap(),
+        policy: StagePolicy::default()
+            .with_max_attempts(2)
+            .with_max_interruptions(2),
+    })])
+    .unwrap();
+    let tenant = TenantId::parse("t1").unwrap();
+    let anfrage = AnfrageId::new();
+    register_anfrage(&mut conn, &tenant, &anfrage, "x")
+        .await
+        .unwrap();
+    let job = first_job(&pipeline, tenant, anfrage, input_hash_of(b"x"));
+    idemstage_persistence::queue::send_in(&mut conn, &job)
+        .await
+        .unwrap();
+    let worker = start_pipeline_worker(
+        db.pool(4).await,
+        db.url(),
+        pipeline,
+        2,
+        Arc::new(Counters::default()),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stage is still being retried"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_pipeline_worker(worker).await;
+    // 2 given back, the third counted; again for the second attempt of the budget.
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM pipeline_runs
+              WHERE stage = 'flaky' AND status = 'dead' AND attempts = 6
+                AND last_error LIKE '%statement timeout%counted after 2 interruptions in a row%'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT outcome FROM pipeline_run_attempts GROUP BY outcome
+             HAVING (outcome = 'abandoned' AND count(*) = 4)
+                 OR (outcome = 'failed' AND count(*) = 2)"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM jobs WHERE state <> 'failed'").await,
+        0
+    );
+}

@@ -1,0 +1,3 @@
+ALTER TABLE pipeline_runs
+    DROP COLUMN interrupted_attempt,
+    DROP COLUMN interruptions;
