@@ -12,13 +12,15 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::future::BoxFuture;
 use idemstage_domain::{
     ClaimToken, DomainError, JobCompleteOutcome, JobId, JobToSend, RepoError, RowId, SendResult,
-    StageError, TenantId,
+    StageError,
 };
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
 use crate::queue::Wake;
-use crate::schema::audit_log;
+
+mod any_connection;
+pub use any_connection::{audit, insert_or_get};
 
 /// How often insert-or-get retries when the row it conflicted with is gone again.
 pub const INSERT_OR_GET_TRIES: u32 = 5;
@@ -383,72 +385,4 @@ pub fn rows_per_statement(binds_per_row: usize) -> Result<usize, RepoError> {
         ))));
     }
     Ok(MAX_BIND_PARAMETERS / binds_per_row)
-}
-
-/// [`FencedTx::insert_or_get`] on any connection (the caller's transaction).
-pub async fn insert_or_get<'q, Id, I, S>(
-    conn: &mut AsyncPgConnection,
-    what: &str,
-    insert: impl Fn() -> I,
-    select: impl Fn() -> S,
-) -> Result<InsertOrGet<Id>, RepoError>
-where
-    Id: Send + 'static,
-    I: LoadQuery<'q, AsyncPgConnection, Id> + Send + 'q,
-    S: LoadQuery<'q, AsyncPgConnection, Id> + Send + 'q,
-{
-    for _ in 0..INSERT_OR_GET_TRIES {
-        let inserted: Option<Id> = insert()
-            .get_result(conn)
-            .await
-            .optional()
-            .map_err(map_diesel_error)?;
-        if let Some(id) = inserted {
-            return Ok(InsertOrGet { id, inserted: true });
-        }
-        let existing: Option<Id> = select()
-            .get_result(conn)
-            .await
-            .optional()
-            .map_err(map_diesel_error)?;
-        if let Some(id) = existing {
-            return Ok(InsertOrGet {
-                id,
-                inserted: false,
-            });
-        }
-    }
-    Err(RepoError::InsertOrGetExhausted {
-        what: what.to_owned(),
-        tries: INSERT_OR_GET_TRIES,
-    })
-}
-
-/// Appends an audit entry of `tenant` on the caller's connection (in its
-/// transaction, if one is open); with `token` the entry names the run and attempt.
-/// Returns the entry's id.
-pub async fn audit(
-    conn: &mut AsyncPgConnection,
-    tenant: &TenantId,
-    entity_id: &str,
-    action: &str,
-    token: Option<&ClaimToken>,
-    details: serde_json::Value,
-) -> Result<RowId, RepoError> {
-    use audit_log::dsl as a;
-    let id = RowId::new();
-    diesel::insert_into(a::audit_log)
-        .values((
-            a::id.eq(id.to_string()),
-            a::tenant_id.eq(tenant.as_str()),
-            a::entity_id.eq(entity_id),
-            a::action.eq(action),
-            a::run_id.eq(token.map(|t| t.run_id.to_string())),
-            a::attempt.eq(token.map(|t| t.attempt)),
-            a::details.eq(details),
-        ))
-        .execute(conn)
-        .await
-        .map_err(map_diesel_error)?;
-    Ok(id)
 }
