@@ -84,6 +84,15 @@ struct Locked {
     anfrage_id: String,
 }
 
+/// What the reconciler's plan knows of a pipeline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReconciledStages {
+    /// The stages, in pipeline order.
+    pub stages: Vec<StageName>,
+    /// Whether the first stage re-runs on new input (`InputChangePolicy::Rerun`).
+    pub first_reruns: bool,
+}
+
 /// `$1`, `$2` the last anfrage of the previous batch (tenant, anfrage; `''` to
 /// start), `$3` the batch's size: the next open anfragen in key order (the primary key).
 const OPEN_SQL: &str = "\
@@ -92,8 +101,11 @@ SELECT tenant_id, anfrage_id FROM anfragen_open
  ORDER BY tenant_id, anfrage_id
  LIMIT $3";
 
-/// `$1` the stages in pipeline order, `$2` the tenant, `$3` its anfragen: one row
-/// per (anfrage, stage) of the anfragen that exist for the tenant. Index probes
+/// `$1` the stages in pipeline order, `$2` the tenant, `$3` its anfragen, `$4`
+/// whether the first stage re-runs on new input: one row per (anfrage, stage) of
+/// the anfragen that exist for the tenant. Under `Rerun` a first stage that
+/// succeeded on another input than the anfrage's stored one has a rerun due (its
+/// job may have been lost before its claim): not final. Index probes
 /// only: the anfrage's primary key, `pipeline_runs_tenant_anfrage_stage_uq` for the
 /// run and its upstream's, `jobs_singleton_live_uq` for a live job.
 const PLAN_SQL: &str = "\
@@ -104,6 +116,8 @@ WITH stages AS (
            r.status = 'running' AND r.lease_expires_at < clock_timestamp() AS lease_over,
            s.pos = 1 OR (u.success_attempt IS NOT NULL
                          AND u.stopped_attempt IS DISTINCT FROM u.success_attempt) AS expected,
+           coalesce(s.pos = 1 AND $4 AND r.status = 'success'
+                    AND r.input_hash <> a.input_sha256, false) AS rerun_due,
            EXISTS (SELECT 1 FROM jobs j
                     WHERE j.queue = s.stage
                       AND j.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
@@ -119,9 +133,10 @@ WITH stages AS (
 )
 SELECT anfrage_id, stage, input_sha256 AS input_hash,
        coalesce(expected AND NOT live_job
-                AND (status IS NULL OR status IN ('failed', 'stale') OR lease_over), false)
+                AND (status IS NULL OR status IN ('failed', 'stale') OR lease_over
+                     OR rerun_due), false)
            AS resend,
-       coalesce(live_job OR (expected AND (status IS NULL
+       coalesce(live_job OR (expected AND (status IS NULL OR rerun_due
                                            OR status NOT IN ('success', 'dead', 'cancelled'))),
                 true) AS keeps_open
   FROM stage_state";
@@ -170,16 +185,17 @@ pub async fn open_anfragen(
 /// it reads only what the scope shows.
 pub async fn plan(
     conn: &mut AsyncPgConnection,
-    stages: &[StageName],
+    stages: &ReconciledStages,
     tenant: &TenantId,
     anfragen: &[AnfrageId],
 ) -> Result<TenantPlan, RepoError> {
-    let stage_names: Vec<&str> = stages.iter().map(StageName::as_str).collect();
+    let stage_names: Vec<&str> = stages.stages.iter().map(StageName::as_str).collect();
     let ids: Vec<String> = anfragen.iter().map(ToString::to_string).collect();
     let rows: Vec<StageRow> = diesel::sql_query(PLAN_SQL)
         .bind::<Array<Text>, _>(&stage_names)
         .bind::<Text, _>(tenant.as_str())
         .bind::<Array<Text>, _>(&ids)
+        .bind::<diesel::sql_types::Bool, _>(stages.first_reruns)
         .load(conn)
         .await
         .map_err(map_diesel_error)?;
@@ -213,7 +229,7 @@ pub async fn plan(
 /// settled.
 pub async fn settle(
     conn: &mut AsyncPgConnection,
-    stages: &[StageName],
+    stages: &ReconciledStages,
     tenant: &TenantId,
     anfragen: &[AnfrageId],
 ) -> Result<usize, RepoError> {

@@ -14,8 +14,8 @@
 //! revives it, and its job reopens the anfrage).
 
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, JobToSend, RepoError, SendResult, StageName, TenantId};
-use idemstage_persistence::reconcile::{self, OpenAnfrage, TenantPlan};
+use idemstage_domain::{AnfrageId, InputChangePolicy, JobToSend, RepoError, SendResult, TenantId};
+use idemstage_persistence::reconcile::{self, OpenAnfrage, ReconciledStages, TenantPlan};
 use idemstage_persistence::{queue, tenant, PgPool, TxError};
 
 use crate::{Pipeline, StageJob};
@@ -40,7 +40,7 @@ pub struct ReconcileReport {
 /// `reconcile_interval`); any number may run at once.
 pub struct Reconciler {
     pipeline: Pipeline,
-    stages: Vec<StageName>,
+    stages: ReconciledStages,
     batch_limit: u32,
     /// The last anfrage of the previous batch; `None`: start from the first.
     cursor: Option<OpenAnfrage>,
@@ -53,7 +53,11 @@ impl Reconciler {
     /// A reconciler of `pipeline`'s stages, looking at
     /// [`DEFAULT_BATCH_LIMIT`](Self::DEFAULT_BATCH_LIMIT) anfragen per pass.
     pub fn new(pipeline: Pipeline) -> Self {
-        let stages = pipeline.stages().iter().map(|s| s.name().clone()).collect();
+        let stages = ReconciledStages {
+            stages: pipeline.stages().iter().map(|s| s.name().clone()).collect(),
+            first_reruns: pipeline.first_stage().policy().on_input_change
+                == InputChangePolicy::Rerun,
+        };
         Self {
             pipeline,
             stages,

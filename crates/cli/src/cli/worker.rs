@@ -50,6 +50,10 @@ pub struct Args {
     /// runs, so it bounds how long a dead worker's job waits to be retried
     #[arg(long, default_value_t = 60_000)]
     pub job_lease_ms: u64,
+    /// Seconds between the reconciler's passes, which re-send the job of every
+    /// stage that is expected, not final and has no live job (0: off)
+    #[arg(long, default_value_t = 30)]
+    pub reconcile_interval_s: u64,
     /// Re-run a finished stage when its anfrage is sent again with another input
     /// (and invalidate the stages after it once the rerun succeeds); default: refuse
     /// another input (built-in example only)
@@ -169,6 +173,9 @@ impl Args {
         if self.metrics_listen.is_some() {
             config.queue.queue_gauges_interval = Some(QUEUE_GAUGES_INTERVAL);
         }
+        config = config.with_reconcile_interval(
+            (self.reconcile_interval_s > 0).then(|| Duration::from_secs(self.reconcile_interval_s)),
+        );
         // Expired job leases are only recovered by maintenance: run it at least as
         // often as a lease lasts (PipelineWorker refuses a longer interval).
         config.queue.maintenance_interval = config

@@ -5,7 +5,8 @@
 //! with another text: a rerun; some set to another text and straight back, 1 → 2
 //! → 1; some re-run on a blank input that intake refuses, so the rerun dies, and
 //! later set back; some cancelled right after a rerun was sent) while an operator
-//! retries dead stages, and, at random moments, a worker is SIGKILLed and
+//! retries dead stages, a job squats on a stage's key, a queued job is deleted
+//! by hand, and, at random moments, a worker is SIGKILLed and
 //! replaced, a worker is SIGSTOPped past its lease and continued, worker
 //! connections are terminated mid-transaction, statements are cancelled, or a
 //! session holds row locks on runs and anfragen while the database's
@@ -124,6 +125,9 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
             "--crash-rate",
             "0.02",
             "--rerun-on-new-input",
+            // A lost job's stage is sent again within seconds, not the default 30.
+            "--reconcile-interval-s",
+            "3",
         ],
     );
     let stop = CancellationToken::new();
@@ -228,7 +232,38 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         let pause = rand::rng().random_range(300..1500);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = rand::rng().random_range(0..workers.children.len());
-        match rand::rng().random_range(0..6) {
+        match rand::rng().random_range(0..7) {
+            6 => {
+                // A job squatting on a stage's singleton key with a payload that is
+                // not that stage's (refused by the database since 000200), and a
+                // queued job deleted by hand (its stage found by the reconciler).
+                let squat = diesel::sql_query(format!(
+                    "INSERT INTO jobs (id, queue, payload, singleton_key, tenant_id)
+                     SELECT '{}', 'extract', '{{\"squat\": true}}',
+                            'extract:' || tenant_id || ':' || id, tenant_id
+                       FROM anfragen ORDER BY created_at DESC LIMIT 1",
+                    AnfrageId::new()
+                ))
+                .execute(&mut conn)
+                .await;
+                *faults
+                    .entry(if squat.is_ok() {
+                        "squatters"
+                    } else {
+                        "squatters refused"
+                    })
+                    .or_default() += 1;
+                let deleted = diesel::sql_query(
+                    "DELETE FROM jobs WHERE id IN (
+                         SELECT id FROM jobs WHERE state IN ('created', 'retry')
+                          ORDER BY random() LIMIT 1 FOR UPDATE SKIP LOCKED)",
+                )
+                .execute(&mut conn)
+                .await;
+                if let Ok(n) = deleted {
+                    *faults.entry("jobs deleted by hand").or_default() += n as u32;
+                }
+            }
             2 => {
                 // The operator retries dead stages (a dead rerun among them, maybe
                 // on an input set back since).

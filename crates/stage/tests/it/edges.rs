@@ -382,3 +382,70 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
     assert_eq!(check.stages_succeeded, 3);
 }
+
+/// The soak's find: a rerun on new input whose job was lost before its claim (a
+/// job deleted by hand) left the first stage `success` on an input the anfrage no
+/// longer holds, and the reconciler counted that as final: the new input never
+/// ran. Under `Rerun` it is a pending rerun, and its job is sent again.
+#[tokio::test]
+async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
+    use diesel_async::AsyncConnection;
+    let db = idemstage_testkit::example::db().await;
+    let pool = db.pool(4).await;
+    let mut f = fixture().await;
+    // The fixture's database is another one: work in `db` only.
+    f.conn = db.conn().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let tenant = idemstage_domain::TenantId::parse("t1").unwrap();
+    let anfrage = idemstage_domain::AnfrageId::new();
+    for text in [TEXT_1, TEXT_2] {
+        f.conn
+            .transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+                Ok(idemstage_stage::start_in(conn, &calm, &tenant, &anfrage, text).await?)
+            })
+            .await
+            .unwrap();
+        if text == TEXT_1 {
+            // Every stage on text 1, by an executor on this database.
+            let repo =
+                std::sync::Arc::new(idemstage_persistence::PgRunRepository::new(pool.clone()));
+            let exec = idemstage_stage::Executor::new(repo, idemstage_domain::WorkerId::generate());
+            let job = StageJob {
+                tenant_id: tenant.clone(),
+                anfrage_id: anfrage,
+                input_hash: input_hash_of(TEXT_1.as_bytes()),
+            };
+            for stage in calm.stages() {
+                let outcome = exec.run(&calm, stage, &job).await.unwrap();
+                assert!(
+                    matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+                    "{outcome:?}"
+                );
+            }
+            diesel::sql_query("DELETE FROM jobs")
+                .execute(&mut f.conn)
+                .await
+                .unwrap();
+        }
+    }
+    // Text 2's intake job is lost.
+    diesel::sql_query("DELETE FROM jobs")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    let mut reconciler = idemstage_stage::Reconciler::new(calm.clone());
+    let report = reconciler.pass(&pool).await.unwrap();
+    assert_eq!(report.resent, 1, "{report:?}");
+    assert_eq!(
+        count(
+            &mut f.conn,
+            &format!(
+                "SELECT 1 FROM jobs WHERE queue = 'intake' AND state = 'created'
+                    AND payload->>'input_hash' = '{}'",
+                input_hash_of(TEXT_2.as_bytes())
+            )
+        )
+        .await,
+        1
+    );
+}
