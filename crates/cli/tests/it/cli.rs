@@ -357,6 +357,20 @@ fn json_of(out: &Output) -> serde_json::Value {
 #[tokio::test]
 async fn pause_resume_and_limit_set_the_stage_controls() {
     let db = TestDb::new().await;
+    // A tenant is known (may be paused) once it has an anfrage.
+    let acme = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "acme",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert!(acme.status.success(), "{acme:?}");
     let pause = [
         "pause", "--stage", "extract", "--tenant", "acme", "--actor", "alice", "--json",
     ];

@@ -13,3 +13,4 @@ mod pooler;
 mod processes;
 mod soak;
 mod support;
+mod unknown_names;
