@@ -146,47 +146,6 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Item 9 of issue 29, the library path: `start` and `start_in` refuse an input
-/// holding a NUL byte with a typed error before writing (it was the raw 22021
-/// error, which also aborted a caller's transaction around `start_in`).
-#[tokio::test]
-async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
-    use diesel_async::AsyncConnection;
-    use idemstage_domain::{AnfrageId, DomainError, RepoError, TenantId};
-    let db = idemstage_testkit::example::db().await;
-    let pipeline = crate::support::pipeline();
-    let (tenant, anfrage) = (
-        TenantId::parse("t1").unwrap(),
-        AnfrageId::parse(ANFRAGE).unwrap(),
-    );
-    let text = "1 Stk\0Schrauben";
-    let refused = |e: &RepoError| {
-        matches!(
-            e,
-            RepoError::Invalid(DomainError::InputContainsNul { at: 5 })
-        )
-    };
-    let pool = db.pool(1).await;
-    let e = idemstage_stage::start(&pool, &pipeline, &tenant, &anfrage, text)
-        .await
-        .unwrap_err();
-    assert!(refused(&e) && e.is_bad_request(), "{e:?}");
-    // Inside a caller's transaction: refused before any statement, so the
-    // transaction goes on and the good input starts in it.
-    let mut conn = db.conn().await;
-    conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
-        let e = idemstage_stage::start_in(conn, &pipeline, &tenant, &anfrage, text)
-            .await
-            .unwrap_err();
-        assert!(refused(&e), "{e:?}");
-        idemstage_stage::start_in(conn, &pipeline, &tenant, &anfrage, "1 Stk Schrauben").await?;
-        Ok(())
-    })
-    .await
-    .unwrap();
-    assert_eq!(rows(&db).await, 2, "the good input's anfrage and job only");
-}
-
 #[tokio::test]
 async fn enqueue_prints_the_job_id_then_duplicate() {
     let db = idemstage_testkit::example::db().await;

@@ -8,6 +8,7 @@ mod console;
 mod failover;
 mod faults;
 mod metrics;
+mod nul_input;
 mod ops;
 mod pooler;
 mod processes;
