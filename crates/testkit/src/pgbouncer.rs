@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 /// A pgbouncer of the test's own, in transaction mode (`pool_mode =
 /// transaction`), in front of the server of the URL it was started for: every
-/// database, the users of that URL (else `postgres`), `postgres`,
+/// database, the user of that URL (else `postgres`), `postgres`,
 /// [`TEST_WORKER`](crate::TEST_WORKER) and [`TEST_OPERATOR`](crate::TEST_OPERATOR).
 /// Clients are trusted (`auth_type = trust`, loopback only); towards the server
 /// pgbouncer logs in with the passwords of its `auth_file`: the URL's own, and

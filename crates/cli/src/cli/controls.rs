@@ -10,7 +10,6 @@ use idemstage_persistence::ops::Actor;
 use idemstage_persistence::queue::{
     self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
 };
-
 use idemstage_stage::Pipeline;
 
 use super::ops::pipeline_or_example;
