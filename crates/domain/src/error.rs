@@ -33,6 +33,13 @@ pub enum DomainError {
         /// The limit in bytes.
         max: usize,
     },
+    /// An anfrage input holding a NUL character: valid UTF-8, but not text
+    /// PostgreSQL can store.
+    #[error("input is not valid text: it holds a NUL byte at byte {at}, which PostgreSQL text cannot store")]
+    InputContainsNul {
+        /// The offset of the first NUL, in bytes.
+        at: usize,
+    },
     /// A job payload that is not a valid stage job (the text says why).
     #[error("invalid job payload: {0}")]
     InvalidPayload(String),

@@ -55,8 +55,10 @@ impl RegisterOutcome {
     }
 }
 
-/// Refuses an empty or oversized input (checked again by `register_anfrage`; callers
-/// use this to fail before they connect).
+/// Refuses an empty or oversized input, and one holding a NUL character, which
+/// PostgreSQL text cannot store (its 22021 error would come from the INSERT, and
+/// abort the caller's transaction). Checked again by `register_anfrage`; callers
+/// use this to fail before they connect.
 pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
     if input_text.trim().is_empty() {
         return Err(DomainError::EmptyInput);
@@ -67,6 +69,9 @@ pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
             max: MAX_INPUT_BYTES,
         });
     }
+    if let Some(at) = input_text.bytes().position(|b| b == 0) {
+        return Err(DomainError::InputContainsNul { at });
+    }
     Ok(())
 }
 
@@ -75,9 +80,10 @@ pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
 ///
 /// Never changes a stored input: another input is reported as
 /// `AlreadyRegistered { same_input: false }` (use [`register_input`] to apply the
-/// stage's input policy). An empty or oversized input is `Invalid`. Runs in a
-/// transaction scoped to `tenant` (a savepoint inside the caller's transaction;
-/// the scope then lasts until the caller's transaction ends).
+/// stage's input policy). An empty or oversized input, or one holding a NUL, is
+/// `Invalid`. Runs in a transaction scoped to `tenant` (a savepoint inside the
+/// caller's transaction; the scope then lasts until the caller's transaction
+/// ends).
 pub async fn register_anfrage(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,

@@ -34,7 +34,7 @@ pub async fn start_in(
 /// and input (a duplicate send is an outcome, not an error). A
 /// `RepoError::is_retryable` error may be retried as is; `is_bad_request` ones
 /// (another input under `Reject`, another tenant's anfrage, an empty or too
-/// large input) will fail again.
+/// large input, one holding a NUL character) will fail again.
 ///
 /// ```no_run
 /// use idemstage::{start, AnfrageId, Pipeline, PgPool, SendResult, TenantId};

@@ -6,10 +6,14 @@ use std::time::{Duration, Instant};
 
 /// A pgbouncer of the test's own, in transaction mode (`pool_mode =
 /// transaction`), in front of the server of the URL it was started for: every
-/// database, the users `postgres`, [`TEST_WORKER`](crate::TEST_WORKER) and
-/// [`TEST_OPERATOR`](crate::TEST_OPERATOR), `auth_type = trust` (the test
-/// servers trust loopback). Each (database, user) gets `server_pool_size` server
-/// sessions, so its clients really share them.
+/// database, the user of that URL (else `postgres`), `postgres`,
+/// [`TEST_WORKER`](crate::TEST_WORKER) and [`TEST_OPERATOR`](crate::TEST_OPERATOR).
+/// Clients are trusted (`auth_type = trust`, loopback only); towards the server
+/// pgbouncer logs in with the passwords of its `auth_file`: the URL's own, and
+/// the test roles' (their names), so that it works in front of a server that
+/// asks for passwords (a `DATABASE_URL` like `postgres://me:secret@host/db`) as
+/// well as one that trusts loopback. Each (database, user) gets
+/// `server_pool_size` server sessions, so its clients really share them.
 ///
 /// It resets every server session after every transaction (`server_reset_query =
 /// DEALLOCATE ALL`, `server_reset_query_always = 1`): a statement prepared outside
@@ -37,11 +41,7 @@ impl PgBouncer {
         // Readable by the user it drops to as root.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let port = crate::pg_server::free_port();
-        let users: String = ["postgres", crate::TEST_WORKER, crate::TEST_OPERATOR]
-            .iter()
-            .map(|u| format!("\"{u}\" \"\"\n"))
-            .collect();
-        std::fs::write(dir.join("users.txt"), users).unwrap();
+        std::fs::write(dir.join("users.txt"), auth_file(server_url)).unwrap();
         std::fs::write(
             dir.join("pgbouncer.ini"),
             format!(
@@ -119,6 +119,74 @@ impl Drop for PgBouncer {
     }
 }
 
+/// The `auth_file`: every user a test connects as, with the password pgbouncer
+/// gives the server for it. Before the URL's user was listed, a `DATABASE_URL`
+/// of another user than `postgres` was refused by pgbouncer itself ("trust"
+/// authentication failed), and a password server refused the test roles.
+fn auth_file(server_url: &str) -> String {
+    let (user, password) = user_password(server_url);
+    let test_roles =
+        [crate::TEST_WORKER, crate::TEST_OPERATOR].map(|r| (r.to_owned(), r.to_owned()));
+    let mut users: Vec<(String, String)> = Vec::new();
+    for (u, p) in [(
+        user.unwrap_or_else(|| "postgres".into()),
+        password.unwrap_or_default(),
+    )]
+    .into_iter()
+    .chain([("postgres".to_owned(), String::new())])
+    .chain(test_roles)
+    {
+        if !users.iter().any(|(known, _)| *known == u) {
+            users.push((u, p));
+        }
+    }
+    // A double quote inside a quoted field is written twice.
+    let quote = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    users
+        .iter()
+        .map(|(u, p)| format!("{} {}\n", quote(u), quote(p)))
+        .collect()
+}
+
+/// The user and password of a `postgres://user:password@host/db` URL,
+/// percent-decoded; `None` for a part the URL does not have.
+fn user_password(url: &str) -> (Option<String>, Option<String>) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let Some((userinfo, _)) = authority.rsplit_once('@') else {
+        return (None, None);
+    };
+    let (user, password) = match userinfo.split_once(':') {
+        Some((u, p)) => (u, Some(p)),
+        None => (userinfo, None),
+    };
+    let user = Some(percent_decode(user)).filter(|u| !u.is_empty());
+    (user, password.map(percent_decode))
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// `url` with its host and port replaced by 127.0.0.1:`port`.
 fn rehost(url: &str, port: u16) -> String {
     let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
@@ -169,6 +237,25 @@ mod tests {
         assert_eq!(
             super::host_port("postgres://localhost/db"),
             ("localhost".to_owned(), 5432)
+        );
+    }
+
+    #[test]
+    fn the_auth_file_has_the_urls_user_and_password_and_the_test_roles() {
+        assert_eq!(
+            super::auth_file("postgres://me:s%40c%22r:t@127.0.0.1:6000/db?x=1"),
+            "\"me\" \"s@c\"\"r:t\"\n\"postgres\" \"\"\n\
+             \"idemstage_test_worker\" \"idemstage_test_worker\"\n\
+             \"idemstage_test_operator\" \"idemstage_test_operator\"\n"
+        );
+        assert_eq!(
+            super::user_password("postgres://127.0.0.1:6000/db"),
+            (None, None)
+        );
+        assert!(super::auth_file("postgres://localhost/db").starts_with("\"postgres\" \"\"\n"));
+        assert_eq!(
+            super::user_password("postgres://u@h/db?password=x"),
+            (Some("u".to_owned()), None)
         );
     }
 

@@ -5,20 +5,22 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idemstage_domain::{StageName, TenantId};
+use idemstage_domain::TenantId;
 use idemstage_persistence::ops::Actor;
 use idemstage_persistence::queue::{
     self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
 };
+use idemstage_stage::Pipeline;
 
-use super::BadInput;
+use super::ops::pipeline_or_example;
+use super::{known, BadInput};
 
 #[derive(clap::Args)]
 pub struct PauseArgs {
     /// The stage (its queue)
     #[arg(long)]
     stage: String,
-    /// Only this tenant's jobs of the stage
+    /// Only this tenant's jobs of the stage (a tenant with an anfrage)
     #[arg(long)]
     tenant: Option<String>,
     /// Who is pausing or resuming, for the record of control changes (default:
@@ -35,7 +37,7 @@ pub struct LimitArgs {
     /// The stage (its queue)
     #[arg(long)]
     stage: String,
-    /// The limits of one tenant (else of the whole stage)
+    /// The limits of one tenant with an anfrage (else of the whole stage)
     #[arg(long, conflicts_with = "every_tenant")]
     tenant: Option<String>,
     /// The limits each tenant has unless it has its own
@@ -93,11 +95,28 @@ fn parse_rate(text: &str, burst: Option<u32>) -> anyhow::Result<Rate> {
     Ok(Rate { count, per, burst })
 }
 
-pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Result<ExitCode> {
-    let stage = StageName::parse(&args.stage)?;
+/// A tenant scope's tenant must be known (see [`known`]): refused before the write.
+async fn check_scope(
+    conn: &mut diesel_async::AsyncPgConnection,
+    scope: &Scope,
+) -> anyhow::Result<()> {
+    match scope {
+        Scope::Tenant(tenant) => known::tenant(conn, tenant).await,
+        _ => Ok(()),
+    }
+}
+
+pub async fn pause(
+    db: &super::Db,
+    args: PauseArgs,
+    pause: bool,
+    team: Option<Pipeline>,
+) -> anyhow::Result<ExitCode> {
+    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
     let scope = scope(args.tenant.as_deref(), false)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
+    check_scope(&mut conn, &scope).await?;
     let actor = super::ops::actor(flag_actor, &mut conn).await?;
     let (outcome, changed) = if pause {
         match queue::pause(&mut conn, stage.as_str(), &scope, &actor).await? {
@@ -127,12 +146,17 @@ pub async fn pause(db: &super::Db, args: PauseArgs, pause: bool) -> anyhow::Resu
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn limit(db: &super::Db, args: LimitArgs) -> anyhow::Result<ExitCode> {
-    let stage = StageName::parse(&args.stage)?;
+pub async fn limit(
+    db: &super::Db,
+    args: LimitArgs,
+    team: Option<Pipeline>,
+) -> anyhow::Result<ExitCode> {
+    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
     if !args.show {
+        check_scope(&mut conn, &scope).await?;
         let actor = super::ops::actor(flag_actor, &mut conn).await?;
         let limits = Limits {
             max_active: args.max_active,

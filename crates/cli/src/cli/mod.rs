@@ -7,6 +7,7 @@ pub mod demo;
 pub mod enqueue;
 mod fairness;
 mod fixtures;
+mod known;
 mod limits;
 pub mod ops;
 mod prometheus;
@@ -91,7 +92,7 @@ pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
 
 pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain() {
-        if cause.is::<BadInput>() || cause.is::<DomainError>() {
+        if cause.is::<BadInput>() || cause.is::<DomainError>() || cause.is::<known::Unknown>() {
             return ExitCode::from(2);
         }
         if let Some(ops) = cause.downcast_ref::<idemstage_persistence::ops::OpsError>() {

@@ -8,7 +8,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AnfrageId, SendResult, StageName, TenantId};
 use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::ops::{
-    self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, OpsError, RetryOutcome,
+    self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, RetryOutcome,
 };
 use idemstage_stage::Pipeline;
 
@@ -80,15 +80,6 @@ pub struct DeadArgs {
 /// nothing.
 fn ids(tenant: &str, anfrage: &str) -> anyhow::Result<(TenantId, AnfrageId)> {
     Ok((TenantId::parse(tenant)?, AnfrageId::parse(anfrage)?))
-}
-
-/// A stage name that is a stage of `pipeline`.
-fn pipeline_stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName> {
-    let stage = StageName::parse(name)?;
-    if pipeline.stage(stage.as_str()).is_err() {
-        return Err(OpsError::UnknownStage(name.to_owned()).into());
-    }
-    Ok(stage)
 }
 
 /// `--actor`, else `$USER`, else the database's `current_user`.
@@ -234,7 +225,7 @@ pub async fn retry(
     let stage = args
         .stage
         .as_deref()
-        .map(|s| pipeline_stage(&pipeline, s))
+        .map(|s| super::known::stage(&pipeline, s))
         .transpose()?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
@@ -326,13 +317,27 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn dead(db: &super::Db, args: DeadArgs) -> anyhow::Result<ExitCode> {
+pub async fn dead(
+    db: &super::Db,
+    args: DeadArgs,
+    team: Option<Pipeline>,
+) -> anyhow::Result<ExitCode> {
+    let pipeline = pipeline_or_example(team);
     let filter = DeadFilter {
         tenant: args.tenant.as_deref().map(TenantId::parse).transpose()?,
-        stage: args.stage.as_deref().map(StageName::parse).transpose()?,
+        stage: args
+            .stage
+            .as_deref()
+            .map(|s| super::known::stage(&pipeline, s))
+            .transpose()?,
         limit: Some(args.limit),
     };
     let mut conn = db.connect().await?;
+    // An unknown filter is refused, not answered with an empty list that looks
+    // like "no dead letters".
+    if let Some(tenant) = &filter.tenant {
+        super::known::tenant(&mut conn, tenant).await?;
+    }
     let letters = ops::dead(&mut conn, &filter).await?;
     if args.json {
         println!("{}", serde_json::to_value(&letters)?);

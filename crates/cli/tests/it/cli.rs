@@ -56,10 +56,15 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     std::fs::write(&big, "a".repeat(10 * 1024 * 1024)).unwrap();
     let binary = dir.join("binary.bin");
     std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x01]).unwrap();
+    // Valid UTF-8, but PostgreSQL text cannot hold a NUL (it was the raw 22021
+    // error, exit 1). `--text` cannot carry one: an argument is a C string.
+    let nul = dir.join("nul.txt");
+    std::fs::write(&nul, "1 Stk\0Schrauben\n").unwrap();
     let missing = dir.join("missing.txt");
-    let (big, binary, missing) = (
+    let (big, binary, nul, missing) = (
         big.to_str().unwrap().to_owned(),
         binary.to_str().unwrap().to_owned(),
+        nul.to_str().unwrap().to_owned(),
         missing.to_str().unwrap().to_owned(),
     );
     let lowercase = ANFRAGE.to_lowercase();
@@ -109,6 +114,10 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
         (
             vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &binary],
             "not UTF-8",
+        ),
+        (
+            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &nul],
+            "NUL byte",
         ),
     ];
     for (args, message) in cases {
@@ -307,6 +316,20 @@ fn json_of(out: &Output) -> serde_json::Value {
 #[tokio::test]
 async fn pause_resume_and_limit_set_the_stage_controls() {
     let db = TestDb::new().await;
+    // A tenant is known (may be paused) once it has an anfrage.
+    let acme = idemstage(
+        &db,
+        &[
+            "enqueue",
+            "--tenant",
+            "acme",
+            "--anfrage",
+            ANFRAGE,
+            "--text",
+            "1 Stk",
+        ],
+    );
+    assert!(acme.status.success(), "{acme:?}");
     let pause = [
         "pause", "--stage", "extract", "--tenant", "acme", "--actor", "alice", "--json",
     ];

@@ -194,3 +194,53 @@ async fn a_direct_connection_fails_through_the_same_pooler() {
     };
     assert!(failed.contains("prepared statement"), "{failed}");
 }
+
+/// `cargo xtask test` against a `DATABASE_URL` of another user with a password
+/// (README, "Your own server"): the test pgbouncer lets that user through and
+/// logs in to the server with its password. Before, it knew only `postgres` and
+/// the test roles, and refused this user itself ("trust" authentication failed),
+/// which failed every PgBouncer test on such a URL.
+#[tokio::test]
+async fn the_test_pgbouncer_lets_the_urls_own_user_and_password_through() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    // A login role of this test's (roles are per server: created once, its
+    // password set again each run), with a password a URL must percent-encode.
+    let role = "idemstage_test_pooled";
+    db.conn()
+        .await
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+                     CREATE ROLE {role} LOGIN;
+                 END IF;
+             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+             END $$;
+             ALTER ROLE {role} PASSWORD 'p@ss:w\"rd/%';"
+        ))
+        .await
+        .unwrap();
+    let url = idemstage_testkit::url_with_user(db.url(), role).replacen(
+        &format!("{role}:{role}@"),
+        &format!("{role}:p%40ss%3Aw%22rd%2F%25@"),
+        1,
+    );
+    let bouncer = PgBouncer::start(&url, 1);
+    let mut conn = connect_with(&bouncer.url(&url), Pooler::Transaction)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\npgbouncer: {}", bouncer.log()));
+    #[derive(QueryableByName)]
+    struct User {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+    let user = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            diesel::sql_query("SELECT current_user::text AS name")
+                .get_result::<User>(conn)
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(user.name, role);
+}

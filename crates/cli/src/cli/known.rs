@@ -1,0 +1,56 @@
+//! What a command checks about a stage or a tenant it names before it writes (or
+//! filters) anything: the stage is one of the pipeline's, the tenant has
+//! registered an anfrage. The console decides the same way (404), so a typo
+//! changes nothing on either: a control row for `extrakt`, or for a tenant that
+//! does not exist, would be written and pause nobody.
+
+use diesel_async::AsyncPgConnection;
+use idemstage_domain::{StageName, TenantId};
+use idemstage_stage::Pipeline;
+
+/// A stage or a tenant that nobody has (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum Unknown {
+    /// Not a stage of the pipeline.
+    #[error("unknown stage {name:?}: not a stage of the pipeline ({stages}); nothing was changed")]
+    Stage {
+        /// The name given.
+        name: String,
+        /// The pipeline's stages, in order, for the message.
+        stages: String,
+    },
+    /// No anfrage of this tenant is registered.
+    #[error(
+        "unknown tenant {0}: it has no anfragen (a tenant is known from its first anfrage on); \
+         nothing was changed"
+    )]
+    Tenant(TenantId),
+}
+
+/// `name` as a stage of `pipeline`.
+pub(crate) fn stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName> {
+    let stage = StageName::parse(name)?;
+    if pipeline.stage(stage.as_str()).is_err() {
+        let stages: Vec<&str> = pipeline
+            .stages()
+            .iter()
+            .map(|s| s.name().as_str())
+            .collect();
+        return Err(Unknown::Stage {
+            name: name.to_owned(),
+            stages: stages.join(", "),
+        }
+        .into());
+    }
+    Ok(stage)
+}
+
+/// Refuses a tenant without anfragen. Checked before the write, in a statement of
+/// its own: anfragen are never deleted, so a tenant known here stays known.
+pub(crate) async fn tenant(conn: &mut AsyncPgConnection, tenant: &TenantId) -> anyhow::Result<()> {
+    if idemstage_persistence::report::tenant_exists(conn, tenant).await? {
+        Ok(())
+    } else {
+        Err(Unknown::Tenant(tenant.clone()).into())
+    }
+}
