@@ -77,6 +77,17 @@ async fn status(f: &mut Fixture, stage: &str) -> String {
     s.status
 }
 
+async fn cancel(f: &mut Fixture, job: &StageJob) -> ops::CancelOutcome {
+    ops::cancel(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.anfrage_id,
+        &Actor::parse("ops-bot").unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
 fn already_succeeded(outcome: &ExecutionOutcome) -> bool {
     matches!(
         outcome,
@@ -184,14 +195,7 @@ async fn a_cancelled_stage_stays_cancelled_when_its_upstream_reruns() {
         matches!(failed, ExecutionOutcome::Failed { .. }),
         "{failed:?}"
     );
-    ops::cancel(
-        &mut f.conn,
-        &job.tenant_id,
-        &job.anfrage_id,
-        &Actor::parse("ops-bot").unwrap(),
-    )
-    .await
-    .unwrap();
+    cancel(&mut f, &job).await;
     assert_eq!(status(&mut f, "extract").await, "cancelled");
 
     // A rerun of intake on new input succeeds and sends extract's job.
@@ -295,14 +299,7 @@ async fn an_attempt_never_finishes_before_it_starts() {
         run(&f, &calm, "intake", &job).await,
         ExecutionOutcome::Succeeded { .. }
     ));
-    ops::cancel(
-        &mut f.conn,
-        &job.tenant_id,
-        &job.anfrage_id,
-        &Actor::parse("ops-bot").unwrap(),
-    )
-    .await
-    .unwrap();
+    cancel(&mut f, &job).await;
     assert_eq!(status(&mut f, "extract").await, "cancelled");
     assert_eq!(
         count(
@@ -341,14 +338,7 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
         })
         .await
         .unwrap();
-    let outcome = ops::cancel(
-        &mut f.conn,
-        &tenant,
-        &anfrage,
-        &Actor::parse("ops-bot").unwrap(),
-    )
-    .await
-    .unwrap();
+    let outcome = cancel(&mut f, &job).await;
     let ops::CancelOutcome::Cancelled { stages, jobs } = &outcome else {
         panic!("{outcome:?}")
     };
