@@ -305,3 +305,28 @@ async fn a_relation_without_a_text_tenant_id_is_refused_by_name_and_left_unchang
         "{err}"
     );
 }
+
+/// A team table with a serial key (`BIGSERIAL`): its sequence was not granted,
+/// so a stage's first insert failed (permission denied for the sequence) and the
+/// stage ended `dead`. The one line now grants the table's own sequences too.
+#[tokio::test]
+async fn a_team_table_with_a_serial_key_takes_inserts_in_the_scope() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    conn.batch_execute(
+        "CREATE TABLE invoice_lines (id bigserial PRIMARY KEY, tenant_id text NOT NULL, \
+         line int NOT NULL); SELECT idemstage_tenant_table('invoice_lines')",
+    )
+    .await
+    .unwrap();
+    let tenant = TenantId::parse("t1").unwrap();
+    let inserted = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            scope(conn, &tenant).await?;
+            diesel::sql_query("INSERT INTO invoice_lines (tenant_id, line) VALUES ('t1', 1)")
+                .execute(conn)
+                .await
+        })
+        .await;
+    assert_eq!(inserted.map_err(|e| e.to_string()), Ok(1));
+}
