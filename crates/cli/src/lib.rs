@@ -155,6 +155,8 @@ async fn run_async(mut app: App) -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
+        // Colours for a person at a terminal; a file or a log collector gets text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init()
         .ok();
     // A panicking stage body is a failed attempt, handled and recorded; log it as one

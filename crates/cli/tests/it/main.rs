@@ -8,6 +8,7 @@ mod console;
 mod failover;
 mod faults;
 mod large_input;
+mod logs;
 mod metrics;
 mod nul_input;
 mod ops;
