@@ -29,8 +29,8 @@ pub enum CancelledFrom {
     /// It had no run, only a live job: its run was created `cancelled`, so no
     /// later job can claim it.
     Queued,
-    /// It had succeeded and its rerun on another input was queued (its live job
-    /// carries another input hash): the rerun never runs, and the results of its
+    /// The first stage had succeeded and its rerun on another input was queued
+    /// (its live job carries another input hash): the rerun never runs, and the results of its
     /// success stay current (`success_attempt` kept), as for a rerun cancelled
     /// while running.
     RerunQueued,
@@ -130,15 +130,17 @@ UPDATE pipeline_runs
  WHERE tenant_id = $1 AND anfrage_id = $2 AND id = ANY($3::text[])
    AND status IN ('running', 'failed', 'stale')";
 
-/// A success whose live job carries another input (a rerun sent, not yet
-/// claimed) ends `cancelled`; its `success_attempt` stays, so what was computed
-/// from it stays current. The row is locked above. `$1` tenant, `$2` anfrage, `$3`
-/// stage, `$4` the job's input hash, `$5` the reason.
+/// A first stage's success whose live job carries another input (a rerun sent,
+/// not yet claimed) ends `cancelled`; its `success_attempt` stays, so what was
+/// computed from it stays current. Only the first stage (no `upstream_stage`):
+/// a later stage binds its upstream's success, whatever hash its job names. The
+/// row is locked above. `$1` tenant, `$2` anfrage, `$3` stage, `$4` the job's
+/// input hash, `$5` the reason.
 const CANCEL_QUEUED_RERUN_SQL: &str = "\
 UPDATE pipeline_runs
    SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $5
  WHERE tenant_id = $1 AND anfrage_id = $2 AND stage = $3
-   AND status = 'success' AND input_hash IS DISTINCT FROM $4
+   AND status = 'success' AND upstream_stage IS NULL AND input_hash IS DISTINCT FROM $4
 RETURNING id";
 
 /// A stage that had only a job: its run is created `cancelled` (attempt 1,
@@ -227,8 +229,9 @@ async fn cancel_in(
             continue; // not the stage's own job
         }
         if had_run.contains(&stage) {
-            // A success whose rerun on another input was queued: the rerun is what
-            // the cancel stops, so the stage ends cancelled (results kept).
+            // A first stage's success whose rerun on another input was queued: the
+            // rerun is what the cancel stops, so the stage ends cancelled (results
+            // kept).
             let rerun: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_RERUN_SQL)
                 .bind::<Text, _>(tenant.as_str())
                 .bind::<Text, _>(anfrage.to_string())

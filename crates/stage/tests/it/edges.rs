@@ -439,3 +439,39 @@ async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
         1
     );
 }
+
+/// Only the first stage's job carries the input its claim binds: a later stage
+/// binds its upstream's success, whatever hash its job names. So a live job of a
+/// later stage with another hash is no queued rerun, and a cancel leaves that
+/// stage's success alone (it used to end it `cancelled`).
+#[tokio::test]
+async fn a_cancel_leaves_a_later_stages_success_whose_job_names_another_hash() {
+    let mut f = fixture().await;
+    let calm = pipeline(Chaos::default(), 3);
+    let job = f.anfrage(TEXT_1).await;
+    run_all(&f, &calm, &job).await;
+    // The executor here completes no jobs: complete them, then send extract's job
+    // again naming another hash (as a job written by hand may).
+    diesel::sql_query("UPDATE jobs SET state = 'completed'")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    let other = StageJob {
+        input_hash: input_hash_of(TEXT_2.as_bytes()),
+        ..job.clone()
+    };
+    let extract = calm.job_for(
+        &idemstage_domain::StageName::parse("extract").unwrap(),
+        &other,
+    );
+    idemstage_persistence::queue::send_in(&mut f.conn, &extract)
+        .await
+        .unwrap();
+    let outcome = cancel(&mut f, &job).await;
+    let ops::CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(jobs.len(), 1, "{outcome:?}");
+    assert!(stages.is_empty(), "{outcome:?}");
+    assert_eq!(status(&mut f, "extract").await, "success");
+}
