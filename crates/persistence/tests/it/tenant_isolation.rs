@@ -379,3 +379,41 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_jobs_and_no
     tenants.sort();
     assert_eq!(tenants, ["ta", "ta", "tb"]);
 }
+
+/// The reconciler's list of open anfragen (`anfragen_open`, migration `000200`)
+/// had no row-level security: a stage body in tenant A's scope read B's anfrage
+/// ids and could delete B's rows, so that B's lost stages were never sent again.
+/// In the scope the list is its tenant's; outside, the worker reads it all.
+#[tokio::test]
+async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_anfragen() {
+    let db = TestDb::new().await;
+    let (a, b) = (tenant("ta"), tenant("tb"));
+    let mut owner = db.conn().await;
+    for t in [&a, &b] {
+        idemstage_persistence::anfragen::register_anfrage(
+            &mut owner,
+            t,
+            &idemstage_domain::AnfrageId::new(),
+            "10 Stk Schrauben",
+        )
+        .await
+        .unwrap();
+    }
+    let mut w = idemstage_persistence::connect(&db.worker_url())
+        .await
+        .unwrap();
+    let (seen, theirs, deleted) = tenant::transaction::<_, TxError, _>(&mut w, &a, async |c| {
+        let seen = n(c, "SELECT 1 FROM anfragen_open").await;
+        let theirs = n(c, "SELECT 1 FROM anfragen_open WHERE tenant_id = 'tb'").await;
+        let deleted = diesel::sql_query("DELETE FROM anfragen_open WHERE tenant_id = 'tb'")
+            .execute(c)
+            .await
+            .map_err(idemstage_persistence::map_diesel_error)?;
+        Ok((seen, theirs, deleted))
+    })
+    .await
+    .unwrap();
+    assert_eq!((seen, theirs, deleted), (1, 0, 0));
+    // Outside the scope the worker (the reconciler's batch) reads every tenant's.
+    assert_eq!(n(&mut w, "SELECT 1 FROM anfragen_open").await, 2);
+}
