@@ -52,6 +52,13 @@ pub struct StagePolicy {
     /// passing, which would otherwise be retried for ever. 0: every interrupted
     /// attempt counts.
     pub max_interruptions: i32,
+    /// Whether the next attempt of the same run reuses what `prepare` returned (a
+    /// paid external call), checkpointed with the input hash and upstream attempt
+    /// it was computed from, when its own binding is the same: after a commit
+    /// that failed, a worker that died, a lease lost after `prepare`. Off for a
+    /// stage whose call must be made again on every attempt. A changed input or
+    /// upstream never reuses it.
+    pub reuse_prepared: bool,
 }
 
 impl Default for StagePolicy {
@@ -63,6 +70,7 @@ impl Default for StagePolicy {
             on_input_change: InputChangePolicy::Reject,
             timeout: Duration::from_secs(300),
             max_interruptions: 5,
+            reuse_prepared: true,
         }
     }
 }
@@ -102,6 +110,13 @@ impl StagePolicy {
     /// row uncounted.
     pub fn with_max_interruptions(mut self, interruptions: i32) -> Self {
         self.max_interruptions = interruptions;
+        self
+    }
+
+    /// The same, reusing a checkpointed prepared value (`true`) or preparing
+    /// anew on every attempt (`false`).
+    pub fn with_reuse_prepared(mut self, reuse: bool) -> Self {
+        self.reuse_prepared = reuse;
         self
     }
 

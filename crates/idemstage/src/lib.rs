@@ -12,59 +12,60 @@
 //!
 //! ## A stage, a pipeline, a start and a worker
 //!
-//! A stage body writes the team's own tables through the fenced transaction
-//! ([`FencedTx`]): its writes commit together with the stage's success, or not at
-//! all, and never after another worker took the stage over.
+//! A [`Stage`] is typed: it reads the input its run is bound to (the first
+//! stage: the anfrage's input; a later one: its upstream's output), prepares
+//! outside any transaction (a paid call, checkpointed so that it is paid once),
+//! and commits the team's own tables through the fenced transaction
+//! ([`FencedTx`]): its writes commit together with the stage's success and its
+//! output, or not at all, and never after another worker took the stage over.
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //!
 //! use idemstage::{
-//!     async_trait, diesel, start, CancellationToken, Counters, FencedTx, Pipeline,
-//!     PipelineWorker, PipelineWorkerConfig, Stage, StageError, StageFlow, StageJob,
-//!     StageName, StagePolicy, TenantId, AnfrageId,
+//!     async_trait, diesel, start, CancellationToken, Counters, Done, FencedTx, Pipeline,
+//!     PipelineWorker, PipelineWorkerConfig, PrepareContext, Stage, StageError, TenantId,
+//!     AnfrageId,
 //! };
 //! use idemstage::diesel_async::RunQueryDsl;
 //!
-//! struct Ocr {
-//!     name: StageName,
-//!     policy: StagePolicy,
-//! }
+//! /// Reads the anfrage's input, writes it in upper case, hands on its length.
+//! struct Ocr;
 //!
 //! #[async_trait]
 //! impl Stage for Ocr {
-//!     fn name(&self) -> &StageName {
-//!         &self.name
+//!     const NAME: &'static str = "ocr";
+//!     type Input = String;
+//!     type Prepared = String;
+//!     type Output = usize;
+//!
+//!     // Outside any transaction: the place for a slow, paid call.
+//!     async fn prepare(&self, ctx: &PrepareContext<'_, String>) -> Result<String, StageError> {
+//!         Ok(ctx.input().to_uppercase())
 //!     }
-//!     fn policy(&self) -> &StagePolicy {
-//!         &self.policy
-//!     }
-//!     async fn run(
+//!
+//!     async fn commit(
 //!         &self,
-//!         _job: &StageJob,
-//!         _prepared: &idemstage::serde_json::Value,
 //!         tx: &mut FencedTx<'_>,
-//!     ) -> Result<StageFlow, StageError> {
-//!         let text = tx.anfrage_text().await?;
+//!         _input: &String,
+//!         text: &String,
+//!     ) -> Result<Done<usize>, StageError> {
 //!         let (tenant, anfrage) = (tx.token().tenant.to_string(), tx.token().anfrage.to_string());
 //!         // The team's own table, on the tenant-scoped connection of the fenced
 //!         // transaction (its own Diesel schema works the same way).
 //!         diesel::sql_query("INSERT INTO ocr_pages (tenant_id, anfrage_id, text) VALUES ($1, $2, $3)")
 //!             .bind::<diesel::sql_types::Text, _>(tenant)
 //!             .bind::<diesel::sql_types::Text, _>(anfrage)
-//!             .bind::<diesel::sql_types::Text, _>(text.to_uppercase())
+//!             .bind::<diesel::sql_types::Text, _>(text)
 //!             .execute(tx.conn())
 //!             .await
 //!             .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
-//!         Ok(StageFlow::Continue)
+//!         Ok(Done::next(text.len()))
 //!     }
 //! }
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let pipeline = Pipeline::new(vec![Arc::new(Ocr {
-//!     name: StageName::parse("ocr")?,
-//!     policy: StagePolicy::default(),
-//! })])?;
+//! let pipeline = Pipeline::builder(Ocr).build()?;
 //! let url = "postgres://localhost/app";
 //! idemstage::migrate(url).await?;
 //! let pool = idemstage::connect_pool(url, Default::default()).await?;
@@ -114,8 +115,9 @@ pub use idemstage_runner::{
     PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
 };
 pub use idemstage_stage::{
-    first_job, start, start_in, ExecutionOutcome, Executor, Pipeline, PipelineError, Stage,
-    StageFlow, StageJob,
+    first_job, start, start_in, AttemptInfo, Done, ExecutionOutcome, Executor, Pipeline,
+    PipelineBuilder, PipelineError, PrepareContext, Stage, StageData, StageFlow, StageJob,
+    StageRef,
 };
 
 /// The operator commands (`idemstage inspect | retry | cancel | dead`): the
@@ -149,7 +151,7 @@ pub mod roles {
 pub mod telemetry {
     pub use idemstage_runner::telemetry::*;
     pub use idemstage_stage::telemetry::{
-        outcome_label, STAGE_DURATION, STAGE_LEASE_RENEWALS, STAGE_OUTCOMES,
+        outcome_label, STAGE_DURATION, STAGE_LEASE_RENEWALS, STAGE_OUTCOMES, STAGE_PREPARED,
     };
 }
 

@@ -16,6 +16,7 @@ use idemstage_domain::{
 };
 use serde::Serialize;
 
+use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 use crate::queue::Wake;
 
@@ -303,8 +304,44 @@ impl<'c> FencedTx<'c> {
         next: Option<&JobToSend>,
         job: Option<(JobId, i32)>,
     ) -> Result<(Option<SendResult>, Option<JobCompleteOutcome>), RepoError> {
+        self.finish(None, next, job).await
+    }
+
+    /// The end of an execution of the typed contract: as
+    /// [`send_and_complete`](Self::send_and_complete), with the stage's `output`
+    /// recorded first (kept with this attempt, the run's `success_attempt` now),
+    /// the three statements pipelined. `output`'s flag: the attempt wrote or
+    /// reused a checkpoint, which the success deletes. The executor calls it.
+    #[doc(hidden)]
+    pub async fn finish(
+        &mut self,
+        output: Option<(&serde_json::Value, bool)>,
+        next: Option<&JobToSend>,
+        job: Option<(JobId, i32)>,
+    ) -> Result<(Option<SendResult>, Option<JobCompleteOutcome>), RepoError> {
         let conn: &AsyncPgConnection = self.conn;
         let wake = self.wake;
+        let token = &self.token;
+        let record = async {
+            let Some((output, clear_checkpoint)) = output else {
+                return Ok(());
+            };
+            let statement = if clear_checkpoint {
+                crate::runs::sql::RECORD_OUTPUT_CLEAR_CHECKPOINT
+            } else {
+                crate::runs::sql::RECORD_OUTPUT
+            };
+            let mut pipelined = conn;
+            diesel::sql_query(statement)
+                .bind::<diesel::sql_types::Text, _>(token.run_id.to_string())
+                .bind::<diesel::sql_types::Integer, _>(token.attempt)
+                .bind::<diesel::sql_types::Jsonb, _>(output)
+                .cached()
+                .execute(&mut pipelined)
+                .await
+                .map(|_| ())
+                .map_err(map_diesel_error)
+        };
         let send = async {
             match next {
                 Some(next) => crate::queue::send_pipelined(conn, next, wake)
@@ -321,7 +358,7 @@ impl<'c> FencedTx<'c> {
                 None => Ok(None),
             }
         };
-        let (sent, completed) = futures_util::try_join!(send, complete)?;
+        let ((), sent, completed) = futures_util::try_join!(record, send, complete)?;
         if let (Some(next), Some(SendResult::Sent(_))) = (next, &sent) {
             self.note_sent(&next.queue);
         }

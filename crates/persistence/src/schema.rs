@@ -107,6 +107,7 @@ diesel::table! {
         interruptions -> Int4,
         interrupted_attempt -> Nullable<Int4>,
         stopped_attempt -> Nullable<Int4>,
+        output -> Nullable<Jsonb>,
     }
 }
 
@@ -153,6 +154,18 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    stage_checkpoints (run_id) {
+        run_id -> Text,
+        tenant_id -> Text,
+        input_hash -> Text,
+        upstream_attempt -> Nullable<Int4>,
+        attempt -> Int4,
+        prepared -> Jsonb,
+        written_at -> Timestamptz,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
     anfrage_inputs,
     anfragen,
@@ -164,4 +177,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     queue_buckets,
     queue_control_changes,
     queue_controls,
+    stage_checkpoints,
 );

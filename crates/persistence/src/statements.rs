@@ -68,6 +68,13 @@ pub fn all() -> Vec<Statement> {
         s("run_mark_exhausted", runs::sql::MARK_EXHAUSTED),
         s("run_restore_success", runs::sql::RESTORE_SUCCESS),
         s("run_bound_input", runs::sql::BOUND_INPUT),
+        s("run_read_bound", runs::sql::READ_BOUND),
+        s("run_checkpoint", runs::sql::CHECKPOINT),
+        s("run_record_output", runs::sql::RECORD_OUTPUT),
+        s(
+            "run_record_output_clear_checkpoint",
+            runs::sql::RECORD_OUTPUT_CLEAR_CHECKPOINT,
+        ),
         s("run_lineage_current", runs::sql::LINEAGE_CURRENT),
         s("run_fence_success", runs::sql::FENCE_SUCCESS),
         s(

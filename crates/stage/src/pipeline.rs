@@ -1,14 +1,12 @@
 //! A pipeline: stages in order, the jobs between them, and their payload.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
 use idemstage_domain::queue::stage_singleton_key;
 use idemstage_domain::{AnfrageId, DomainError, JobToSend, SendOptions, StageName, TenantId};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use thiserror::Error;
 
-use crate::Stage;
+use crate::{Stage, StageRef};
 
 /// The payload of every stage job. The queue of a stage is named after the stage.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,7 +74,7 @@ pub enum PipelineError {
 /// `Pipeline::new` checks the stages and the policies.
 #[derive(Clone)]
 pub struct Pipeline {
-    stages: Vec<Arc<dyn Stage>>,
+    stages: Vec<StageRef>,
     index: HashMap<StageName, usize>,
     send_options: SendOptions,
 }
@@ -88,40 +86,32 @@ impl Pipeline {
     /// repeats, a policy is invalid, or a stage's `max_attempts` exceeds the jobs'
     /// `retry_limit` (25).
     ///
+    /// Unlike [`Pipeline::builder`], nothing checks here that a stage's `Input`
+    /// is its upstream's `Output`: a mismatch fails the stage's attempts
+    /// permanently. Use it for a pipeline whose stages are chosen at run time.
+    ///
     /// ```no_run
-    /// use std::sync::Arc;
+    /// use idemstage::{async_trait, Done, FencedTx, Pipeline, PipelineError, PrepareContext, Stage, StageError, StageRef};
     ///
-    /// use idemstage::{
-    ///     async_trait, FencedTx, Pipeline, PipelineError, SendOptions, Stage, StageError,
-    ///     StageFlow, StageJob, StageName, StagePolicy,
-    /// };
-    ///
-    /// struct Step(StageName, StagePolicy);
+    /// struct Step;
     ///
     /// #[async_trait]
     /// impl Stage for Step {
-    ///     fn name(&self) -> &StageName {
-    ///         &self.0
+    ///     const NAME: &'static str = "step";
+    ///     type Input = String;
+    ///     type Prepared = ();
+    ///     type Output = String;
+    ///     async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
+    ///         Ok(())
     ///     }
-    ///     fn policy(&self) -> &StagePolicy {
-    ///         &self.1
-    ///     }
-    ///     async fn run(
-    ///         &self,
-    ///         _job: &StageJob,
-    ///         _prepared: &idemstage::serde_json::Value,
-    ///         _tx: &mut FencedTx<'_>,
-    ///     ) -> Result<StageFlow, StageError> {
-    ///         Ok(StageFlow::Continue)
+    ///     async fn commit(&self, _: &mut FencedTx<'_>, input: &String, _: &()) -> Result<Done<String>, StageError> {
+    ///         Ok(Done::next(input.clone()))
     ///     }
     /// }
     ///
     /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// let step = |name: &str| -> Result<Arc<dyn Stage>, idemstage::DomainError> {
-    ///     Ok(Arc::new(Step(StageName::parse(name)?, StagePolicy::default())))
-    /// };
     /// // `ocr` runs on the anfrage's input, `translate` on `ocr`'s current success.
-    /// let pipeline = Pipeline::new(vec![step("ocr")?, step("translate")?])?;
+    /// let pipeline = Pipeline::new(vec![StageRef::named("ocr", Step)?, StageRef::named("translate", Step)?])?;
     /// assert_eq!(pipeline.first_stage().name().as_str(), "ocr");
     ///
     /// // Jobs that give up before their stage does are refused.
@@ -133,7 +123,7 @@ impl Pipeline {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn new(stages: Vec<Arc<dyn Stage>>) -> Result<Self, PipelineError> {
+    pub fn new(stages: Vec<StageRef>) -> Result<Self, PipelineError> {
         if stages.is_empty() {
             return Err(PipelineError::Empty);
         }
@@ -150,6 +140,34 @@ impl Pipeline {
             send_options: SendOptions::default(),
         }
         .with_send_options(Self::default_send_options())
+    }
+
+    /// A pipeline that starts with `first`, typed: [`PipelineBuilder::then`]
+    /// accepts only a stage whose `Input` is the previous stage's `Output`.
+    ///
+    /// ```no_run
+    /// # use idemstage::{async_trait, Done, FencedTx, Pipeline, PrepareContext, Stage, StageError};
+    /// # struct Parse; struct Book;
+    /// # #[async_trait] impl Stage for Parse {
+    /// #     const NAME: &'static str = "parse"; type Input = String; type Prepared = (); type Output = u32;
+    /// #     async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> { Ok(()) }
+    /// #     async fn commit(&self, _: &mut FencedTx<'_>, _: &String, _: &()) -> Result<Done<u32>, StageError> { Ok(Done::next(1)) }
+    /// # }
+    /// # #[async_trait] impl Stage for Book {
+    /// #     const NAME: &'static str = "book"; type Input = u32; type Prepared = (); type Output = ();
+    /// #     async fn prepare(&self, _: &PrepareContext<'_, u32>) -> Result<(), StageError> { Ok(()) }
+    /// #     async fn commit(&self, _: &mut FencedTx<'_>, _: &u32, _: &()) -> Result<Done<()>, StageError> { Ok(Done::next(())) }
+    /// # }
+    /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// // `Book` reads the `u32` that `Parse` hands on; `.then(Parse)` after
+    /// // `Book` would not compile.
+    /// let pipeline = Pipeline::builder(Parse).then(Book).build()?;
+    /// assert_eq!(pipeline.stages().len(), 2);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder<S: Stage>(first: S) -> PipelineBuilder<S::Output> {
+        PipelineBuilder::start(StageRef::new(first))
     }
 
     /// Stage jobs retry generously with capped backoff: the stage's `max_attempts`
@@ -191,19 +209,19 @@ impl Pipeline {
     }
 
     /// The stages, in order.
-    pub fn stages(&self) -> &[Arc<dyn Stage>] {
+    pub fn stages(&self) -> &[StageRef] {
         &self.stages
     }
 
     /// The stage that [`start`](crate::start) sends the first job for; its
     /// `on_input_change` policy decides about an anfrage's new input.
-    pub fn first_stage(&self) -> &Arc<dyn Stage> {
+    pub fn first_stage(&self) -> &StageRef {
         &self.stages[0]
     }
 
     /// The stage called `name` (its queue's name); `DomainError::UnknownStage` if
     /// there is none.
-    pub fn stage(&self, name: &str) -> Result<&Arc<dyn Stage>, DomainError> {
+    pub fn stage(&self, name: &str) -> Result<&StageRef, DomainError> {
         StageName::parse(name)
             .ok()
             .and_then(|n| self.index.get(&n))
@@ -213,7 +231,7 @@ impl Pipeline {
 
     /// The stage before `stage`, whose current success `stage` runs on (`None` for
     /// the first stage, which runs on the anfrage's stored input).
-    pub fn upstream_of(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {
+    pub fn upstream_of(&self, stage: &StageName) -> Option<&StageRef> {
         match self.index.get(stage) {
             Some(&i) if i > 0 => Some(&self.stages[i - 1]),
             _ => None,
@@ -222,7 +240,7 @@ impl Pipeline {
 
     /// The stage after `stage`, whose job `stage`'s success sends (`None` for the
     /// last stage, or a name not in the pipeline).
-    pub fn next(&self, stage: &StageName) -> Option<&Arc<dyn Stage>> {
+    pub fn next(&self, stage: &StageName) -> Option<&StageRef> {
         self.index.get(stage).and_then(|&i| self.stages.get(i + 1))
     }
 
@@ -266,4 +284,64 @@ pub fn first_job(
             input_hash,
         },
     )
+}
+
+/// A pipeline under construction whose last stage hands on an `O`
+/// ([`Pipeline::builder`]). Errors (an invalid name, a repeated one, an invalid
+/// policy) are reported by [`build`](Self::build).
+pub struct PipelineBuilder<O> {
+    stages: Result<Vec<StageRef>, DomainError>,
+    send_options: Option<SendOptions>,
+    last_output: std::marker::PhantomData<fn() -> O>,
+}
+
+impl<O> PipelineBuilder<O> {
+    fn start(first: Result<StageRef, DomainError>) -> Self {
+        Self {
+            stages: first.map(|s| vec![s]),
+            send_options: None,
+            last_output: std::marker::PhantomData,
+        }
+    }
+
+    fn push<N>(self, stage: Result<StageRef, DomainError>) -> PipelineBuilder<N> {
+        PipelineBuilder {
+            stages: self.stages.and_then(|mut stages| {
+                stages.push(stage?);
+                Ok(stages)
+            }),
+            send_options: self.send_options,
+            last_output: std::marker::PhantomData,
+        }
+    }
+
+    /// Appends `stage`, which runs on this pipeline's last stage's output.
+    pub fn then<S: Stage<Input = O>>(self, stage: S) -> PipelineBuilder<S::Output> {
+        self.push(StageRef::new(stage))
+    }
+
+    /// As [`then`](Self::then), under `name` instead of the stage's `NAME`.
+    pub fn then_named<S: Stage<Input = O>>(
+        self,
+        name: &str,
+        stage: S,
+    ) -> PipelineBuilder<S::Output> {
+        self.push(StageRef::named(name, stage))
+    }
+
+    /// Options for the jobs the pipeline sends (see
+    /// [`Pipeline::with_send_options`]).
+    pub fn send_options(mut self, options: SendOptions) -> Self {
+        self.send_options = Some(options);
+        self
+    }
+
+    /// The pipeline, checked as [`Pipeline::new`] checks one.
+    pub fn build(self) -> Result<Pipeline, PipelineError> {
+        let pipeline = Pipeline::new(self.stages?)?;
+        match self.send_options {
+            Some(options) => pipeline.with_send_options(options),
+            None => Ok(pipeline),
+        }
+    }
 }

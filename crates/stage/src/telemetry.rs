@@ -19,6 +19,10 @@ pub const STAGE_DURATION: &str = "idemstage_stage_duration_seconds";
 /// `lost` (fenced: someone took the stage over, the body is cancelled) or `error`
 /// (a database error; retried at the next beat).
 pub const STAGE_LEASE_RENEWALS: &str = "idemstage_stage_lease_renewals_total";
+/// Counter: prepared values by `stage` and `source`: `prepared` (the stage's
+/// `prepare` ran: an external call was paid) or `reused` (a checkpoint of an
+/// earlier attempt on the same binding was used instead).
+pub const STAGE_PREPARED: &str = "idemstage_stage_prepared_total";
 
 /// Describes this crate's metrics to the installed recorder (their help text and
 /// units); call it once after installing one.
@@ -36,6 +40,14 @@ pub fn describe() {
         STAGE_LEASE_RENEWALS,
         "Stage lease renewals (heartbeats) by stage and outcome (renewed, lost, error)"
     );
+    metrics::describe_counter!(
+        STAGE_PREPARED,
+        "Prepared values by stage and source (prepared: prepare ran; reused: a checkpoint)"
+    );
+}
+
+pub(crate) fn record_prepared(stage: &str, source: &'static str) {
+    metrics::counter!(STAGE_PREPARED, "stage" => stage.to_owned(), "source" => source).increment(1);
 }
 
 /// The `outcome` label of an execution's result: `success`, `skipped`,

@@ -34,13 +34,11 @@
 //! ```
 #![warn(missing_docs)]
 
-use std::sync::Arc;
-
 use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
-use idemstage::serde_json::{json, Value};
+use idemstage::serde_json::json;
 use idemstage::{
-    async_trait, FencedTx, InputChangePolicy, Pipeline, Stage, StageError, StageFlow, StageJob,
-    StageName, StagePolicy,
+    async_trait, Done, FencedTx, InputChangePolicy, Pipeline, PrepareContext, Stage, StageError,
+    StagePolicy,
 };
 
 pub mod schema;
@@ -172,7 +170,6 @@ pub fn ocr_policy() -> StagePolicy {
 
 /// Stage 1: the anfrage's input text into `ocr_pages`.
 pub struct Ocr {
-    name: StageName,
     policy: StagePolicy,
     fault: Option<Fault>,
 }
@@ -181,7 +178,6 @@ impl Ocr {
     /// With [`ocr_policy`] and an optional injected fault.
     pub fn new(fault: Option<Fault>) -> Self {
         Self {
-            name: StageName::parse(OCR).expect("valid stage name"),
             policy: ocr_policy(),
             fault,
         }
@@ -195,40 +191,44 @@ impl Ocr {
 
 #[async_trait]
 impl Stage for Ocr {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = OCR;
+    type Input = String;
+    type Prepared = ();
+    type Output = ();
+
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
 
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
+        Ok(())
     }
 
-    async fn run(
+    async fn commit(
         &self,
-        job: &StageJob,
-        _prepared: &Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
-        let text = tx.anfrage_text().await?;
-        let pages = split_pages(&text);
+        text: &String,
+        _: &(),
+    ) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
+        let pages = split_pages(text);
         if pages.is_empty() {
             return Err(StageError::Permanent("the input has no text".into()));
         }
         let replaced = tx.replace_ocr_pages(&pages).await?;
         tx.audit(
-            &job.anfrage_id.to_string(),
+            &anfrage,
             "ocr.pages",
             json!({ "pages": replaced.written, "replaced": replaced.deleted }),
         )
         .await?;
         Fault::inject(self.fault, OCR, tx.token().attempt)?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
 /// Stage 2: the current `ocr_pages` into `translations`.
 pub struct Translate {
-    name: StageName,
     policy: StagePolicy,
     fault: Option<Fault>,
 }
@@ -237,7 +237,6 @@ impl Translate {
     /// With the default policy and an optional injected fault.
     pub fn new(fault: Option<Fault>) -> Self {
         Self {
-            name: StageName::parse(TRANSLATE).expect("valid stage name"),
             policy: StagePolicy::default(),
             fault,
         }
@@ -251,20 +250,21 @@ impl Translate {
 
 #[async_trait]
 impl Stage for Translate {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = TRANSLATE;
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
 
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
+        Ok(())
     }
 
-    async fn run(
-        &self,
-        job: &StageJob,
-        _prepared: &Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
         // The executor's lineage check holds ocr's run row share-locked for this
         // transaction: the pages read here are those of the ocr success this
         // attempt was claimed on, and stay so until it commits.
@@ -283,7 +283,7 @@ impl Stage for Translate {
         let texts: Vec<String> = pages.iter().map(|p| translate_text(&p.text)).collect();
         let replaced = tx.upsert_translations(&pages, &texts).await?;
         tx.audit(
-            &job.anfrage_id.to_string(),
+            &anfrage,
             "translate.pages",
             json!({
                 "pages": replaced.written,
@@ -293,7 +293,7 @@ impl Stage for Translate {
         )
         .await?;
         Fault::inject(self.fault, TRANSLATE, tx.token().attempt)?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -304,11 +304,10 @@ pub fn pipeline() -> Pipeline {
 
 /// The pipeline `ocr → translate` with injected faults.
 pub fn pipeline_with(faults: Faults) -> Pipeline {
-    Pipeline::new(vec![
-        Arc::new(Ocr::new(faults.ocr)),
-        Arc::new(Translate::new(faults.translate)),
-    ])
-    .expect("ocr → translate is a valid pipeline")
+    Pipeline::builder(Ocr::new(faults.ocr))
+        .then(Translate::new(faults.translate))
+        .build()
+        .expect("ocr → translate is a valid pipeline")
 }
 
 #[cfg(test)]
@@ -353,12 +352,14 @@ mod tests {
             InputChangePolicy::Rerun
         );
         assert_eq!(
-            p.downstream_of(&StageName::parse(OCR).unwrap()),
-            vec![StageName::parse(TRANSLATE).unwrap()]
+            p.downstream_of(&idemstage::StageName::parse(OCR).unwrap()),
+            vec![idemstage::StageName::parse(TRANSLATE).unwrap()]
         );
         // A stage name twice is refused when the pipeline is built.
         assert!(matches!(
-            Pipeline::new(vec![Arc::new(Ocr::new(None)), Arc::new(Ocr::new(None))]),
+            Pipeline::builder(Ocr::new(None))
+                .then_named(OCR, Translate::new(None))
+                .build(),
             Err(idemstage::PipelineError::DuplicateStage(_))
         ));
     }

@@ -1,11 +1,9 @@
 //! The four stages, failure injection ([`Chaos`]), the parser and the pricing.
 
-use std::sync::Arc;
-
-use idemstage::serde_json::{self, json};
+use idemstage::serde_json::json;
 use idemstage::{
-    async_trait, FencedTx, Pipeline, PipelineError, Stage, StageError, StageFlow, StageJob,
-    StageName, StagePolicy,
+    async_trait, Done, FencedTx, Pipeline, PipelineError, PrepareContext, Stage, StageError,
+    StagePolicy,
 };
 
 use crate::tables::{ExampleTables, Extraktion};
@@ -40,9 +38,9 @@ impl Chaos {
         }
     }
 
-    async fn prepare_delay(&self) -> Result<serde_json::Value, StageError> {
+    async fn prepare_delay(&self) -> Result<(), StageError> {
         self.delay(self.delay_ms).await;
-        Ok(serde_json::Value::Null)
+        Ok(())
     }
 
     async fn in_tx_delay(&self) {
@@ -122,15 +120,13 @@ pub fn extract_positions(text: &str) -> Vec<Extraktion> {
 }
 
 struct Named {
-    name: StageName,
     policy: StagePolicy,
     chaos: Chaos,
 }
 
 impl Named {
-    fn new(name: &str, chaos: Chaos) -> Self {
+    fn new(chaos: Chaos) -> Self {
         Self {
-            name: StageName::parse(name).expect("valid stage name"),
             policy: StagePolicy::default(),
             chaos,
         }
@@ -149,10 +145,9 @@ pub struct Calculate(Named);
 macro_rules! named_stage {
     ($t:ident) => {
         impl $t {
-            /// The stage, named after its type in lower case, with the default
-            /// policy and `chaos` injected into its body.
+            /// The stage with the default policy and `chaos` injected into its body.
             pub fn new(chaos: Chaos) -> Self {
-                Self(Named::new(&stringify!($t).to_lowercase(), chaos))
+                Self(Named::new(chaos))
             }
             /// The stage with `policy` instead of the default.
             pub fn with_policy(mut self, policy: StagePolicy) -> Self {
@@ -162,14 +157,11 @@ macro_rules! named_stage {
         }
     };
 }
-/// The `name` and `policy` of a stage wrapping `Named`.
+/// The `policy` of a stage wrapping `Named`.
 macro_rules! named_identity {
     () => {
-        fn name(&self) -> &StageName {
-            &self.0.name
-        }
-        fn policy(&self) -> &StagePolicy {
-            &self.0.policy
+        fn policy(&self) -> StagePolicy {
+            self.0.policy.clone()
         }
     };
 }
@@ -181,19 +173,24 @@ named_stage!(Calculate);
 
 #[async_trait]
 impl Stage for Intake {
+    const NAME: &'static str = "intake";
+    type Input = String;
+    type Prepared = ();
+    type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
         self.0.chaos.prepare_delay().await
     }
-    async fn run(
+    async fn commit(
         &self,
-        job: &StageJob,
-        _: &serde_json::Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+        _: &String,
+        _: &(),
+    ) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
         let text = tx.anfrage_text().await?;
         let sha = idemstage::input_hash_of(text.as_bytes());
-        let s3_key = format!("anfragen/{}/{}/input.txt", job.tenant_id, job.anfrage_id);
+        let s3_key = format!("anfragen/{}/{anfrage}/input.txt", tx.token().tenant);
         // Insert-or-get; its audit entry names the id that exists.
         let datei = tx
             .insert_or_get_datei(&sha, &s3_key, text.len() as i64)
@@ -201,39 +198,39 @@ impl Stage for Intake {
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("intake")?;
         tx.audit(
-            &job.anfrage_id.to_string(),
+            &anfrage,
             "anfrage.intake",
             json!({ "datei_id": datei.id.to_string() }),
         )
         .await?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
 #[async_trait]
 impl Stage for Extract {
+    const NAME: &'static str = "extract";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.0.chaos.prepare_delay().await
     }
-    async fn run(
-        &self,
-        job: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
         let text = tx.anfrage_text().await?;
         let positions = extract_positions(&text);
         tx.replace_extraktionen(&positions).await?;
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("extract")?;
         tx.audit(
-            &job.anfrage_id.to_string(),
+            &anfrage,
             "anfrage.extracted",
             json!({ "positions": positions.len() }),
         )
         .await?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -274,16 +271,15 @@ pub fn feasibility_reasons(positions: &[Extraktion]) -> Vec<String> {
 
 #[async_trait]
 impl Stage for Feasibility {
+    const NAME: &'static str = "feasibility";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.0.chaos.prepare_delay().await
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         let positions = tx.extraktionen().await?;
         let reasons = feasibility_reasons(&positions);
         let feasible = reasons.is_empty();
@@ -291,25 +287,25 @@ impl Stage for Feasibility {
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("feasibility")?;
         Ok(if feasible {
-            StageFlow::Continue
+            Done::next(())
         } else {
-            StageFlow::Stop
+            Done::stop(())
         })
     }
 }
 
 #[async_trait]
 impl Stage for Calculate {
+    const NAME: &'static str = "calculate";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.0.chaos.prepare_delay().await
     }
-    async fn run(
-        &self,
-        job: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
         let positions = tx.extraktionen().await?;
         // The same input fails the same way on every attempt: permanent.
         let (total, lines) =
@@ -318,12 +314,12 @@ impl Stage for Calculate {
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("calculate")?;
         tx.audit(
-            &job.anfrage_id.to_string(),
+            &anfrage,
             "anfrage.calculated",
             json!({ "total_cents": total }),
         )
         .await?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -369,7 +365,7 @@ pub enum PriceError {
 /// integer cents; feasibility keeps quantities far below these limits.
 pub fn price_positions(
     positions: &[Extraktion],
-) -> Result<(i64, Vec<serde_json::Value>), PriceError> {
+) -> Result<(i64, Vec<idemstage::serde_json::Value>), PriceError> {
     // 2^63 exactly: every finite f64 in [-2^63, 2^63) converts to i64 without loss of range.
     const I64_END: f64 = 9_223_372_036_854_775_808.0;
     let mut total = 0i64;
@@ -409,12 +405,11 @@ pub fn pipeline(chaos: Chaos) -> Pipeline {
 
 /// The example pipeline with one policy for every stage (leases, attempts).
 pub fn pipeline_with(chaos: Chaos, policy: StagePolicy) -> Result<Pipeline, PipelineError> {
-    Pipeline::new(vec![
-        Arc::new(Intake::new(chaos).with_policy(policy.clone())),
-        Arc::new(Extract::new(chaos).with_policy(policy.clone())),
-        Arc::new(Feasibility::new(chaos).with_policy(policy.clone())),
-        Arc::new(Calculate::new(chaos).with_policy(policy)),
-    ])
+    Pipeline::builder(Intake::new(chaos).with_policy(policy.clone()))
+        .then(Extract::new(chaos).with_policy(policy.clone()))
+        .then(Feasibility::new(chaos).with_policy(policy.clone()))
+        .then(Calculate::new(chaos).with_policy(policy))
+        .build()
 }
 
 #[cfg(test)]

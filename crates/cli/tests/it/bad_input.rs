@@ -12,11 +12,11 @@ use async_trait::async_trait;
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    input_hash_of, AnfrageId, JobId, SendOptions, StageError, StageName, StagePolicy, TenantId,
+    input_hash_of, AnfrageId, JobId, SendOptions, StageError, StagePolicy, TenantId,
 };
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_runner::Counters;
-use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage};
 use serde_json::{json, Value};
 
 use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
@@ -290,41 +290,39 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
 /// `prepare`, `hangtx` never returns inside the fenced transaction after a write;
 /// anything else succeeds with an audit entry.
 struct Probe {
-    name: StageName,
     policy: StagePolicy,
 }
 
 #[async_trait]
 impl Stage for Probe {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "probe";
+    type Input = String;
+    type Prepared = ();
+    type Output = ();
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn prepare(&self, job: &StageJob) -> Result<Value, StageError> {
-        if job.input_hash == input_hash_of(b"hang") {
+    async fn prepare(&self, ctx: &PrepareContext<'_, String>) -> Result<(), StageError> {
+        if ctx.attempt().input_hash == input_hash_of(b"hang") {
             std::future::pending::<()>().await;
         }
-        Ok(Value::Null)
+        Ok(())
     }
-    async fn run(
+    async fn commit(
         &self,
-        job: &StageJob,
-        _: &Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
-        let text = tx.anfrage_text().await?;
-        tx.audit(&job.anfrage_id.to_string(), "probe.started", json!({}))
-            .await?;
+        text: &String,
+        _: &(),
+    ) -> Result<Done<()>, StageError> {
+        let anfrage = tx.token().anfrage.to_string();
+        tx.audit(&anfrage, "probe.started", json!({})).await?;
         match text.as_str() {
             "boom" => panic!("probe body exploded"),
             "hangtx" => std::future::pending::<()>().await,
             _ => {}
         }
-        tx.audit(&job.anfrage_id.to_string(), "probe.done", json!({}))
-            .await?;
-        Ok(StageFlow::Continue)
+        tx.audit(&anfrage, "probe.done", json!({})).await?;
+        Ok(Done::next(()))
     }
 }
 
@@ -337,18 +335,16 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         .with_lease(Duration::from_millis(600))
         .with_heartbeat(Duration::from_millis(150))
         .with_timeout(Duration::from_millis(800));
-    let pipeline = Pipeline::new(vec![Arc::new(Probe {
-        name: StageName::parse("probe").unwrap(),
-        policy,
-    })])
-    .unwrap()
-    .with_send_options(
-        SendOptions::default()
-            .with_retry_limit(5)
-            .with_retry_delay(Duration::from_millis(10))
-            .with_expire_in(Duration::from_secs(3)),
-    )
-    .unwrap();
+    let pipeline = Pipeline::builder(Probe { policy })
+        .build()
+        .unwrap()
+        .with_send_options(
+            SendOptions::default()
+                .with_retry_limit(5)
+                .with_retry_delay(Duration::from_millis(10))
+                .with_expire_in(Duration::from_secs(3)),
+        )
+        .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let mut anfragen = Vec::new();
     for text in ["boom", "hang", "hangtx", "fine"] {

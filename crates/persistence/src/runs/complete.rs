@@ -147,12 +147,16 @@ impl PgRunRepository {
         }
     }
 
-    /// After the fenced transaction found the upstream changed and rolled back:
+    /// After the fenced transaction found the upstream changed and rolled back (or
+    /// an attempt found its bound upstream output gone before it prepared):
     /// the run becomes `stale` (claimable again, on the new upstream), fenced on
     /// the token, with the lineage checked again in this transaction. An upstream
     /// current again by now (an input replaced and then put back) is a `Conflict`:
     /// [`complete`](Self::complete) runs the attempt's transaction again.
-    async fn stale_on_lineage(&self, token: &ClaimToken) -> Result<CompleteOutcome, StageError> {
+    pub async fn stale_on_lineage(
+        &self,
+        token: &ClaimToken,
+    ) -> Result<CompleteOutcome, StageError> {
         let mut conn = self.conn().await?;
         crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
             match check_lineage(conn, token).await? {

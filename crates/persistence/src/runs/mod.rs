@@ -1,11 +1,13 @@
 //! Layer 1: the claim repository on `pipeline_runs`. The statements are in `sql`.
 
+mod bound;
 mod claim;
 mod complete;
 mod lease;
 mod read;
 pub mod sql;
 
+pub use bound::{BoundInput, ReadBound};
 pub use lease::InterruptOutcome;
 
 use std::time::Duration;

@@ -134,6 +134,65 @@ SELECT r.input_hash,
   FROM pipeline_runs r
  WHERE r.id = $1 AND r.attempts = $2";
 
+/// What an attempt of the typed contract reads before its `prepare`, in one
+/// statement, fenced on the token (no row for an attempt that is not the run's
+/// current one): for the first stage the text of the run's bound input hash (as
+/// [`BOUND_INPUT`]); for a later stage its upstream's output at exactly the
+/// attempt the run is bound to (`upstream_found` false: that attempt is no longer
+/// the upstream's success, so this attempt is stale); and, if `$3`, the
+/// checkpointed prepared value of this run whose binding is this attempt's.
+/// `$1` run id, `$2` attempt, `$3` whether to read the checkpoint.
+pub const READ_BOUND: &str = "\
+SELECT r.input_hash,
+       r.upstream_stage IS NULL AS first_stage,
+       CASE WHEN r.upstream_stage IS NULL THEN
+           coalesce((SELECT a.input_text FROM anfragen a
+                      WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+                        AND a.input_sha256 = r.input_hash),
+                    (SELECT i.input_text FROM anfrage_inputs i
+                      WHERE i.tenant_id = r.tenant_id AND i.anfrage_id = r.anfrage_id
+                        AND i.input_sha256 = r.input_hash))
+       END AS input_text,
+       u.found IS NOT NULL AS upstream_found,
+       u.output AS upstream_output,
+       (SELECT c.prepared FROM stage_checkpoints c
+         WHERE $3 AND c.run_id = r.id AND c.input_hash = r.input_hash
+           AND c.upstream_attempt IS NOT DISTINCT FROM r.upstream_attempt) AS checkpoint
+  FROM pipeline_runs r
+  LEFT JOIN LATERAL (SELECT true AS found, u.output FROM pipeline_runs u
+                      WHERE u.tenant_id = r.tenant_id AND u.anfrage_id = r.anfrage_id
+                        AND u.stage = r.upstream_stage
+                        AND u.success_attempt = r.upstream_attempt) u ON true
+ WHERE r.id = $1 AND r.attempts = $2";
+
+/// Keeps an attempt's prepared value with the binding it was computed from, for
+/// the next attempt of the same run (replacing an earlier attempt's). Fenced on
+/// the token: nothing is written for an attempt that is no longer the run's
+/// running one. `$1` run id, `$2` attempt, `$3` the prepared value (jsonb).
+pub const CHECKPOINT: &str = "\
+INSERT INTO stage_checkpoints (run_id, tenant_id, input_hash, upstream_attempt, attempt, prepared)
+SELECT r.id, r.tenant_id, r.input_hash, r.upstream_attempt, r.attempts, $3
+  FROM pipeline_runs r
+ WHERE r.id = $1 AND r.attempts = $2 AND r.status = 'running'
+ON CONFLICT (run_id) DO UPDATE
+   SET input_hash = EXCLUDED.input_hash, upstream_attempt = EXCLUDED.upstream_attempt,
+       attempt = EXCLUDED.attempt, prepared = EXCLUDED.prepared,
+       written_at = clock_timestamp()";
+
+/// In the fenced transaction, after the body: the stage's output, kept with the
+/// attempt that is now its `success_attempt`. `$1` run id, `$2` attempt, `$3` the
+/// output (jsonb).
+pub const RECORD_OUTPUT: &str = "\
+UPDATE pipeline_runs SET output = $3
+ WHERE id = $1 AND attempts = $2 AND status = 'success'";
+
+/// As [`RECORD_OUTPUT`], for an attempt that wrote or reused a checkpoint: the
+/// success used it, so it is deleted with the same statement.
+pub const RECORD_OUTPUT_CLEAR_CHECKPOINT: &str = "\
+WITH cleared AS (DELETE FROM stage_checkpoints WHERE run_id = $1)
+UPDATE pipeline_runs SET output = $3
+ WHERE id = $1 AND attempts = $2 AND status = 'success'";
+
 /// The lineage check, the first statement of the fenced completion: is the input
 /// this attempt read still current? For the first stage, the anfrage's stored input
 /// hash must still be the run's; for the others, the upstream's `success_attempt`

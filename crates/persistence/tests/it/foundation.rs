@@ -43,7 +43,8 @@ async fn migrations_round_trip_up_down_up() {
             "pipeline_runs",
             "queue_buckets",
             "queue_control_changes",
-            "queue_controls"
+            "queue_controls",
+            "stage_checkpoints"
         ]
     );
 

@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{input_hash_of, AnfrageId, StageError, StageName, StagePolicy, TenantId};
+use idemstage_domain::{input_hash_of, AnfrageId, StageError, StagePolicy, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_runner::Counters;
-use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
-use serde_json::Value;
+use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
 
 use crate::support::{
     assert_quiet_and_sound, count, send, start_pipeline_worker, stop_pipeline_worker, text,
@@ -102,28 +101,26 @@ async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
 
 /// Fails its first attempt with an error text that holds a NUL byte.
 struct NulOnce {
-    name: StageName,
     policy: StagePolicy,
 }
 
 #[async_trait]
 impl Stage for NulOnce {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "unnamed";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
+        Ok(())
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         if tx.token().attempt == 1 {
             return Err(StageError::Transient("upstream said \0 and more".into()));
         }
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -133,10 +130,13 @@ impl Stage for NulOnce {
 async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
     let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
-    let pipeline = Pipeline::new(vec![Arc::new(NulOnce {
-        name: StageName::parse("nul").unwrap(),
-        policy: StagePolicy::default(),
-    })])
+    let pipeline = Pipeline::new(vec![StageRef::named(
+        "nul",
+        NulOnce {
+            policy: StagePolicy::default(),
+        },
+    )
+    .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let anfrage = AnfrageId::new();

@@ -8,35 +8,32 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel_async::RunQueryDsl;
-use idemstage_domain::{input_hash_of, AnfrageId, StageError, StageName, StagePolicy, TenantId};
+use idemstage_domain::{input_hash_of, AnfrageId, StageError, StagePolicy, TenantId};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::{map_diesel_error, FencedTx};
 use idemstage_runner::Counters;
-use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
-use serde_json::Value;
+use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
 
 use crate::support::{count, start_pipeline_worker, stop_pipeline_worker};
 
 /// Hits a statement timeout (57014, retryable: an interruption) on every attempt.
 struct AlwaysInterrupted {
-    name: StageName,
     policy: StagePolicy,
 }
 
 #[async_trait]
 impl Stage for AlwaysInterrupted {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "unnamed";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
+        Ok(())
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         diesel::sql_query("SET LOCAL statement_timeout = '20ms'")
             .execute(tx.conn())
             .await
@@ -45,7 +42,7 @@ impl Stage for AlwaysInterrupted {
             .execute(tx.conn())
             .await
             .map_err(map_diesel_error)?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -53,12 +50,15 @@ impl Stage for AlwaysInterrupted {
 async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
     let db = idemstage_testkit::example::db().await;
     let mut conn = db.conn().await;
-    let pipeline = Pipeline::new(vec![Arc::new(AlwaysInterrupted {
-        name: StageName::parse("flaky").unwrap(),
-        policy: StagePolicy::default()
-            .with_max_attempts(2)
-            .with_max_interruptions(2),
-    })])
+    let pipeline = Pipeline::new(vec![StageRef::named(
+        "flaky",
+        AlwaysInterrupted {
+            policy: StagePolicy::default()
+                .with_max_attempts(2)
+                .with_max_interruptions(2),
+        },
+    )
+    .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let anfrage = AnfrageId::new();

@@ -12,9 +12,8 @@ use idemstage_domain::{
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::{first_job, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
 use idemstage_testkit::TestDb;
-use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -22,30 +21,25 @@ use crate::support::count;
 
 /// Never finishes `prepare`; says when it started.
 struct Stuck {
-    name: StageName,
     policy: StagePolicy,
     started: Arc<Notify>,
 }
 
 #[async_trait]
 impl Stage for Stuck {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "unnamed";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn prepare(&self, _job: &StageJob) -> Result<Value, StageError> {
+    async fn prepare(&self, _job: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.started.notify_one();
         std::future::pending().await
     }
-    async fn run(
-        &self,
-        _job: &StageJob,
-        _prepared: &Value,
-        _tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
-        Ok(StageFlow::Continue)
+    async fn commit(&self, _tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+        Ok(Done::next(()))
     }
 }
 
@@ -59,11 +53,14 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
         .with_heartbeat(Duration::from_secs(60))
         .with_timeout(Duration::from_secs(600));
     let started = Arc::new(Notify::new());
-    let pipeline = Pipeline::new(vec![Arc::new(Stuck {
-        name: StageName::parse("stuck").unwrap(),
-        policy: policy.clone(),
-        started: started.clone(),
-    })])
+    let pipeline = Pipeline::new(vec![StageRef::named(
+        "stuck",
+        Stuck {
+            policy: policy.clone(),
+            started: started.clone(),
+        },
+    )
+    .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
     let anfrage = AnfrageId::new();

@@ -9,7 +9,8 @@ use futures_util::FutureExt;
 use idemstage_domain::{ClaimToken, JobCompleteOutcome, StageError};
 use idemstage_persistence::FencedTx;
 
-use crate::{Pipeline, Stage, StageFlow, StageJob};
+use crate::erased::Prepared;
+use crate::{Pipeline, StageFlow, StageJob, StageRef};
 
 use super::{panic_message, Executor, JobLease};
 
@@ -19,10 +20,10 @@ impl Executor {
     pub(super) async fn commit(
         &self,
         pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
+        stage: &StageRef,
         job: &StageJob,
         token: &ClaimToken,
-        prepared: serde_json::Value,
+        prepared: Prepared,
         lease: Option<JobLease>,
     ) -> Result<Completion, StageError> {
         let next_job = pipeline
@@ -32,25 +33,28 @@ impl Executor {
         // committed did (its flow, whether it completed the job) is reported.
         let committed = Arc::new(std::sync::Mutex::new((StageFlow::Continue, false)));
         let write = {
-            let (stage, job, prepared, committed) = (
-                stage.clone(),
-                job.clone(),
+            let (stage, prepared, committed) = (
+                stage.erased().clone(),
                 Arc::new(prepared),
                 committed.clone(),
             );
             fenced_write(move |tx| {
-                let (stage, job, prepared, next_job, committed) = (
+                let (stage, prepared, next_job, committed) = (
                     stage.clone(),
-                    job.clone(),
                     prepared.clone(),
                     next_job.clone(),
                     committed.clone(),
                 );
                 async move {
-                    let outcome = AssertUnwindSafe(stage.run(&job, &prepared, tx))
+                    let (output, outcome) = AssertUnwindSafe(stage.commit(tx, &prepared))
                         .catch_unwind()
                         .await
                         .map_err(panic_message)??;
+                    // Kept with this attempt (its success_attempt now). A first
+                    // attempt's run never had an output: `null` needs no write.
+                    let used_checkpoint = prepared.checkpoint.is_some() || prepared.reused;
+                    let record = (!output.is_null() || tx.token().attempt > 1 || used_checkpoint)
+                        .then_some((&output, used_checkpoint));
                     let next = match (outcome, &next_job) {
                         (StageFlow::Continue, Some(next_job)) => Some(next_job),
                         (StageFlow::Stop, Some(_)) => {
@@ -66,7 +70,7 @@ impl Executor {
                     // (Fenced) is left to its new holder, who will find the stage
                     // succeeded.
                     let (_, completed) = tx
-                        .send_and_complete(next, lease.map(|l| (l.id, l.attempt)))
+                        .finish(record, next, lease.map(|l| (l.id, l.attempt)))
                         .await?;
                     let flow = outcome;
                     let job_completed = completed == Some(JobCompleteOutcome::Completed);

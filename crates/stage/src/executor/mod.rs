@@ -11,14 +11,16 @@ use idemstage_domain::{
     ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
     RepoError, RunId, SkipReason, StageError, WorkerId,
 };
-use idemstage_persistence::runs::InterruptOutcome;
+use idemstage_persistence::runs::{InterruptOutcome, ReadBound};
 use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::{Pipeline, Stage, StageFlow, StageJob};
+use crate::contract::AttemptInfo;
+use crate::erased::Bound;
+use crate::{Pipeline, StageFlow, StageJob, StageRef};
 
 use commit::Completion;
 use guards::{AbortOnDrop, ReleaseOnDrop};
@@ -148,7 +150,7 @@ impl Executor {
     pub async fn run(
         &self,
         pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
+        stage: &StageRef,
         job: &StageJob,
     ) -> Result<ExecutionOutcome, RepoError> {
         self.execute(pipeline, stage, job, None).await
@@ -161,7 +163,7 @@ impl Executor {
     pub async fn run_and_complete_job(
         &self,
         pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
+        stage: &StageRef,
         job: &StageJob,
         lease: JobLease,
     ) -> Result<ExecutionOutcome, RepoError> {
@@ -173,7 +175,7 @@ impl Executor {
     async fn execute(
         &self,
         pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
+        stage: &StageRef,
         job: &StageJob,
         lease: Option<JobLease>,
     ) -> Result<ExecutionOutcome, RepoError> {
@@ -199,7 +201,7 @@ impl Executor {
     async fn claim_and_run(
         &self,
         pipeline: &Pipeline,
-        stage: &Arc<dyn Stage>,
+        stage: &StageRef,
         job: &StageJob,
         lease: Option<JobLease>,
     ) -> Result<ExecutionOutcome, RepoError> {
@@ -291,11 +293,54 @@ impl Executor {
                 .instrument(tracing::Span::current()),
             )
         });
+        let prepare_lease_lost = lost_rx.clone();
         let body = async {
-            let prepared = AssertUnwindSafe(stage.prepare(&job))
+            // What the run is bound to, and a checkpoint of an earlier attempt on
+            // the same binding: one statement.
+            let (input, checkpoint) =
+                match self.repo.read_bound(&token, policy.reuse_prepared).await? {
+                    ReadBound::Read {
+                        input, checkpoint, ..
+                    } => (input, checkpoint),
+                    ReadBound::Fenced => return Ok(Completion::Fenced),
+                    // The upstream attempt this run is bound to is no longer its
+                    // success: this attempt can never commit; settle it `stale`.
+                    ReadBound::UpstreamMoved => {
+                        return Ok(match self.repo.stale_on_lineage(&token).await? {
+                            idemstage_domain::CompleteOutcome::UpstreamChanged => {
+                                Completion::UpstreamChanged
+                            }
+                            _ => Completion::Fenced,
+                        })
+                    }
+                };
+            let info = AttemptInfo {
+                run_id,
+                tenant: job.tenant_id.clone(),
+                anfrage: job.anfrage_id,
+                stage: stage.name().clone(),
+                attempt,
+                input_hash: job.input_hash.clone(),
+            };
+            let bound = Bound {
+                input,
+                checkpoint,
+                attempt: &info,
+                repo: &self.repo,
+                lease_lost: prepare_lease_lost.clone(),
+                reuse_prepared: policy.reuse_prepared,
+            };
+            let prepared = AssertUnwindSafe(stage.erased().prepare(bound))
                 .catch_unwind()
                 .await
                 .map_err(panic_message)??;
+            if let Some(value) = &prepared.checkpoint {
+                // Kept for the next attempt on this binding. A failure here costs
+                // only the reuse: the commit decides the attempt.
+                if let Err(e) = self.repo.checkpoint(&token, value).await {
+                    tracing::warn!(error = %e, "prepared value not checkpointed");
+                }
+            }
             self.commit(pipeline, stage, &job, &token, prepared, lease)
                 .await
         };

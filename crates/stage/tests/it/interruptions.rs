@@ -66,24 +66,22 @@ async fn a_statement_the_driver_cannot_encode_is_a_database_error_not_unavailabl
 /// A stage whose body hits a statement timeout (57014, an interruption: released
 /// uncounted) on every attempt.
 struct AlwaysInterrupted {
-    name: StageName,
     policy: StagePolicy,
 }
 
 #[async_trait]
 impl Stage for AlwaysInterrupted {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "flaky";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
+        Ok(())
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         diesel::sql_query("SET LOCAL statement_timeout = '20ms'")
             .execute(tx.conn())
             .await
@@ -92,7 +90,7 @@ impl Stage for AlwaysInterrupted {
             .execute(tx.conn())
             .await
             .map_err(map_diesel_error)?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -104,10 +102,7 @@ async fn run_until_final(
     job: &StageJob,
     limit: usize,
 ) -> Vec<ExecutionOutcome> {
-    let stage: Arc<dyn Stage> = Arc::new(AlwaysInterrupted {
-        name: StageName::parse("flaky").unwrap(),
-        policy,
-    });
+    let stage = StageRef::new(AlwaysInterrupted { policy }).unwrap();
     let pipeline = Pipeline::new(vec![stage.clone()]).unwrap();
     let exec = f.executor();
     let mut outcomes = Vec::new();
@@ -209,10 +204,10 @@ async fn the_bound_on_interruptions_in_a_row_is_the_stages_policy() {
     );
 
     let job = f.anfrage("2 Stk Warten").await;
-    let stage: Arc<dyn Stage> = Arc::new(AlwaysInterrupted {
-        name: StageName::parse("flaky").unwrap(),
+    let stage = StageRef::new(AlwaysInterrupted {
         policy: StagePolicy::default().with_max_interruptions(-1),
-    });
+    })
+    .unwrap();
     let refused = match Pipeline::new(vec![stage.clone()]) {
         Err(e) => e.to_string(),
         Ok(pipeline) => f

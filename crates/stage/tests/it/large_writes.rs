@@ -66,22 +66,21 @@ struct Upsert {
 
 #[async_trait]
 impl Stage for Upsert {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "upsert";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
+        Ok(())
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         use example::ExampleTables;
         let did = tx.upsert_extraktionen(&self.rows).await?;
         *self.did.lock().unwrap() = Some(did);
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -107,7 +106,11 @@ fn upsert(name: &str, rows: usize, label: &str) -> Arc<Upsert> {
 async fn the_chunked_upsert_writes_and_shrinks_a_child_set_of_any_size() {
     let mut f = fixture().await;
     let (grow, shrink) = (upsert("grow", 72_000, "old"), upsert("shrink", 10, "new"));
-    let pipeline = Pipeline::new(vec![grow.clone(), shrink.clone()]).unwrap();
+    let pipeline = Pipeline::new(vec![
+        StageRef::named(grow.name.as_str(), grow.clone()).unwrap(),
+        StageRef::named(shrink.name.as_str(), shrink.clone()).unwrap(),
+    ])
+    .unwrap();
     let job = f.anfrage("1 Stk Wachsen").await;
     let exec = f.executor();
     for stage in pipeline.stages() {

@@ -14,13 +14,15 @@ use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::anfragen::register_anfrage;
 use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_stage::{
-    first_job, ExecutionOutcome, Executor, JobLease, Pipeline, Stage, StageFlow, StageJob,
+    first_job, Done, ExecutionOutcome, Executor, JobLease, Pipeline, PrepareContext, Stage,
+    StageJob, StageRef,
 };
 use idemstage_testkit::TestDb;
 use tokio::sync::Notify;
 
 use idemstage_testkit::count;
 
+mod contract;
 mod edges;
 mod interruptions;
 mod large_writes;
@@ -254,7 +256,6 @@ async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
 
 /// A stage whose body waits for the test, to hold a claim open.
 struct Gate {
-    name: StageName,
     policy: StagePolicy,
     release: Arc<Notify>,
     started: Arc<Notify>,
@@ -262,31 +263,26 @@ struct Gate {
 
 #[async_trait]
 impl Stage for Gate {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "gate";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.started.notify_one();
         self.release.notified().await;
-        Ok(serde_json::Value::Null)
+        Ok(())
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         tx.audit("gate", "gate.done", serde_json::json!({})).await?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
 fn gate(lease_ms: u64, timeout_ms: u64) -> (Arc<Gate>, Pipeline) {
     let stage = Arc::new(Gate {
-        name: StageName::parse("gate").unwrap(),
         policy: StagePolicy::default()
             .with_lease(Duration::from_millis(lease_ms))
             .with_heartbeat(Duration::from_millis(lease_ms / 4))
@@ -294,7 +290,7 @@ fn gate(lease_ms: u64, timeout_ms: u64) -> (Arc<Gate>, Pipeline) {
         release: Arc::new(Notify::new()),
         started: Arc::new(Notify::new()),
     });
-    let pipeline = Pipeline::new(vec![stage.clone()]).unwrap();
+    let pipeline = Pipeline::builder(stage.clone()).build().unwrap();
     (stage, pipeline)
 }
 

@@ -7,45 +7,40 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idemstage_domain::{StageError, StageName, StagePolicy};
+use idemstage_domain::{StageError, StagePolicy};
 use idemstage_persistence::{queue, FencedTx};
-use idemstage_stage::{ExecutionOutcome, Pipeline, Stage, StageFlow, StageJob};
+use idemstage_stage::{Done, ExecutionOutcome, Pipeline, PrepareContext, Stage};
 use idemstage_testkit::count;
 
 use crate::fixture;
 
 struct Limited {
-    name: StageName,
     policy: StagePolicy,
     calls: AtomicUsize,
 }
 
 #[async_trait]
 impl Stage for Limited {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "limited";
+    type Input = ();
+    type Prepared = ();
+    type Output = ();
+    fn policy(&self) -> StagePolicy {
+        self.policy.clone()
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn prepare(&self, _: &StageJob) -> Result<serde_json::Value, StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         // The first call hears 429 Retry-After: 30.
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
             return Err(StageError::RateLimited {
                 retry_after: Duration::from_secs(30),
             });
         }
-        Ok(serde_json::Value::Null)
+        Ok(())
     }
-    async fn run(
-        &self,
-        _: &StageJob,
-        _: &serde_json::Value,
-        tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         tx.audit("limited", "limited.done", serde_json::json!({}))
             .await?;
-        Ok(StageFlow::Continue)
+        Ok(Done::next(()))
     }
 }
 
@@ -53,11 +48,10 @@ impl Stage for Limited {
 async fn a_rate_limited_attempt_keeps_the_budget_and_holds_the_stages_bucket() {
     let mut f = fixture().await;
     let stage = Arc::new(Limited {
-        name: StageName::parse("limited").unwrap(),
         policy: StagePolicy::default().with_max_attempts(2),
         calls: AtomicUsize::new(0),
     });
-    let pipeline = Pipeline::new(vec![stage.clone()]).unwrap();
+    let pipeline = Pipeline::builder(stage.clone()).build().unwrap();
     let job = f.anfrage("1 Stk Anruf").await;
     let exec = f.executor();
 

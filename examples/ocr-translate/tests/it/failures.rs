@@ -2,7 +2,6 @@
 //! after the writes, a panic after the writes, a connection killed mid-transaction,
 //! and a stale worker whose lease was taken over.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idemstage::diesel_async::RunQueryDsl;
@@ -217,8 +216,11 @@ async fn a_panic_after_the_writes_leaves_none_of_the_attempts_rows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_killed_mid_transaction_leaves_none_of_its_rows() {
     let mut f = fixture().await;
-    let sleeper = SleepsAfterWritesOnce::new(Arc::new(Ocr::new(None)));
-    let pipeline = Pipeline::new(vec![sleeper.clone(), Arc::new(Translate::new(None))]).unwrap();
+    let sleeper = SleepsAfterWritesOnce::new(Ocr::new(None));
+    let pipeline = Pipeline::builder(sleeper.clone())
+        .then(Translate::new(None))
+        .build()
+        .unwrap();
     let job = f.anfrage(&pipeline, &tenant("acme"), TEXT_1).await;
     let running = {
         let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
@@ -296,12 +298,15 @@ async fn a_fenced_attempt_writes_nothing_after_a_takeover() {
     let policy = ocr_translate::ocr_policy()
         .with_lease(Duration::from_secs(120))
         .with_heartbeat(Duration::from_secs(60));
-    let ocr = HeldOnce::new(Arc::new(Ocr::new(None).with_policy(policy.clone())));
-    let translate = HeldOnce::new(Arc::new(Translate::new(None).with_policy(policy)));
-    let pipeline = Pipeline::new(vec![ocr.clone(), translate.clone()]).unwrap();
+    let ocr = HeldOnce::new(Ocr::new(None).with_policy(policy.clone()));
+    let translate = HeldOnce::new(Translate::new(None).with_policy(policy));
+    let pipeline = Pipeline::builder(ocr.clone())
+        .then(translate.clone())
+        .build()
+        .unwrap();
     let job = f.anfrage(&pipeline, &tenant("acme"), TEXT_1).await;
 
-    for (stage, held) in [(OCR, &ocr), (TRANSLATE, &translate)] {
+    for (stage, held) in [(OCR, &ocr.hold), (TRANSLATE, &translate.hold)] {
         let stale = {
             let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
             tokio::spawn(async move {

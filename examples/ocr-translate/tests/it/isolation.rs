@@ -7,10 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use diesel::prelude::*;
 use idemstage::diesel_async::RunQueryDsl;
-use idemstage::serde_json::Value;
 use idemstage::{
-    async_trait, ExecutionOutcome, FencedTx, Pipeline, Stage, StageError, StageFlow, StageJob,
-    StageName, StagePolicy,
+    async_trait, Done, ExecutionOutcome, FencedTx, Pipeline, PrepareContext, Stage, StageError,
 };
 use ocr_translate::pipeline;
 use ocr_translate::schema::{ocr_pages, translations};
@@ -33,8 +31,6 @@ struct Seen {
 /// change tenant A's rows (by A's anfrage id), then to write a row as tenant A.
 /// Ends in an error, so that its transaction rolls back in any case.
 struct Probe {
-    name: StageName,
-    policy: StagePolicy,
     a_anfrage: String,
     a_run: String,
     seen: Mutex<Seen>,
@@ -46,18 +42,19 @@ fn db(e: diesel::result::Error) -> StageError {
 
 #[async_trait]
 impl Stage for Probe {
-    fn name(&self) -> &StageName {
-        &self.name
+    const NAME: &'static str = "probe";
+    type Input = String;
+    type Prepared = ();
+    type Output = ();
+    async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
+        Ok(())
     }
-    fn policy(&self) -> &StagePolicy {
-        &self.policy
-    }
-    async fn run(
+    async fn commit(
         &self,
-        _: &StageJob,
-        _: &Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
+        _: &String,
+        _: &(),
+    ) -> Result<Done<()>, StageError> {
         use ocr_pages::dsl as p;
         use translations::dsl as t;
         let mut seen = Seen {
@@ -139,13 +136,11 @@ async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
     .n;
 
     let probe = Arc::new(Probe {
-        name: StageName::parse("probe").unwrap(),
-        policy: StagePolicy::default(),
         a_anfrage: a.anfrage_id.to_string(),
         a_run,
         seen: Mutex::default(),
     });
-    let probing = Pipeline::new(vec![probe.clone()]).unwrap();
+    let probing = Pipeline::builder(probe.clone()).build().unwrap();
     let probe_job = f.anfrage(&probing, &tenant("tenant-b"), "probe").await;
     let outcome = exec
         .run(&probing, probing.first_stage(), &probe_job)

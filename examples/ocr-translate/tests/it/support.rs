@@ -8,11 +8,9 @@ use std::sync::Arc;
 
 use diesel::prelude::*;
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::serde_json::Value;
 use idemstage::{
-    async_trait, start, AnfrageId, Executor, FencedTx, PgPool, PgRunRepository, Pipeline,
-    RegisterOutcome, Stage, StageError, StageFlow, StageJob, StageName, StagePolicy, TenantId,
-    WorkerId,
+    async_trait, start, AnfrageId, Done, Executor, FencedTx, PgPool, PgRunRepository, Pipeline,
+    PrepareContext, RegisterOutcome, Stage, StageError, StageJob, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_testkit::TestDb;
 use ocr_translate::schema::{ocr_pages, translations};
@@ -163,25 +161,34 @@ pub fn expected_translations(
 /// A stage wrapper: the first execution waits in `prepare` (after its claim,
 /// outside any transaction, its lease renewed) until the test lets it go; the
 /// others pass. Counts the bodies that ran.
-pub struct HeldOnce {
-    inner: Arc<dyn Stage>,
+pub struct HeldOnce<S> {
+    inner: S,
     held: AtomicBool,
+    pub hold: Hold,
+}
+
+/// The test's side of a [`HeldOnce`], whatever stage it wraps.
+pub struct Hold {
     pub started: Notify,
     pub release: Notify,
     bodies: AtomicUsize,
 }
 
-impl HeldOnce {
-    pub fn new(inner: Arc<dyn Stage>) -> Arc<Self> {
+impl<S: Stage> HeldOnce<S> {
+    pub fn new(inner: S) -> Arc<Self> {
         Arc::new(Self {
             inner,
             held: AtomicBool::new(false),
-            started: Notify::new(),
-            release: Notify::new(),
-            bodies: AtomicUsize::new(0),
+            hold: Hold {
+                started: Notify::new(),
+                release: Notify::new(),
+                bodies: AtomicUsize::new(0),
+            },
         })
     }
+}
 
+impl Hold {
     /// How many bodies ran (a method: diesel-async's `RunQueryDsl::load` would
     /// shadow the atomic's).
     pub fn bodies(&self) -> usize {
@@ -190,43 +197,44 @@ impl HeldOnce {
 }
 
 #[async_trait]
-impl Stage for HeldOnce {
-    fn name(&self) -> &StageName {
-        self.inner.name()
-    }
-    fn policy(&self) -> &StagePolicy {
+impl<S: Stage> Stage for HeldOnce<S> {
+    const NAME: &'static str = S::NAME;
+    type Input = S::Input;
+    type Prepared = S::Prepared;
+    type Output = S::Output;
+    fn policy(&self) -> StagePolicy {
         self.inner.policy()
     }
-    async fn prepare(&self, job: &StageJob) -> Result<Value, StageError> {
+    async fn prepare(&self, ctx: &PrepareContext<'_, S::Input>) -> Result<S::Prepared, StageError> {
         if !self.held.swap(true, Ordering::SeqCst) {
-            self.started.notify_one();
-            self.release.notified().await;
+            self.hold.started.notify_one();
+            self.hold.release.notified().await;
         }
-        self.inner.prepare(job).await
+        self.inner.prepare(ctx).await
     }
-    async fn run(
+    async fn commit(
         &self,
-        job: &StageJob,
-        prepared: &Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
-        self.bodies.fetch_add(1, Ordering::SeqCst);
-        self.inner.run(job, prepared, tx).await
+        input: &S::Input,
+        prepared: &S::Prepared,
+    ) -> Result<Done<S::Output>, StageError> {
+        self.hold.bodies.fetch_add(1, Ordering::SeqCst);
+        self.inner.commit(tx, input, prepared).await
     }
 }
 
 /// A stage wrapper: the first transaction, after the inner stage's writes, notes
 /// the page ids it sees and then sleeps in the database (`pg_sleep`), so that the
 /// test can kill its connection mid-transaction.
-pub struct SleepsAfterWritesOnce {
-    inner: Arc<dyn Stage>,
+pub struct SleepsAfterWritesOnce<S> {
+    inner: S,
     slept: AtomicBool,
     pub sleeping: Notify,
     pub ids_seen: std::sync::Mutex<Vec<String>>,
 }
 
-impl SleepsAfterWritesOnce {
-    pub fn new(inner: Arc<dyn Stage>) -> Arc<Self> {
+impl<S: Stage> SleepsAfterWritesOnce<S> {
+    pub fn new(inner: S) -> Arc<Self> {
         Arc::new(Self {
             inner,
             slept: AtomicBool::new(false),
@@ -237,20 +245,24 @@ impl SleepsAfterWritesOnce {
 }
 
 #[async_trait]
-impl Stage for SleepsAfterWritesOnce {
-    fn name(&self) -> &StageName {
-        self.inner.name()
-    }
-    fn policy(&self) -> &StagePolicy {
+impl<S: Stage> Stage for SleepsAfterWritesOnce<S> {
+    const NAME: &'static str = S::NAME;
+    type Input = S::Input;
+    type Prepared = S::Prepared;
+    type Output = S::Output;
+    fn policy(&self) -> StagePolicy {
         self.inner.policy()
     }
-    async fn run(
+    async fn prepare(&self, ctx: &PrepareContext<'_, S::Input>) -> Result<S::Prepared, StageError> {
+        self.inner.prepare(ctx).await
+    }
+    async fn commit(
         &self,
-        job: &StageJob,
-        prepared: &Value,
         tx: &mut FencedTx<'_>,
-    ) -> Result<StageFlow, StageError> {
-        let flow = self.inner.run(job, prepared, tx).await?;
+        input: &S::Input,
+        prepared: &S::Prepared,
+    ) -> Result<Done<S::Output>, StageError> {
+        let flow = self.inner.commit(tx, input, prepared).await?;
         if !self.slept.swap(true, Ordering::SeqCst) {
             use ocr_pages::dsl as p;
             let ids: Vec<String> = p::ocr_pages

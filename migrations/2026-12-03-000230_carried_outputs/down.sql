@@ -1,0 +1,2 @@
+DROP TABLE stage_checkpoints;
+ALTER TABLE pipeline_runs DROP COLUMN output;
