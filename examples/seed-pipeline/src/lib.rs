@@ -38,6 +38,7 @@
 use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
 
 pub mod check;
+pub mod llm;
 pub mod schema;
 mod stages;
 mod tables;
