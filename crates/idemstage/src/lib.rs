@@ -54,8 +54,7 @@
 //!             .bind::<diesel::sql_types::Text, _>(anfrage)
 //!             .bind::<diesel::sql_types::Text, _>(text.to_uppercase())
 //!             .execute(tx.conn())
-//!             .await
-//!             .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+//!             .await?; // a Diesel error is a `StageError` (retryable or not, as the database said)
 //!         Ok(StageFlow::Continue)
 //!     }
 //! }
@@ -98,8 +97,8 @@ pub use {diesel, diesel_async, diesel_migrations, serde_json};
 
 pub use idemstage_domain::{
     input_hash_of, AnfrageId, ClaimToken, DomainError, InputChangePolicy, JobId, RejectReason,
-    RepoError, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason, StageError, StageName,
-    StagePolicy, TenantId, WorkerId,
+    RepoError, RepoMessage, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason,
+    StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
 pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
 pub use idemstage_persistence::fenced::insert_or_get;

@@ -33,7 +33,7 @@ pub type PooledConn<'a> = bb8::PooledConnection<'a, Manager>;
 /// (retryable), with the driver's reason when there is one.
 pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
     pool.get().await.map_err(|e| match e {
-        bb8::RunError::User(e) => RepoError::Unavailable(format!("cannot connect: {e}")),
+        bb8::RunError::User(e) => RepoError::Unavailable(format!("cannot connect: {e}").into()),
         bb8::RunError::TimedOut => RepoError::Unavailable(
             "timed out waiting for a pooled connection (pool exhausted or server down)".into(),
         ),
@@ -209,10 +209,9 @@ pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
 /// One connection reaching the server as `pooler` says; errors as [`connect`].
 pub async fn connect_with(url: &str, pooler: Pooler) -> Result<AsyncPgConnection, RepoError> {
     establish(url, pooler).await.map_err(|e| {
-        RepoError::Unavailable(format!(
-            "cannot connect to PostgreSQL at {}: {e}",
-            redact_url(url)
-        ))
+        RepoError::Unavailable(
+            format!("cannot connect to PostgreSQL at {}: {e}", redact_url(url)).into(),
+        )
     })
 }
 
@@ -301,7 +300,7 @@ pub async fn migrate(url: &str) -> Result<usize, RepoError> {
     with_sync_connection(url, |conn| {
         conn.run_pending_migrations(MIGRATIONS)
             .map(|applied| applied.len())
-            .map_err(|e| RepoError::Database(format!("migration failed: {e}")))
+            .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))
     })
     .await
 }
@@ -319,7 +318,7 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
             applied += conn
                 .run_pending_migrations(source)
                 .map(|done| done.len())
-                .map_err(|e| RepoError::Database(format!("migration failed: {e}")))?;
+                .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))?;
         }
         Ok(applied)
     })
@@ -342,7 +341,7 @@ pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result
     with_sync_connection(url, move |conn| {
         let sources = Sources(std::iter::once(MIGRATIONS).chain(team).collect());
         let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
-            RepoError::Database(format!("migration revert failed: {e}"))
+            RepoError::Database(format!("migration revert failed: {e}").into())
         };
         // Checked before anything is reverted: diesel would revert the newer
         // versions and stop at the unknown one, leaving the schema half down (a
@@ -355,10 +354,13 @@ pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result
                 .collect();
         let applied = conn.applied_migrations().map_err(failed)?;
         if let Some(unknown) = applied.iter().find(|v| !known.contains(&v.to_string())) {
-            return Err(RepoError::Database(format!(
-                "migration revert refused: applied version {unknown} is in none of the \
+            return Err(RepoError::Database(
+                format!(
+                    "migration revert refused: applied version {unknown} is in none of the \
                  migration sets given (pass its team's to revert_all_with); nothing was reverted"
-            )));
+                )
+                .into(),
+            ));
         }
         conn.revert_all_migrations(sources)
             .map(|reverted| reverted.len())
@@ -395,13 +397,12 @@ async fn with_sync_connection<T: Send + 'static>(
     tokio::task::spawn_blocking(move || {
         let mut conn = <AsyncConnectionWrapper<AsyncPgConnection> as Connection>::establish(&url)
             .map_err(|e| {
-            RepoError::Unavailable(format!(
-                "cannot connect to PostgreSQL at {}: {e}",
-                redact_url(&url)
-            ))
+            RepoError::Unavailable(
+                format!("cannot connect to PostgreSQL at {}: {e}", redact_url(&url)).into(),
+            )
         })?;
         f(&mut conn)
     })
     .await
-    .map_err(|e| RepoError::Database(format!("migration task failed: {e}")))?
+    .map_err(|e| RepoError::Database(format!("migration task failed: {e}").into()))?
 }
