@@ -325,8 +325,8 @@ pub enum JobCompleteOutcome {
 /// How a failure counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum FailKind {
-    /// Retry while retries are left.
-    Retryable,
+    /// A passing problem: retry while retries are left (as `StageError::Transient`).
+    Transient,
     /// Retrying cannot help (e.g. a payload that does not deserialize): fail now.
     Permanent,
 }

@@ -237,7 +237,7 @@ impl JobHandler for PipelineHandler {
                 // A newer send may have replaced the payload (an input replaced under
                 // `Rerun`): retried with the job's budget, nothing bound meanwhile.
                 Counters::bump(&c.rejected);
-                Err(HandlerError::Retryable(format!(
+                Err(HandlerError::Transient(format!(
                     "stage {} refused the job: {reason:?}",
                     stage.name()
                 )))
@@ -253,7 +253,7 @@ impl JobHandler for PipelineHandler {
                 error, dead: false, ..
             } => {
                 Counters::bump(&c.failed);
-                Err(HandlerError::Retryable(error))
+                Err(HandlerError::Transient(error))
             }
             ExecutionOutcome::Failed {
                 error, dead: true, ..
