@@ -20,9 +20,8 @@
 //! use std::sync::Arc;
 //!
 //! use idemstage::{
-//!     async_trait, diesel, start, CancellationToken, Counters, FencedTx, Pipeline,
-//!     PipelineWorker, PipelineWorkerConfig, Stage, StageError, StageFlow, StageJob,
-//!     StageName, StagePolicy, TenantId, AnfrageId,
+//!     async_trait, diesel, start, CancellationToken, FencedTx, Pipeline, PipelineWorker,
+//!     Stage, StageError, StageFlow, StageJob, StageName, StagePolicy, TenantId, AnfrageId,
 //! };
 //! use idemstage::diesel_async::RunQueryDsl;
 //!
@@ -72,14 +71,9 @@
 //! let anfrage = AnfrageId::new();
 //! start(&pool, &pipeline, &TenantId::parse("acme")?, &anfrage, "scan of page 1").await?;
 //!
-//! // Work the pipeline's queues until told to stop.
-//! let worker = PipelineWorker::new(
-//!     pool,
-//!     url,
-//!     pipeline,
-//!     PipelineWorkerConfig::default(),
-//!     Arc::new(Counters::default()),
-//! )?;
+//! // Work the pipeline's queues until told to stop (the builder makes a pool
+//! // of the size 8 executions need; `.pool(..)` gives one, checked).
+//! let worker = PipelineWorker::builder(url, pipeline).concurrency(8).build().await?;
 //! let shutdown = CancellationToken::new();
 //! worker.run(shutdown).await;
 //! # Ok(())
@@ -110,7 +104,8 @@ pub use idemstage_persistence::{
 };
 pub use idemstage_runner::{
     handler_fn, Counters, CountersSnapshot, Handled, HandlerError, JobHandler, PipelineWorker,
-    PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
+    PipelineWorkerBuilder, PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerBuildError,
+    WorkerError, WorkerStatsSnapshot,
 };
 pub use idemstage_stage::{
     first_job, start, start_in, ExecutionOutcome, Executor, Pipeline, PipelineError, Stage,
