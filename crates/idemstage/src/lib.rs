@@ -82,12 +82,43 @@
 //!
 //! A team's migration puts its table under the same tenant isolation as ours with
 //! one line: `SELECT idemstage_tenant_table('ocr_pages');` (after the core's
-//! migrations: [`migrate_with`] runs both).
+//! migrations: [`migrate_with`] runs both). The team embeds its migrations with
+//! [`embed_migrations!`] (Diesel's, through this crate).
 #![warn(missing_docs)]
 
 pub use async_trait::async_trait;
 pub use tokio_util::sync::CancellationToken;
 pub use {diesel, diesel_async, diesel_migrations, serde_json};
+
+/// Diesel's `embed_migrations!` for a crate that depends on `idemstage` only: the
+/// team's migration directories (relative to its `Cargo.toml`; default
+/// `migrations`), for [`migrate_with`] and the testkit. Diesel's macro names
+/// `diesel_migrations::…` in what it expands to, so called as
+/// `idemstage::diesel_migrations::embed_migrations!` it compiles only where
+/// `diesel_migrations` is a name in scope (`use idemstage::diesel_migrations;`);
+/// this one brings the name along.
+///
+/// ```no_run
+/// # // As in a team's crate, where no `diesel_migrations` is in scope (this
+/// # // doctest has the facade's dependencies; this empty module hides it).
+/// # mod diesel_migrations {}
+/// use idemstage::diesel_migrations::EmbeddedMigrations;
+///
+/// // In a team's crate: `embed_migrations!("migrations")`, or `!()` for the default.
+/// pub const MIGRATIONS: EmbeddedMigrations = idemstage::embed_migrations!("../../migrations");
+///
+/// # async fn demo() -> Result<(), idemstage::RepoError> {
+/// idemstage::migrate_with("postgres://localhost/app", vec![MIGRATIONS]).await?;
+/// # Ok(())
+/// # }
+/// ```
+#[macro_export]
+macro_rules! embed_migrations {
+    ($($path:tt)*) => {{
+        use $crate::diesel_migrations;
+        diesel_migrations::embed_migrations!($($path)*)
+    }};
+}
 
 pub use idemstage_domain::{
     input_hash_of, AnfrageId, ClaimToken, DomainError, InputChangePolicy, JobId, RejectReason,
