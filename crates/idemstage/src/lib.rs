@@ -129,7 +129,7 @@ pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
 pub use idemstage_persistence::fenced::insert_or_get;
 pub use idemstage_persistence::tenant::{transaction as tenant_transaction, TenantBody};
 pub use idemstage_persistence::{
-    connect, connect_pool, connect_with, map_diesel_error, migrate, migrate_with, pinned,
+    connect, connect_pool, connect_with, get, map_diesel_error, migrate, migrate_with, pinned,
     revert_all_with, FencedTx, FencedWrite, InsertOrGet, PgPool, PgRunRepository, PoolConfig,
     Pooler, Replaced,
 };

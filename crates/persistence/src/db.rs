@@ -48,7 +48,7 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage_persistence::{PoolConfig, Pooler};
+/// use idemstage::{PoolConfig, Pooler};
 /// let config = PoolConfig::default()
 ///     .with_max_size(8)
 ///     .with_connection_timeout(Duration::from_secs(5))
@@ -138,19 +138,18 @@ pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
 /// connection outside a transaction need it too.
 ///
 /// ```no_run
-/// use diesel::IntoSql;
-/// use diesel_async::RunQueryDsl;
-/// use idemstage_persistence::{connect_pool, pinned, PoolConfig, Pooler};
-/// # async fn example() -> Result<(), idemstage_domain::RepoError> {
+/// use idemstage::diesel::{self, IntoSql};
+/// use idemstage::diesel_async::RunQueryDsl;
+/// use idemstage::{connect_pool, pinned, PoolConfig, Pooler, RepoError};
+/// # async fn example() -> Result<(), RepoError> {
 /// // Through PgBouncer in transaction mode.
 /// let config = PoolConfig::default().with_pooler(Pooler::Transaction);
 /// let pool = connect_pool("postgres://w:pw@pgbouncer:6432/app", config).await?;
-/// let mut conn = idemstage_persistence::get(&pool).await?;
+/// let mut conn = idemstage::get(&pool).await?;
 /// let one: i32 = pinned(&mut conn, async |conn| {
 ///     diesel::select(1.into_sql::<diesel::sql_types::Integer>()).get_result(conn).await
 /// })
-/// .await
-/// .map_err(idemstage_persistence::map_diesel_error)?;
+/// .await?; // a Diesel error is a RepoError
 /// # let _ = one;
 /// # Ok(()) }
 /// ```
