@@ -175,7 +175,7 @@ impl PartialEq<String> for RepoMessage {
 /// Errors of the persistence layer. [`RepoError::is_retryable`] says which may
 /// succeed on a retry, [`RepoError::is_bad_request`] which never will.
 ///
-/// A Diesel error converts into one (`?`, or [`map_diesel_error`](crate::error::map_diesel_error)),
+/// A Diesel error converts into one (`?`, or [`map_diesel_error`]),
 /// classified by what the database said, and stays reachable as the
 /// [`source`](std::error::Error::source).
 #[derive(Debug, Clone)]
