@@ -1,5 +1,9 @@
 //! Errors per layer. Each says whether retrying the same operation can help.
 
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+
 use thiserror::Error;
 
 /// Bad input, found before anything is written. Never retryable.
@@ -48,21 +52,141 @@ pub enum DomainError {
     InvalidOption(String),
 }
 
+/// The text of a [`RepoError`], with the error it came from if there is one (a
+/// Diesel error, say): that error is the `RepoError`'s
+/// [`source`](std::error::Error::source).
+///
+/// Made from a `String` or `&str` (`RepoError::Database(text.into())`); reads as
+/// a `str` (it derefs to one, compares with one, displays as its text).
+#[derive(Clone, Default)]
+pub struct RepoMessage {
+    text: String,
+    source: Option<Arc<dyn StdError + Send + Sync + 'static>>,
+}
+
+impl RepoMessage {
+    /// A text without a source.
+    pub fn new(text: impl Into<String>) -> Self {
+        RepoMessage {
+            text: text.into(),
+            source: None,
+        }
+    }
+
+    /// The same text, with `source` as the error it came from.
+    pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(source));
+        self
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The error this one came from, if it was kept.
+    pub fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
+    }
+
+    /// The text, the source dropped.
+    pub fn into_string(self) -> String {
+        self.text
+    }
+}
+
+impl std::ops::Deref for RepoMessage {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.text
+    }
+}
+
+impl AsRef<str> for RepoMessage {
+    fn as_ref(&self) -> &str {
+        &self.text
+    }
+}
+
+impl fmt::Display for RepoMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl fmt::Debug for RepoMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            None => fmt::Debug::fmt(&self.text, f),
+            Some(source) => f
+                .debug_struct("RepoMessage")
+                .field("text", &self.text)
+                .field("source", source)
+                .finish(),
+        }
+    }
+}
+
+impl From<String> for RepoMessage {
+    fn from(text: String) -> Self {
+        RepoMessage::new(text)
+    }
+}
+
+impl From<&str> for RepoMessage {
+    fn from(text: &str) -> Self {
+        RepoMessage::new(text)
+    }
+}
+
+impl From<RepoMessage> for String {
+    fn from(message: RepoMessage) -> Self {
+        message.text
+    }
+}
+
+impl PartialEq for RepoMessage {
+    /// Compares the texts only.
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl PartialEq<str> for RepoMessage {
+    fn eq(&self, other: &str) -> bool {
+        self.text == other
+    }
+}
+
+impl PartialEq<&str> for RepoMessage {
+    fn eq(&self, other: &&str) -> bool {
+        self.text == *other
+    }
+}
+
+impl PartialEq<String> for RepoMessage {
+    fn eq(&self, other: &String) -> bool {
+        &self.text == other
+    }
+}
+
 /// Errors of the persistence layer. [`RepoError::is_retryable`] says which may
 /// succeed on a retry, [`RepoError::is_bad_request`] which never will.
-#[derive(Debug, Error, Clone)]
+///
+/// A Diesel error converts into one (`?`, or [`map_diesel_error`]),
+/// classified by what the database said, and stays reachable as the
+/// [`source`](std::error::Error::source).
+#[derive(Debug, Clone)]
 pub enum RepoError {
     /// The database cannot be reached, or the connection broke. Retry after a backoff.
-    #[error("database unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(RepoMessage),
     /// Serialization failure (40001) or deadlock (40P01) that outlived our own retries.
-    #[error("transaction conflict, retry: {0}")]
-    Conflict(String),
+    Conflict(RepoMessage),
     /// The outcome of a COMMIT is unknown and could not be re-checked yet.
-    #[error("commit outcome unknown: {0}")]
-    AmbiguousCommit(String),
+    AmbiguousCommit(RepoMessage),
     /// The anfrage does not exist for this tenant (it may exist for another tenant).
-    #[error("anfrage {anfrage} not found for tenant {tenant}")]
     AnfrageNotFound {
         /// The tenant asked for.
         tenant: String,
@@ -70,7 +194,6 @@ pub enum RepoError {
         anfrage: String,
     },
     /// The anfrage id is already registered for another tenant.
-    #[error("anfrage {anfrage} belongs to another tenant than {tenant}")]
     TenantMismatch {
         /// The tenant asked for (not the owner).
         tenant: String,
@@ -79,15 +202,12 @@ pub enum RepoError {
     },
     /// A lock or statement timeout, or a cancelled statement (55P03, 57014): the
     /// database is busy, not the request wrong. Retry after a backoff.
-    #[error("database busy, retry: {0}")]
-    Timeout(String),
+    Timeout(RepoMessage),
     /// The server is out of a resource (53xxx: disk, memory, connections). Retry
     /// after a backoff.
-    #[error("database out of resources, retry: {0}")]
-    Resources(String),
+    Resources(RepoMessage),
     /// The anfrage is registered with another input and its first stage's policy
     /// is `Reject`: nothing was changed.
-    #[error("anfrage {anfrage} of tenant {tenant} is registered with another input (stored sha256 {stored_hash}, new {new_hash}) and its first stage rejects input changes")]
     InputChanged {
         /// The anfrage's tenant.
         tenant: String,
@@ -101,7 +221,6 @@ pub enum RepoError {
     /// The input a run is bound to (by hash) is stored neither as the anfrage's
     /// input nor among its replaced inputs: written around the library, or older
     /// than the kept inputs. Permanent: no attempt can read it.
-    #[error("anfrage {anfrage} of tenant {tenant}: the input its run is bound to (sha256 {input_hash}) is not stored")]
     BoundInputMissing {
         /// The tenant.
         tenant: String,
@@ -111,7 +230,6 @@ pub enum RepoError {
         input_hash: String,
     },
     /// Insert-or-get found neither its own insert nor an existing row, repeatedly.
-    #[error("insert-or-get of {what} gave up after {tries} tries: the row kept disappearing")]
     InsertOrGetExhausted {
         /// The kind of row (for the message).
         what: String,
@@ -119,11 +237,73 @@ pub enum RepoError {
         tries: u32,
     },
     /// Bad input found before anything was written; never retryable.
-    #[error(transparent)]
-    Invalid(#[from] DomainError),
+    Invalid(DomainError),
     /// Anything else the database refused (constraint, bad SQL): a bug or bad data.
-    #[error("database error: {0}")]
-    Database(String),
+    Database(RepoMessage),
+}
+
+impl fmt::Display for RepoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RepoError::Unavailable(m) => write!(f, "database unavailable: {m}"),
+            RepoError::Conflict(m) => write!(f, "transaction conflict, retry: {m}"),
+            RepoError::AmbiguousCommit(m) => write!(f, "commit outcome unknown: {m}"),
+            RepoError::AnfrageNotFound { tenant, anfrage } => {
+                write!(f, "anfrage {anfrage} not found for tenant {tenant}")
+            }
+            RepoError::TenantMismatch { tenant, anfrage } => {
+                write!(
+                    f,
+                    "anfrage {anfrage} belongs to another tenant than {tenant}"
+                )
+            }
+            RepoError::Timeout(m) => write!(f, "database busy, retry: {m}"),
+            RepoError::Resources(m) => write!(f, "database out of resources, retry: {m}"),
+            RepoError::InputChanged {
+                tenant,
+                anfrage,
+                stored_hash,
+                new_hash,
+            } => write!(
+                f,
+                "anfrage {anfrage} of tenant {tenant} is registered with another input \
+                 (stored sha256 {stored_hash}, new {new_hash}) and its first stage rejects \
+                 input changes"
+            ),
+            RepoError::BoundInputMissing {
+                tenant,
+                anfrage,
+                input_hash,
+            } => write!(
+                f,
+                "anfrage {anfrage} of tenant {tenant}: the input its run is bound to \
+                 (sha256 {input_hash}) is not stored"
+            ),
+            RepoError::InsertOrGetExhausted { what, tries } => write!(
+                f,
+                "insert-or-get of {what} gave up after {tries} tries: the row kept disappearing"
+            ),
+            RepoError::Invalid(e) => fmt::Display::fmt(e, f),
+            RepoError::Database(m) => write!(f, "database error: {m}"),
+        }
+    }
+}
+
+impl StdError for RepoError {
+    /// The error the text came from (a Diesel error, converted with `?` or
+    /// `map_diesel_error`), if it was kept.
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            RepoError::Invalid(e) => e.source(),
+            other => other.message().and_then(RepoMessage::source),
+        }
+    }
+}
+
+impl From<DomainError> for RepoError {
+    fn from(e: DomainError) -> Self {
+        RepoError::Invalid(e)
+    }
 }
 
 impl RepoError {
@@ -152,6 +332,21 @@ impl RepoError {
                 | RepoError::Timeout(_)
                 | RepoError::Resources(_)
         )
+    }
+
+    /// The text (and the source it came from) of a variant that has one:
+    /// `Unavailable`, `Conflict`, `AmbiguousCommit`, `Timeout`, `Resources`,
+    /// `Database`.
+    pub fn message(&self) -> Option<&RepoMessage> {
+        match self {
+            RepoError::Unavailable(m)
+            | RepoError::Conflict(m)
+            | RepoError::AmbiguousCommit(m)
+            | RepoError::Timeout(m)
+            | RepoError::Resources(m)
+            | RepoError::Database(m) => Some(m),
+            _ => None,
+        }
     }
 }
 
@@ -206,6 +401,8 @@ impl StageError {
         }
     }
 }
+
+pub use crate::diesel_error::map_diesel_error;
 
 /// The most bytes of error text written to the database (`last_error`, attempt
 /// history).

@@ -1,10 +1,12 @@
 //! Pure types and rules of idemstage: identifiers, run states, claim outcomes,
 //! per-stage policies, errors, and the repository traits the stage layer depends on.
 //!
-//! Invariant: this crate does no I/O. It names no table and opens no connection.
+//! Invariant: this crate does no I/O. It names no table and opens no connection
+//! (it depends on Diesel for its error type only, to classify it).
 
 #![warn(missing_docs)]
 
+mod diesel_error;
 pub mod error;
 pub mod ids;
 pub mod outcome;
@@ -12,7 +14,10 @@ pub mod policy;
 pub mod queue;
 pub mod repo;
 
-pub use error::{sanitize_error_text, DomainError, RepoError, StageError, MAX_ERROR_TEXT_BYTES};
+pub use error::{
+    map_diesel_error, sanitize_error_text, DomainError, RepoError, RepoMessage, StageError,
+    MAX_ERROR_TEXT_BYTES,
+};
 pub use ids::{input_hash_of, AnfrageId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
 pub use outcome::{
     ClaimOutcome, CompleteOutcome, FailOutcome, RejectReason, RenewOutcome, RunStatus, SkipReason,

@@ -22,7 +22,7 @@ pub use labels::stage_singleton_key;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage_domain::SendOptions;
+/// use idemstage::SendOptions;
 /// let options = SendOptions::default()
 ///     .with_singleton_key("invoice-42")
 ///     .with_retry_limit(5)
@@ -325,8 +325,8 @@ pub enum JobCompleteOutcome {
 /// How a failure counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum FailKind {
-    /// Retry while retries are left.
-    Retryable,
+    /// A passing problem: retry while retries are left (as `StageError::Transient`).
+    Transient,
     /// Retrying cannot help (e.g. a payload that does not deserialize): fail now.
     Permanent,
 }

@@ -23,9 +23,8 @@
 //! use std::sync::Arc;
 //!
 //! use idemstage::{
-//!     async_trait, diesel, start, CancellationToken, Counters, Done, FencedTx, Pipeline,
-//!     PipelineWorker, PipelineWorkerConfig, PrepareContext, Stage, StageError, TenantId,
-//!     AnfrageId,
+//!     async_trait, diesel, start, CancellationToken, Done, FencedTx, Pipeline, PipelineWorker,
+//!     PrepareContext, Stage, StageError, TenantId, AnfrageId,
 //! };
 //! use idemstage::diesel_async::RunQueryDsl;
 //!
@@ -58,8 +57,7 @@
 //!             .bind::<diesel::sql_types::Text, _>(anfrage)
 //!             .bind::<diesel::sql_types::Text, _>(text)
 //!             .execute(tx.conn())
-//!             .await
-//!             .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+//!             .await?; // a Diesel error is a `StageError` (retryable or not, as the database said)
 //!         Ok(Done::next(text.len()))
 //!     }
 //! }
@@ -74,14 +72,9 @@
 //! let anfrage = AnfrageId::new();
 //! start(&pool, &pipeline, &TenantId::parse("acme")?, &anfrage, "scan of page 1").await?;
 //!
-//! // Work the pipeline's queues until told to stop.
-//! let worker = PipelineWorker::new(
-//!     pool,
-//!     url,
-//!     pipeline,
-//!     PipelineWorkerConfig::default(),
-//!     Arc::new(Counters::default()),
-//! )?;
+//! // Work the pipeline's queues until told to stop (the builder makes a pool
+//! // of the size 8 executions need; `.pool(..)` gives one, checked).
+//! let worker = PipelineWorker::builder(url, pipeline).concurrency(8).build().await?;
 //! let shutdown = CancellationToken::new();
 //! worker.run(shutdown).await;
 //! # Ok(())
@@ -90,29 +83,61 @@
 //!
 //! A team's migration puts its table under the same tenant isolation as ours with
 //! one line: `SELECT idemstage_tenant_table('ocr_pages');` (after the core's
-//! migrations: [`migrate_with`] runs both).
+//! migrations: [`migrate_with`] runs both). The team embeds its migrations with
+//! [`embed_migrations!`] (Diesel's, through this crate).
 #![warn(missing_docs)]
 
 pub use async_trait::async_trait;
 pub use tokio_util::sync::CancellationToken;
 pub use {diesel, diesel_async, diesel_migrations, serde_json};
 
+/// Diesel's `embed_migrations!` for a crate that depends on `idemstage` only: the
+/// team's migration directories (relative to its `Cargo.toml`; default
+/// `migrations`), for [`migrate_with`] and the testkit. Diesel's macro names
+/// `diesel_migrations::…` in what it expands to, so called as
+/// `idemstage::diesel_migrations::embed_migrations!` it compiles only where
+/// `diesel_migrations` is a name in scope (`use idemstage::diesel_migrations;`);
+/// this one brings the name along.
+///
+/// ```no_run
+/// # // As in a team's crate, where no `diesel_migrations` is in scope (this
+/// # // doctest has the facade's dependencies; this empty module hides it).
+/// # mod diesel_migrations {}
+/// use idemstage::diesel_migrations::EmbeddedMigrations;
+///
+/// // In a team's crate: `embed_migrations!("migrations")`, or `!()` for the default.
+/// pub const MIGRATIONS: EmbeddedMigrations = idemstage::embed_migrations!("../../migrations");
+///
+/// # async fn demo() -> Result<(), idemstage::RepoError> {
+/// idemstage::migrate_with("postgres://localhost/app", vec![MIGRATIONS]).await?;
+/// # Ok(())
+/// # }
+/// ```
+#[macro_export]
+macro_rules! embed_migrations {
+    ($($path:tt)*) => {{
+        use $crate::diesel_migrations;
+        diesel_migrations::embed_migrations!($($path)*)
+    }};
+}
+
 pub use idemstage_domain::{
     input_hash_of, AnfrageId, ClaimToken, DomainError, InputChangePolicy, JobId, RejectReason,
-    RepoError, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason, StageError, StageName,
-    StagePolicy, TenantId, WorkerId,
+    RepoError, RepoMessage, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason,
+    StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
 pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
 pub use idemstage_persistence::fenced::insert_or_get;
 pub use idemstage_persistence::tenant::{transaction as tenant_transaction, TenantBody};
 pub use idemstage_persistence::{
-    connect, connect_pool, connect_with, map_diesel_error, migrate, migrate_with, pinned,
+    connect, connect_pool, connect_with, get, map_diesel_error, migrate, migrate_with, pinned,
     revert_all_with, FencedTx, FencedWrite, InsertOrGet, PgPool, PgRunRepository, PoolConfig,
     Pooler, Replaced,
 };
 pub use idemstage_runner::{
     handler_fn, Counters, CountersSnapshot, Handled, HandlerError, JobHandler, PipelineWorker,
-    PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerError, WorkerStatsSnapshot,
+    PipelineWorkerBuilder, PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerBuildError,
+    WorkerError, WorkerStatsSnapshot,
 };
 pub use idemstage_stage::{
     first_job, start, start_in, AttemptInfo, Done, ExecutionOutcome, Executor, Pipeline,

@@ -191,9 +191,9 @@ pub async fn register_input(
         .await
         .map_err(map_diesel_error)?;
     if replaced != 1 {
-        return Err(RepoError::Conflict(format!(
-            "the input of anfrage {anfrage} changed concurrently"
-        )));
+        return Err(RepoError::Conflict(
+            format!("the input of anfrage {anfrage} changed concurrently").into(),
+        ));
     }
     Ok(RegisterOutcome::Replaced {
         previous_sha256: stored,

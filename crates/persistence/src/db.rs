@@ -33,7 +33,7 @@ pub type PooledConn<'a> = bb8::PooledConnection<'a, Manager>;
 /// (retryable), with the driver's reason when there is one.
 pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
     pool.get().await.map_err(|e| match e {
-        bb8::RunError::User(e) => RepoError::Unavailable(format!("cannot connect: {e}")),
+        bb8::RunError::User(e) => RepoError::Unavailable(format!("cannot connect: {e}").into()),
         bb8::RunError::TimedOut => RepoError::Unavailable(
             "timed out waiting for a pooled connection (pool exhausted or server down)".into(),
         ),
@@ -48,7 +48,7 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage_persistence::{PoolConfig, Pooler};
+/// use idemstage::{PoolConfig, Pooler};
 /// let config = PoolConfig::default()
 ///     .with_max_size(8)
 ///     .with_connection_timeout(Duration::from_secs(5))
@@ -138,19 +138,18 @@ pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
 /// connection outside a transaction need it too.
 ///
 /// ```no_run
-/// use diesel::IntoSql;
-/// use diesel_async::RunQueryDsl;
-/// use idemstage_persistence::{connect_pool, pinned, PoolConfig, Pooler};
-/// # async fn example() -> Result<(), idemstage_domain::RepoError> {
+/// use idemstage::diesel::{self, IntoSql};
+/// use idemstage::diesel_async::RunQueryDsl;
+/// use idemstage::{connect_pool, pinned, PoolConfig, Pooler, RepoError};
+/// # async fn example() -> Result<(), RepoError> {
 /// // Through PgBouncer in transaction mode.
 /// let config = PoolConfig::default().with_pooler(Pooler::Transaction);
 /// let pool = connect_pool("postgres://w:pw@pgbouncer:6432/app", config).await?;
-/// let mut conn = idemstage_persistence::get(&pool).await?;
+/// let mut conn = idemstage::get(&pool).await?;
 /// let one: i32 = pinned(&mut conn, async |conn| {
 ///     diesel::select(1.into_sql::<diesel::sql_types::Integer>()).get_result(conn).await
 /// })
-/// .await
-/// .map_err(idemstage_persistence::map_diesel_error)?;
+/// .await?; // a Diesel error is a RepoError
 /// # let _ = one;
 /// # Ok(()) }
 /// ```
@@ -209,10 +208,9 @@ pub async fn connect(url: &str) -> Result<AsyncPgConnection, RepoError> {
 /// One connection reaching the server as `pooler` says; errors as [`connect`].
 pub async fn connect_with(url: &str, pooler: Pooler) -> Result<AsyncPgConnection, RepoError> {
     establish(url, pooler).await.map_err(|e| {
-        RepoError::Unavailable(format!(
-            "cannot connect to PostgreSQL at {}: {e}",
-            redact_url(url)
-        ))
+        RepoError::Unavailable(
+            format!("cannot connect to PostgreSQL at {}: {e}", redact_url(url)).into(),
+        )
     })
 }
 
@@ -301,7 +299,7 @@ pub async fn migrate(url: &str) -> Result<usize, RepoError> {
     with_sync_connection(url, |conn| {
         conn.run_pending_migrations(MIGRATIONS)
             .map(|applied| applied.len())
-            .map_err(|e| RepoError::Database(format!("migration failed: {e}")))
+            .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))
     })
     .await
 }
@@ -319,7 +317,7 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
             applied += conn
                 .run_pending_migrations(source)
                 .map(|done| done.len())
-                .map_err(|e| RepoError::Database(format!("migration failed: {e}")))?;
+                .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))?;
         }
         Ok(applied)
     })
@@ -342,7 +340,7 @@ pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result
     with_sync_connection(url, move |conn| {
         let sources = Sources(std::iter::once(MIGRATIONS).chain(team).collect());
         let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
-            RepoError::Database(format!("migration revert failed: {e}"))
+            RepoError::Database(format!("migration revert failed: {e}").into())
         };
         // Checked before anything is reverted: diesel would revert the newer
         // versions and stop at the unknown one, leaving the schema half down (a
@@ -355,10 +353,13 @@ pub async fn revert_all_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result
                 .collect();
         let applied = conn.applied_migrations().map_err(failed)?;
         if let Some(unknown) = applied.iter().find(|v| !known.contains(&v.to_string())) {
-            return Err(RepoError::Database(format!(
-                "migration revert refused: applied version {unknown} is in none of the \
+            return Err(RepoError::Database(
+                format!(
+                    "migration revert refused: applied version {unknown} is in none of the \
                  migration sets given (pass its team's to revert_all_with); nothing was reverted"
-            )));
+                )
+                .into(),
+            ));
         }
         conn.revert_all_migrations(sources)
             .map(|reverted| reverted.len())
@@ -395,13 +396,12 @@ async fn with_sync_connection<T: Send + 'static>(
     tokio::task::spawn_blocking(move || {
         let mut conn = <AsyncConnectionWrapper<AsyncPgConnection> as Connection>::establish(&url)
             .map_err(|e| {
-            RepoError::Unavailable(format!(
-                "cannot connect to PostgreSQL at {}: {e}",
-                redact_url(&url)
-            ))
+            RepoError::Unavailable(
+                format!("cannot connect to PostgreSQL at {}: {e}", redact_url(&url)).into(),
+            )
         })?;
         f(&mut conn)
     })
     .await
-    .map_err(|e| RepoError::Database(format!("migration task failed: {e}")))?
+    .map_err(|e| RepoError::Database(format!("migration task failed: {e}").into()))?
 }

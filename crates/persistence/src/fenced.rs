@@ -230,12 +230,14 @@ impl<'c> FencedTx<'c> {
         insert_or_get(self.conn, what, insert, select).await
     }
 
-    /// [`FencedTx::insert_or_get`], then an audit entry that names the id that
-    /// exists: `action_created` or `action_reused`, with `details`.
+    /// [`FencedTx::insert_or_get`], then an audit entry whose `entity_id` is the
+    /// id that exists (its `Display`: the one returned, inserted or found), with
+    /// `details` and the action `actions.0` if this call created the row, else
+    /// `actions.1` (e.g. `("datei.created", "datei.reused")`).
     pub async fn insert_or_get_audited<'q, Id, I, S>(
         &mut self,
         what: &str,
-        (action_created, action_reused): (&str, &str),
+        actions: (&str, &str),
         details: serde_json::Value,
         insert: impl Fn() -> I,
         select: impl Fn() -> S,
@@ -246,6 +248,7 @@ impl<'c> FencedTx<'c> {
         S: LoadQuery<'q, AsyncPgConnection, Id> + Send + 'q,
     {
         let found = self.insert_or_get(what, insert, select).await?;
+        let (action_created, action_reused) = actions;
         let action = if found.inserted {
             action_created
         } else {

@@ -55,11 +55,13 @@ pub async fn scope(
 /// look at one tenant's view.
 ///
 /// ```no_run
+/// # use idemstage::{diesel, diesel_async};
 /// # async fn t(conn: &mut diesel_async::AsyncPgConnection)
 /// #     -> Result<(), diesel::result::Error> {
-/// use diesel_async::RunQueryDsl;
-/// let tenant = idemstage_domain::TenantId::parse("acme").unwrap();
-/// let visible: i64 = idemstage_persistence::tenant::transaction(conn, &tenant, async |conn| {
+/// use idemstage::diesel_async::RunQueryDsl;
+/// use idemstage::{tenant_transaction, TenantId};
+/// let tenant = TenantId::parse("acme").unwrap();
+/// let visible: i64 = tenant_transaction(conn, &tenant, async |conn| {
 ///     diesel::sql_query("SELECT count(*) AS n FROM anfragen")
 ///         .get_result::<Count>(conn)
 ///         .await

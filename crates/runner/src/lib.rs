@@ -8,6 +8,7 @@ pub mod counters;
 pub mod pipeline_worker;
 pub mod queue_worker;
 pub mod telemetry;
+pub mod worker_builder;
 
 pub use counters::{Counters, CountersSnapshot};
 pub use pipeline_worker::{PipelineWorker, PipelineWorkerConfig};
@@ -15,3 +16,4 @@ pub use queue_worker::{
     handler_fn, FnHandler, Handled, HandlerError, JobHandler, QueueWorker, QueueWorkerConfig,
     WorkerError, WorkerStats, WorkerStatsSnapshot,
 };
+pub use worker_builder::{PipelineWorkerBuilder, WorkerBuildError};

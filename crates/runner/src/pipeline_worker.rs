@@ -25,7 +25,8 @@ use crate::{
 /// Settings of a [`PipelineWorker`]. The default: 4 executions at once, on every
 /// stage queue of the pipeline, with [`QueueWorkerConfig::default`]'s loop.
 /// Built from the default with the `with_` methods (the struct is
-/// `#[non_exhaustive]`); see [`PipelineWorker::new`] for an example.
+/// `#[non_exhaustive]`); see [`PipelineWorker::new`] for an example, or set them
+/// on [`PipelineWorker::builder`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct PipelineWorkerConfig {
@@ -237,7 +238,7 @@ impl JobHandler for PipelineHandler {
                 // A newer send may have replaced the payload (an input replaced under
                 // `Rerun`): retried with the job's budget, nothing bound meanwhile.
                 Counters::bump(&c.rejected);
-                Err(HandlerError::Retryable(format!(
+                Err(HandlerError::Transient(format!(
                     "stage {} refused the job: {reason:?}",
                     stage.name()
                 )))
@@ -253,7 +254,7 @@ impl JobHandler for PipelineHandler {
                 error, dead: false, ..
             } => {
                 Counters::bump(&c.failed);
-                Err(HandlerError::Retryable(error))
+                Err(HandlerError::Transient(error))
             }
             ExecutionOutcome::Failed {
                 error, dead: true, ..
@@ -289,11 +290,14 @@ pub struct PipelineWorker {
     executor: Executor,
     /// The reconciler and its interval, if it runs.
     reconciler: Option<(Reconciler, Duration, PgPool)>,
+    /// The handler's counters.
+    counters: Arc<Counters>,
 }
 
 impl PipelineWorker {
     /// A worker for `pipeline` on `pool` (which needs at least
-    /// [`PipelineWorkerConfig::pool_size`] connections); `database_url` is for its
+    /// [`PipelineWorkerConfig::pool_size`] connections, not checked here: the
+    /// [`builder`](Self::builder) checks it, or builds the pool); `database_url` is for its
     /// LISTEN connection, which cannot be pooled. `counters` may be shared between
     /// workers. Refused (`WorkerError::Config`) if a configured queue is not a stage
     /// of the pipeline, the queue loop's settings are invalid,
@@ -339,7 +343,37 @@ impl PipelineWorker {
         counters: Arc<Counters>,
     ) -> Result<Self, WorkerError> {
         let worker_id = WorkerId::generate();
-        let mut queue = config.queue;
+        let queue = Self::check_config(&pipeline, &config)?;
+        let executor = Executor::new(
+            Arc::new(PgRunRepository::new(pool.clone()).with_wake(config.wake)),
+            worker_id.clone(),
+        );
+        let reconciler = config.reconcile_interval.map(|every| {
+            let reconciler =
+                Reconciler::new(pipeline.clone()).with_batch_limit(config.reconcile_batch_limit);
+            (reconciler, every, pool.clone())
+        });
+        let handler = PipelineHandler {
+            pipeline,
+            executor: executor.clone(),
+            counters: counters.clone(),
+        };
+        Ok(Self {
+            inner: QueueWorker::new(pool, database_url, queue, handler)?,
+            worker_id,
+            executor,
+            reconciler,
+            counters,
+        })
+    }
+
+    /// The queue loop's settings of a worker for `pipeline` with `config` (its
+    /// queues filled in), or why they do not work together (see [`new`](Self::new)).
+    pub(crate) fn check_config(
+        pipeline: &Pipeline,
+        config: &PipelineWorkerConfig,
+    ) -> Result<QueueWorkerConfig, WorkerError> {
+        let mut queue = config.queue.clone();
         queue.concurrency = config.concurrency;
         if queue.queues.is_empty() {
             queue.queues = pipeline
@@ -364,31 +398,18 @@ impl PipelineWorker {
                 queue.maintenance_interval
             )));
         }
-        let executor = Executor::new(
-            Arc::new(PgRunRepository::new(pool.clone()).with_wake(config.wake)),
-            worker_id.clone(),
-        );
         if config.reconcile_interval == Some(Duration::ZERO) {
             return Err(WorkerError::Config(
                 "reconcile_interval must be positive (None: no reconciler)".into(),
             ));
         }
-        let reconciler = config.reconcile_interval.map(|every| {
-            let reconciler =
-                Reconciler::new(pipeline.clone()).with_batch_limit(config.reconcile_batch_limit);
-            (reconciler, every, pool.clone())
-        });
-        let handler = PipelineHandler {
-            pipeline,
-            executor: executor.clone(),
-            counters,
-        };
-        Ok(Self {
-            inner: QueueWorker::new(pool, database_url, queue, handler)?,
-            worker_id,
-            executor,
-            reconciler,
-        })
+        queue.validate()?;
+        Ok(queue)
+    }
+
+    /// The counters this worker adds to (those given to it, or its own).
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
     }
 
     /// This worker's identity, as recorded on the runs it claims (generated anew

@@ -10,7 +10,7 @@ use idemstage_domain::{AnfrageId, SendResult, TenantId};
 use idemstage_example::{self as example, Chaos};
 use idemstage_persistence::anfragen::{validate_input, MAX_INPUT_BYTES};
 use idemstage_persistence::TxError;
-use idemstage_stage::{start_in, Pipeline};
+use idemstage_stage::{first_job, start_in, Pipeline};
 
 use super::BadInput;
 
@@ -62,6 +62,18 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
     validate_input(&text)?;
     let pipeline = team.unwrap_or_else(|| example::pipeline(Chaos::default()));
     let mut conn = db.connect().await?;
+    // The same input again for an anfrage whose first stage already succeeded on
+    // it: a send would make a job that only finds the stage done. Nothing is sent.
+    let hash = idemstage_domain::input_hash_of(text.as_bytes());
+    let first_stage = first_job(&pipeline, tenant.clone(), anfrage, hash.clone()).queue;
+    if first_stage_succeeded(&mut conn, &tenant, &anfrage, &first_stage, &hash).await? {
+        println!("finished");
+        eprintln!(
+            "anfrage {anfrage} of tenant {tenant}: stage {first_stage} already succeeded on this \
+             input; nothing was sent"
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let started = conn
         .transaction::<_, TxError, _>(async |conn| {
             // Another input than the stored one is refused under `Reject` (the
@@ -73,7 +85,43 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         .context("enqueue failed; nothing was written")?;
     match started.sent {
         SendResult::Sent(id) => println!("{id}"),
-        SendResult::Duplicate => println!("duplicate"),
+        SendResult::Duplicate => {
+            println!("duplicate");
+            eprintln!(
+                "anfrage {anfrage} of tenant {tenant}: a job for stage {first_stage} is live \
+                 already; no job was sent"
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether `stage` of the anfrage succeeded on the input `input_hash` (read in the
+/// tenant's scope, as any role may).
+async fn first_stage_succeeded(
+    conn: &mut diesel_async::AsyncPgConnection,
+    tenant: &TenantId,
+    anfrage: &AnfrageId,
+    stage: &str,
+    input_hash: &str,
+) -> anyhow::Result<bool> {
+    use diesel::prelude::*;
+    use diesel_async::RunQueryDsl;
+    use idemstage_persistence::schema::pipeline_runs::dsl as r;
+    let anfrage_id = anfrage.to_string();
+    let found = idemstage_persistence::tenant::transaction(conn, tenant, async |conn| {
+        r::pipeline_runs
+            .filter(r::tenant_id.eq(tenant.as_str()))
+            .filter(r::anfrage_id.eq(&anfrage_id))
+            .filter(r::stage.eq(stage))
+            .filter(r::input_hash.eq(input_hash))
+            .filter(r::status.eq(idemstage_domain::RunStatus::Success.as_str()))
+            .select(r::id)
+            .first::<String>(conn)
+            .await
+            .optional()
+    })
+    .await
+    .map_err(idemstage_persistence::map_diesel_error)?;
+    Ok(found.is_some())
 }

@@ -209,7 +209,7 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         if let Some(url) = listen_url.as_deref().filter(|u| **u != db.url) {
             idemstage_persistence::queue::JobListener::connect(url)
                 .await
-                .map_err(|e| RepoError::Unavailable(format!("--listen-url: {e}")))?;
+                .map_err(|e| RepoError::Unavailable(format!("--listen-url: {e}").into()))?;
         }
         // Row-level security holds only for a role it restricts (README, "Deploying").
         let role = {

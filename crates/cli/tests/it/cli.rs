@@ -419,3 +419,37 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
         "{controls}"
     );
 }
+
+/// `enqueue` of an anfrage whose first stage already succeeded on the same input
+/// printed a fresh job id (of a job that only found the stage done). It says
+/// `finished` now, and sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_of_a_finished_anfrage_says_it_is_finished_not_a_job_id() {
+    use std::sync::Arc;
+    let db = idemstage_testkit::example::db().await;
+    let first = enqueue(&db, "t1");
+    assert!(first.status.success());
+    let id = String::from_utf8(first.stdout).unwrap();
+    assert_eq!(id.trim().len(), 26, "{id}");
+    let worker = crate::support::start_pipeline_worker(
+        db.pool(8).await,
+        db.url(),
+        crate::support::pipeline(),
+        2,
+        Arc::new(idemstage_runner::Counters::default()),
+    );
+    crate::support::assert_quiet_and_sound(db.url(), 60).await;
+    crate::support::stop_pipeline_worker(worker).await;
+    let jobs_before = idemstage_testkit::count(&mut db.conn().await, "SELECT 1 FROM jobs").await;
+
+    let second = enqueue(&db, "t1");
+    assert!(second.status.success(), "{second:?}");
+    assert_eq!(String::from_utf8(second.stdout).unwrap().trim(), "finished");
+    let stderr = String::from_utf8(second.stderr).unwrap();
+    assert!(stderr.contains("already succeeded"), "{stderr}");
+    // And nothing was sent.
+    assert_eq!(
+        idemstage_testkit::count(&mut db.conn().await, "SELECT 1 FROM jobs").await,
+        jobs_before
+    );
+}

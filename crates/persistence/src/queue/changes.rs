@@ -50,9 +50,10 @@ impl ControlChangeKind {
             .into_iter()
             .find(|k| k.as_str() == text)
             .ok_or_else(|| {
-                RepoError::Database(format!(
-                    "queue_control_changes.change {text:?} is none this version knows"
-                ))
+                RepoError::Database(
+                    format!("queue_control_changes.change {text:?} is none this version knows")
+                        .into(),
+                )
             })
     }
 }

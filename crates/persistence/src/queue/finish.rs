@@ -164,7 +164,7 @@ pub async fn fail(
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Text, _>(error)
-        .bind::<Bool, _>(kind == FailKind::Retryable)
+        .bind::<Bool, _>(kind == FailKind::Transient)
         .bind::<Text, _>(JobId::new().to_string())
         .cached();
     let row: Option<FailRow> =

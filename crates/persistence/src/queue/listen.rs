@@ -34,13 +34,10 @@ impl JobListener {
         let mut stream = std::pin::pin!(self.conn.notifications_stream());
         match stream.next().await {
             Some(Ok(n)) => Ok(n.payload),
-            Some(Err(e)) => Err(RepoError::Unavailable(format!(
-                "listener connection lost: {}",
-                map_diesel_error(e)
-            ))),
-            None => Err(RepoError::Unavailable(
-                "listener connection closed".to_owned(),
+            Some(Err(e)) => Err(RepoError::Unavailable(
+                format!("listener connection lost: {}", map_diesel_error(e)).into(),
             )),
+            None => Err(RepoError::Unavailable("listener connection closed".into())),
         }
     }
 }

@@ -251,7 +251,7 @@ pub async fn queue_stats(conn: &mut AsyncPgConnection) -> Result<QueueStats, Rep
     let mut stats = QueueStats::default();
     for row in rows {
         let state = JobState::parse(&row.state).ok_or_else(|| {
-            RepoError::Database(format!("unknown job state {:?} in jobs", row.state))
+            RepoError::Database(format!("unknown job state {:?} in jobs", row.state).into())
         })?;
         *stats.queues.entry(row.queue).or_default().get_mut(state) += row.n;
     }

@@ -131,10 +131,13 @@ impl PgRunRepository {
                 Ok(Round::Again) => {}
             }
         }
-        Err(RepoError::Conflict(format!(
-            "claim of {}/{}/{} kept changing state",
-            req.tenant, req.anfrage, req.stage
-        )))
+        Err(RepoError::Conflict(
+            format!(
+                "claim of {}/{}/{} kept changing state",
+                req.tenant, req.anfrage, req.stage
+            )
+            .into(),
+        ))
     }
 }
 

@@ -226,11 +226,14 @@ impl PgRunRepository {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(2));
         }
-        Err(RepoError::AmbiguousCommit(format!(
-            "could not re-read run {} after a lost connection: {}",
-            token.run_id,
-            last.map(|e| e.to_string()).unwrap_or_default()
-        )))
+        Err(RepoError::AmbiguousCommit(
+            format!(
+                "could not re-read run {} after a lost connection: {}",
+                token.run_id,
+                last.map(|e| e.to_string()).unwrap_or_default()
+            )
+            .into(),
+        ))
     }
 }
 

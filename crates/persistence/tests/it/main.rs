@@ -4,6 +4,7 @@
 mod claim;
 mod claim_cost;
 mod controls;
+mod diesel_errors;
 mod fair;
 mod foundation;
 mod isolation;

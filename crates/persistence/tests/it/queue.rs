@@ -178,7 +178,7 @@ async fn thirty_two_concurrent_senders_of_one_key_give_one_sent_then_key_is_free
         fetched.id,
         fetched.attempt,
         "boom",
-        FailKind::Retryable,
+        FailKind::Transient,
     )
     .await
     .unwrap();
@@ -495,7 +495,7 @@ async fn an_expired_lease_is_retried_by_maintenance_and_the_stale_worker_is_fenc
         JobCompleteOutcome::Fenced
     );
     assert_eq!(
-        queue::fail(&mut conn, id, stale.attempt, "x", FailKind::Retryable)
+        queue::fail(&mut conn, id, stale.attempt, "x", FailKind::Transient)
             .await
             .unwrap(),
         JobFailOutcome::Fenced
@@ -545,7 +545,7 @@ async fn fail_measured(conn: &mut AsyncPgConnection, j: &FetchedJob) -> (JobFail
     }
     let (id, attempt) = (j.id, j.attempt);
     conn.transaction::<_, TxErr, _>(async move |c| {
-        let outcome = queue::fail(c, id, attempt, "handler error", FailKind::Retryable).await?;
+        let outcome = queue::fail(c, id, attempt, "handler error", FailKind::Transient).await?;
         let now: Now = diesel::sql_query("SELECT now() AS now")
             .get_result(c)
             .await?;

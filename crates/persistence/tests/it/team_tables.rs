@@ -330,3 +330,115 @@ async fn a_team_table_with_a_serial_key_takes_inserts_in_the_scope() {
         .await;
     assert_eq!(inserted.map_err(|e| e.to_string()), Ok(1));
 }
+
+/// `FencedTx::insert_or_get_audited` on a team table with a serial key: the audit
+/// entry names the row's id, the one returned, whether the call created the row
+/// or found it.
+#[tokio::test]
+async fn insert_or_get_audited_records_the_id_of_the_row_it_returns() {
+    use futures_util::FutureExt;
+    use idemstage_domain::CompleteOutcome;
+    use idemstage_persistence::{FencedTx, InsertOrGet};
+    use std::sync::Mutex;
+
+    #[derive(diesel::QueryableByName)]
+    struct Entity {
+        #[diesel(sql_type = Text)]
+        entity_id: String,
+        #[diesel(sql_type = Text)]
+        action: String,
+    }
+
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // Rows of another key first, so that the ids of ours are not 1.
+    conn.batch_execute(
+        "CREATE TABLE invoices (id bigserial PRIMARY KEY, tenant_id text NOT NULL, \
+         number text NOT NULL, UNIQUE (tenant_id, number)); \
+         SELECT idemstage_tenant_table('invoices'); \
+         INSERT INTO invoices (tenant_id, number) VALUES ('t1', 'a'), ('t1', 'b'), ('t1', 'c')",
+    )
+    .await
+    .unwrap();
+    let t = tenant("t1");
+    let repo = repo(&db, 2).await;
+    /// The id column, as `sql_query` loads it.
+    #[derive(diesel::QueryableByName, Debug, Clone, Copy, PartialEq, Eq)]
+    struct Id {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        id: i64,
+    }
+    impl std::fmt::Display for Id {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            self.id.fmt(f)
+        }
+    }
+    let found: std::sync::Arc<Mutex<Vec<InsertOrGet<Id>>>> = Default::default();
+    fn write_fn<F>(f: F) -> F
+    where
+        F: for<'t> Fn(
+                &'t mut FencedTx<'_>,
+            ) -> futures_util::future::BoxFuture<
+                't,
+                Result<(), idemstage_domain::StageError>,
+            > + Send
+            + Sync,
+    {
+        f
+    }
+    for number in ["z", "z"] {
+        let req = request(&t, new_anfrage(&mut conn, &t).await, "extract");
+        let token = token_of(&req, &repo.claim(&req).await.unwrap());
+        let write = write_fn(|tx| {
+            let found = found.clone();
+            async move {
+                let got = tx
+                    .insert_or_get_audited(
+                        "invoices",
+                        ("invoice.created", "invoice.reused"),
+                        serde_json::json!({ "number": number }),
+                        || {
+                            diesel::sql_query(
+                                "INSERT INTO invoices (tenant_id, number) VALUES ('t1', $1) \
+                                 ON CONFLICT DO NOTHING RETURNING id",
+                            )
+                            .bind::<Text, _>(number.to_owned())
+                        },
+                        || {
+                            diesel::sql_query("SELECT id FROM invoices WHERE number = $1")
+                                .bind::<Text, _>(number.to_owned())
+                        },
+                    )
+                    .await?;
+                found.lock().unwrap().push(got);
+                Ok(())
+            }
+            .boxed()
+        });
+        assert_eq!(
+            repo.complete(&token, &write).await.unwrap(),
+            CompleteOutcome::Committed
+        );
+    }
+    let found = found.lock().unwrap().clone();
+    assert!(found[0].inserted && !found[1].inserted, "{found:?}");
+    assert_eq!(found[0].id, found[1].id);
+    assert_eq!(found[0].id.id, 4, "three rows were there before");
+    let audited: Vec<Entity> = diesel::sql_query(
+        "SELECT entity_id, action FROM audit_log WHERE action LIKE 'invoice.%' ORDER BY created_at, id",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let audited: Vec<(String, String)> = audited
+        .into_iter()
+        .map(|e| (e.entity_id, e.action))
+        .collect();
+    assert_eq!(
+        audited,
+        [
+            ("4".to_owned(), "invoice.created".to_owned()),
+            ("4".to_owned(), "invoice.reused".to_owned())
+        ]
+    );
+}

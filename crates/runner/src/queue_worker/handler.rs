@@ -8,12 +8,13 @@ use std::time::Duration;
 use idemstage_domain::{FetchedJob, StageError};
 use serde::de::DeserializeOwned;
 
-/// What a handler reports when a job did not succeed.
+/// What a handler reports when a job did not succeed. `Transient` and
+/// `Permanent` mean what they mean for a stage ([`StageError::is_retryable`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HandlerError {
-    /// Retried while the job has retries left.
+    /// A passing problem: retried while the job has retries left.
     #[error("{0}")]
-    Retryable(String),
+    Transient(String),
     /// Retrying cannot help: the job fails now (and goes to its dead-letter queue).
     #[error("{0}")]
     Permanent(String),
@@ -38,9 +39,9 @@ pub enum HandlerError {
 }
 
 impl HandlerError {
-    /// A [`HandlerError::Retryable`] with `e`'s text.
-    pub fn retryable(e: impl std::fmt::Display) -> Self {
-        HandlerError::Retryable(e.to_string())
+    /// A [`HandlerError::Transient`] with `e`'s text.
+    pub fn transient(e: impl std::fmt::Display) -> Self {
+        HandlerError::Transient(e.to_string())
     }
     /// A [`HandlerError::Permanent`] with `e`'s text.
     pub fn permanent(e: impl std::fmt::Display) -> Self {
@@ -51,7 +52,7 @@ impl HandlerError {
 impl From<StageError> for HandlerError {
     fn from(e: StageError) -> Self {
         if e.is_retryable() {
-            HandlerError::Retryable(e.to_string())
+            HandlerError::Transient(e.to_string())
         } else {
             HandlerError::Permanent(e.to_string())
         }

@@ -111,7 +111,7 @@ pub(super) async fn run_job<H: JobHandler>(
                 _ = cx.hard_stop.cancelled() => Finish::Write(Write::Release),
                 _ = timeout => Finish::Write(Write::Fail(
                     format!("handler did not finish within {:?}", cx.handler_timeout.unwrap_or_default()),
-                    FailKind::Retryable,
+                    FailKind::Transient,
                 )),
             }
         }
@@ -140,13 +140,13 @@ fn finish_of(handled: Result<Result<Handled, HandlerError>, Box<dyn Any + Send>>
     match handled {
         Ok(Ok(Handled::Complete)) => Finish::Complete,
         Ok(Ok(Handled::AlreadyCompleted)) => Finish::AlreadyCompleted,
-        Ok(Err(HandlerError::Retryable(m))) => Finish::Write(Write::Fail(m, FailKind::Retryable)),
+        Ok(Err(HandlerError::Transient(m))) => Finish::Write(Write::Fail(m, FailKind::Transient)),
         Ok(Err(HandlerError::Permanent(m))) => Finish::Write(Write::Fail(m, FailKind::Permanent)),
         Ok(Err(HandlerError::Defer { until, .. })) => Finish::Write(Write::Defer(until)),
         Ok(Err(HandlerError::DeferFor { after, .. })) => Finish::Write(Write::DeferFor(after)),
         Err(panic) => Finish::Write(Write::Fail(
             format!("handler panicked: {}", panic_message(panic)),
-            FailKind::Retryable,
+            FailKind::Transient,
         )),
     }
 }

@@ -2,6 +2,7 @@
 //! in-process stage workers (shutdown, database errors) against a real PostgreSQL.
 //! The tests that run `idemstage` processes are in `crates/cli/tests/it/`.
 
+mod builder;
 mod config;
 mod controls;
 mod db_errors;

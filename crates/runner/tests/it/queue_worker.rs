@@ -135,7 +135,7 @@ fn work_handler(seen: Arc<Mutex<Vec<String>>>) -> impl JobHandler<Payload = Work
                 panic!("handler exploded on {}", w.tenant);
             }
             if w.fail {
-                return Err(HandlerError::retryable(format!("cannot do {}", w.tenant)));
+                return Err(HandlerError::transient(format!("cannot do {}", w.tenant)));
             }
             seen.lock().unwrap().push(w.tenant);
             Ok(())
@@ -193,11 +193,11 @@ impl JobHandler for SelfCompleting {
     ) -> Result<Handled, HandlerError> {
         let mut conn = idemstage_persistence::get(&self.pool)
             .await
-            .map_err(HandlerError::retryable)?;
+            .map_err(HandlerError::transient)?;
         let output = json!({ "completed_by": "handler" });
         match queue::complete(&mut conn, job.id, job.attempt, Some(&output))
             .await
-            .map_err(HandlerError::retryable)?
+            .map_err(HandlerError::transient)?
         {
             JobCompleteOutcome::Completed => Ok(Handled::AlreadyCompleted),
             JobCompleteOutcome::Fenced => Err(HandlerError::permanent("fenced")),
