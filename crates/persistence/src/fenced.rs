@@ -6,7 +6,6 @@
 //! `status = 'success'`, or not at all: if the body returns an error, panics, or
 //! lost its lease, the transaction rolls back.
 
-use diesel::prelude::*;
 use diesel_async::methods::{ExecuteDsl, LoadQuery};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::future::BoxFuture;
@@ -381,37 +380,7 @@ impl<'c> FencedTx<'c> {
     /// input while it is current, else the replaced input kept for it: a stage
     /// computed after the input was replaced still reads what its lineage names.
     pub async fn anfrage_text(&mut self) -> Result<String, RepoError> {
-        #[derive(QueryableByName)]
-        struct Bound {
-            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
-            input_hash: Option<String>,
-            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
-            input_text: Option<String>,
-        }
-        let bound: Option<Bound> = diesel::sql_query(crate::runs::sql::BOUND_INPUT)
-            .bind::<diesel::sql_types::Text, _>(self.token.run_id.to_string())
-            .bind::<diesel::sql_types::Integer, _>(self.token.attempt)
-            .get_result(self.conn)
-            .await
-            .optional()
-            .map_err(map_diesel_error)?;
-        let not_found = || RepoError::AnfrageNotFound {
-            tenant: self.token.tenant.to_string(),
-            anfrage: self.token.anfrage.to_string(),
-        };
-        let bound = bound.ok_or_else(not_found)?;
-        let (Some(hash), text) = (bound.input_hash, bound.input_text) else {
-            return Err(not_found());
-        };
-        let text = text.ok_or_else(|| RepoError::BoundInputMissing {
-            tenant: self.token.tenant.to_string(),
-            anfrage: self.token.anfrage.to_string(),
-            input_hash: hash,
-        })?;
-        // The limit holds for input that did not come through `register_anfrage`
-        // (written by hand or by another tool): a clear, permanent error.
-        crate::anfragen::validate_input(&text)?;
-        Ok(text)
+        crate::runs::bound_input_text(self.conn, &self.token).await
     }
 }
 

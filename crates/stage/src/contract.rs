@@ -192,6 +192,21 @@ impl<I> PrepareContext<'_, I> {
         self.attempt
     }
 
+    /// The text of the anfrage's input this run is bound to, for any stage (a
+    /// later stage's run is bound to the input its upstream's success read): the
+    /// stored input while it is current, else the replaced one kept for it; never
+    /// a newer one. One read; the first stage has it as its `input` already.
+    pub async fn anfrage_text(&self) -> Result<String, StageError> {
+        let token = idemstage_domain::ClaimToken {
+            run_id: self.attempt.run_id,
+            tenant: self.attempt.tenant.clone(),
+            anfrage: self.attempt.anfrage,
+            stage: self.attempt.stage.clone(),
+            attempt: self.attempt.attempt,
+        };
+        Ok(self.repo.bound_input(&token).await?)
+    }
+
     /// Runs `body` in a read-only transaction scoped to the run's tenant
     /// (row-level security, as the stage's own writes are): for reading the
     /// team's tables before an external call. A write in it fails, not retryable.

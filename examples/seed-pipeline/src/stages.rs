@@ -6,6 +6,7 @@ use idemstage::{
     StagePolicy,
 };
 
+use crate::llm::LlmClient;
 use crate::tables::{ExampleTables, Extraktion};
 
 /// Failure injection for demos and fault tests: with probability `crash_rate` a
@@ -122,6 +123,8 @@ pub fn extract_positions(text: &str) -> Vec<Extraktion> {
 struct Named {
     policy: StagePolicy,
     chaos: Chaos,
+    /// The extract stage's "LLM" (`None`: the same extraction, in process).
+    llm: Option<LlmClient>,
 }
 
 impl Named {
@@ -129,6 +132,7 @@ impl Named {
         Self {
             policy: StagePolicy::default(),
             chaos,
+            llm: None,
         }
     }
 }
@@ -207,22 +211,46 @@ impl Stage for Intake {
     }
 }
 
+impl Extract {
+    /// The stage calling the "LLM" at `client` in `prepare` (the seed's model: the
+    /// paid call outside the transaction, its answer checkpointed so that a
+    /// crash after it does not pay again).
+    pub fn with_llm(mut self, client: LlmClient) -> Self {
+        self.0.llm = Some(client);
+        self
+    }
+}
+
 #[async_trait]
 impl Stage for Extract {
     const NAME: &'static str = "extract";
     type Input = ();
-    type Prepared = ();
+    type Prepared = Vec<Extraktion>;
     type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
-        self.0.chaos.prepare_delay().await
+    /// The extraction, outside any transaction: the "LLM" call (or the same
+    /// parse in process), on the input this run is bound to.
+    async fn prepare(&self, ctx: &PrepareContext<'_, ()>) -> Result<Vec<Extraktion>, StageError> {
+        self.0.chaos.prepare_delay().await?;
+        let text = ctx.anfrage_text().await?;
+        match &self.0.llm {
+            Some(llm) => {
+                let at = ctx.attempt();
+                llm.extract(&at.tenant, &at.anfrage, &text).await
+            }
+            None => Ok(extract_positions(&text)),
+        }
     }
-    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+    async fn commit(
+        &self,
+        tx: &mut FencedTx<'_>,
+        _: &(),
+        positions: &Vec<Extraktion>,
+    ) -> Result<Done<()>, StageError> {
         let anfrage = tx.token().anfrage.to_string();
-        let text = tx.anfrage_text().await?;
-        let positions = extract_positions(&text);
-        tx.replace_extraktionen(&positions).await?;
+        tx.replace_extraktionen(positions).await?;
         self.0.chaos.in_tx_delay().await;
+        // A crash after the paid call: the next attempt reuses its answer.
         self.0.chaos.maybe_crash("extract")?;
         tx.audit(
             &anfrage,
@@ -405,8 +433,22 @@ pub fn pipeline(chaos: Chaos) -> Pipeline {
 
 /// The example pipeline with one policy for every stage (leases, attempts).
 pub fn pipeline_with(chaos: Chaos, policy: StagePolicy) -> Result<Pipeline, PipelineError> {
+    pipeline_with_llm(chaos, policy, None)
+}
+
+/// The example pipeline whose extract stage calls the "LLM" at `llm` (see
+/// [`crate::llm`]), or extracts in process (`None`).
+pub fn pipeline_with_llm(
+    chaos: Chaos,
+    policy: StagePolicy,
+    llm: Option<LlmClient>,
+) -> Result<Pipeline, PipelineError> {
+    let mut extract = Extract::new(chaos).with_policy(policy.clone());
+    if let Some(llm) = llm {
+        extract = extract.with_llm(llm);
+    }
     Pipeline::builder(Intake::new(chaos).with_policy(policy.clone()))
-        .then(Extract::new(chaos).with_policy(policy.clone()))
+        .then(extract)
         .then(Feasibility::new(chaos).with_policy(policy.clone()))
         .then(Calculate::new(chaos).with_policy(policy))
         .build()

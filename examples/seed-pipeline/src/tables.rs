@@ -14,8 +14,13 @@ use idemstage::{
 
 use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibility_results};
 
-/// One extracted position (a child row of an anfrage).
-#[derive(Clone, Debug, PartialEq)]
+/// One extracted position (a child row of an anfrage). Serialized as the LLM
+/// service sends it (the quantity as a string, so that any f64 survives).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(
+    into = "crate::llm::WirePosition",
+    try_from = "crate::llm::WirePosition"
+)]
 pub struct Extraktion {
     /// The position's number in the anfrage, from 0.
     pub position_index: i32,

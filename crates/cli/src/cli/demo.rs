@@ -61,6 +61,9 @@ struct Report {
     tenants: usize,
     sends: usize,
     stages_succeeded: i64,
+    /// Calls the "LLM" answered (paid), and the extractions that succeeded.
+    llm_calls: u64,
+    extractions: i64,
     duplicates_refused: u64,
     claim_skips: u64,
     retries: i64,
@@ -162,7 +165,15 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
 
     let started = Instant::now();
     let counters = Arc::new(Counters::tracking_successes());
-    let pipeline = example::pipeline(Chaos::crashing(args.crash_rate));
+    // The extract stage's "LLM": a local service (loopback, an ephemeral port)
+    // that counts the calls it answered, i.e. the calls paid.
+    let llm = example::llm::LlmServer::start(example::llm::LlmConfig::default())
+        .context("starting the local LLM service")?;
+    let pipeline = example::pipeline_with_llm(
+        Chaos::crashing(args.crash_rate),
+        idemstage_domain::StagePolicy::default(),
+        Some(example::llm::LlmClient::new(llm.url())),
+    )?;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut workers = JoinSet::new();
     for _ in 0..args.workers {
@@ -268,6 +279,15 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !finished {
         violations.push(format!("timed out after {} s", args.timeout_s));
     }
+    // Every extraction that succeeded paid one call; a crash after the call reused
+    // its answer instead of paying again.
+    let llm_calls = llm.calls();
+    let extractions = extractions_succeeded(&mut conn).await?;
+    if llm_calls != extractions as u64 {
+        violations.push(format!(
+            "{llm_calls} LLM calls paid for {extractions} successful extractions"
+        ));
+    }
     let in_memory_doubles = counters.double_successes();
     if in_memory_doubles > 0 {
         violations.push(format!(
@@ -279,6 +299,8 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         tenants: args.tenants,
         sends: sends.len(),
         stages_succeeded: check.stages_succeeded,
+        llm_calls,
+        extractions,
         duplicates_refused: refused.load(Ordering::Relaxed),
         claim_skips: counters.skipped.load(Ordering::Relaxed),
         retries: check.retries,
@@ -327,6 +349,10 @@ fn print_report(r: &Report) {
             .join(" ")
     );
     println!("  stages succeeded          {:>8}", r.stages_succeeded);
+    println!(
+        "  LLM calls paid            {:>8}  for {} successful extractions",
+        r.llm_calls, r.extractions
+    );
     println!("  retries                   {:>8}", r.retries);
     println!("  fenced writes             {:>8}", r.fenced);
     println!(
@@ -344,4 +370,18 @@ fn print_report(r: &Report) {
     } else {
         println!("  verdict: BROKEN: {}", r.violations.join("; "));
     }
+}
+
+/// Extract stages that succeeded (each paid one "LLM" call).
+async fn extractions_succeeded(conn: &mut diesel_async::AsyncPgConnection) -> anyhow::Result<i64> {
+    use diesel::ExpressionMethods;
+    use diesel::QueryDsl;
+    use diesel_async::RunQueryDsl;
+    use idemstage_persistence::schema::pipeline_runs::dsl as r;
+    Ok(r::pipeline_runs
+        .filter(r::stage.eq("extract"))
+        .filter(r::status.eq("success"))
+        .count()
+        .get_result(conn)
+        .await?)
 }

@@ -132,6 +132,19 @@ impl PgRunRepository {
         Ok(written == 1)
     }
 
+    /// The text of the input the token's attempt is bound to (every stage's: a
+    /// later stage's run is bound to the hash its upstream's success read), in a
+    /// transaction scoped to the token's tenant. `BoundInputMissing` if no text of
+    /// that hash is kept; `AnfrageNotFound` if the token no longer holds.
+    pub async fn bound_input(&self, token: &ClaimToken) -> Result<String, RepoError> {
+        let mut conn = self.conn().await?;
+        crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
+            Ok(bound_input_text(conn, token).await?)
+        })
+        .await
+        .map_err(TxError::into_repo)
+    }
+
     /// Runs `body` in a read-only transaction scoped to `tenant` (row-level
     /// security, role `idemstage_app`): what a stage's `prepare` reads of the
     /// team's own tables. A write in it fails (25006, not retryable).
@@ -152,4 +165,44 @@ impl PgRunRepository {
         .await
         .map_err(TxError::into_repo)
     }
+}
+
+/// The text of the input the token's attempt is bound to (`sql::BOUND_INPUT`):
+/// the anfrage's stored input while it is current, else the replaced input kept
+/// for it. On a connection already scoped to the token's tenant.
+pub(crate) async fn bound_input_text(
+    conn: &mut AsyncPgConnection,
+    token: &ClaimToken,
+) -> Result<String, RepoError> {
+    #[derive(QueryableByName)]
+    struct Bound {
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        input_hash: Option<String>,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        input_text: Option<String>,
+    }
+    let bound: Option<Bound> = diesel::sql_query(crate::runs::sql::BOUND_INPUT)
+        .bind::<diesel::sql_types::Text, _>(token.run_id.to_string())
+        .bind::<diesel::sql_types::Integer, _>(token.attempt)
+        .get_result(conn)
+        .await
+        .optional()
+        .map_err(crate::error::map_diesel_error)?;
+    let not_found = || RepoError::AnfrageNotFound {
+        tenant: token.tenant.to_string(),
+        anfrage: token.anfrage.to_string(),
+    };
+    let bound = bound.ok_or_else(not_found)?;
+    let (Some(hash), text) = (bound.input_hash, bound.input_text) else {
+        return Err(not_found());
+    };
+    let text = text.ok_or_else(|| RepoError::BoundInputMissing {
+        tenant: token.tenant.to_string(),
+        anfrage: token.anfrage.to_string(),
+        input_hash: hash,
+    })?;
+    // The limit holds for input that did not come through `register_anfrage`
+    // (written by hand or by another tool): a clear, permanent error.
+    crate::anfragen::validate_input(&text)?;
+    Ok(text)
 }

@@ -7,6 +7,7 @@ mod lease;
 mod read;
 pub mod sql;
 
+pub(crate) use bound::bound_input_text;
 pub use bound::{BoundInput, ReadBound};
 pub use lease::InterruptOutcome;
 

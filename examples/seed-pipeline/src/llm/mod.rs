@@ -105,9 +105,10 @@ struct ExtractResponse {
     positions: Vec<WirePosition>,
 }
 
-/// One position on the wire: an [`Extraktion`] with its quantity as a string.
+/// One position on the wire: an [`Extraktion`] with its quantity as a string
+/// (also its form in a checkpoint: JSON numbers cannot hold an infinity).
 #[derive(Debug, Serialize, Deserialize)]
-struct WirePosition {
+pub(crate) struct WirePosition {
     position_index: i32,
     description: String,
     quantity: Option<String>,
@@ -130,6 +131,12 @@ impl From<&Extraktion> for WirePosition {
             quantity: p.quantity.map(|q| format!("{q:?}")),
             unit: p.unit.clone(),
         }
+    }
+}
+
+impl From<Extraktion> for WirePosition {
+    fn from(p: Extraktion) -> Self {
+        Self::from(&p)
     }
 }
 
