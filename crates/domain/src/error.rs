@@ -355,12 +355,15 @@ impl RepoError {
 /// run `dead` at once.
 #[derive(Debug, Error)]
 pub enum StageError {
-    /// The input cannot be processed; retrying will not help.
+    /// The input cannot be processed; retrying will not help. Holds the error
+    /// that said so (its `source` chain is kept); `"text".into()` or
+    /// `format!(..).into()` for a message, [`StageError::permanent`] for any error.
     #[error("permanent failure: {0}")]
-    Permanent(String),
-    /// A passing problem (a flaky dependency, an injected crash); retry.
+    Permanent(#[source] BoxError),
+    /// A passing problem (a flaky dependency, an injected crash); retry. Holds the
+    /// error, as `Permanent` does ([`StageError::transient`]).
     #[error("transient failure: {0}")]
-    Transient(String),
+    Transient(#[source] BoxError),
     /// Bad input found by the body; permanent.
     #[error("invalid input: {0}")]
     Invalid(#[from] DomainError),
@@ -386,7 +389,21 @@ pub enum StageError {
     },
 }
 
+/// Any error that may cross threads: what [`StageError::Permanent`] and
+/// [`StageError::Transient`] hold. A `String` or `&str` converts into one.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 impl StageError {
+    /// A permanent failure caused by `error` (kept as the source).
+    pub fn permanent(error: impl Into<BoxError>) -> Self {
+        StageError::Permanent(error.into())
+    }
+
+    /// A transient failure caused by `error` (kept as the source).
+    pub fn transient(error: impl Into<BoxError>) -> Self {
+        StageError::Transient(error.into())
+    }
+
     /// Whether another attempt may succeed: `Transient`, `Panicked`, `TimedOut`,
     /// `RateLimited` and retryable `Repo` errors are; `Permanent` and `Invalid`
     /// are not.
@@ -440,5 +457,23 @@ mod tests {
         assert!(s.len() < MAX_ERROR_TEXT_BYTES + 40, "{}", s.len());
         assert!(s.ends_with("(10000 bytes)"));
         assert_eq!(sanitize_error_text("plain"), "plain");
+    }
+}
+
+#[cfg(test)]
+mod stage_error_tests {
+    use super::*;
+
+    #[test]
+    fn permanent_and_transient_keep_their_source_and_their_text() {
+        let cause = std::io::Error::other("disk on fire");
+        let e = StageError::permanent(cause);
+        assert_eq!(e.to_string(), "permanent failure: disk on fire");
+        let source = std::error::Error::source(&e).expect("kept");
+        assert!(source.downcast_ref::<std::io::Error>().is_some());
+        assert!(!e.is_retryable());
+        let e = StageError::Transient("flaky".into());
+        assert_eq!(e.to_string(), "transient failure: flaky");
+        assert!(e.is_retryable());
     }
 }

@@ -145,6 +145,19 @@ pub use idemstage_stage::{
     StageRef,
 };
 
+/// What a team's stage code needs, in one import: `use idemstage::prelude::*;`.
+///
+/// The typed stage ([`Stage`], [`Done`], [`PrepareContext`], the fenced
+/// transaction [`FencedTx`]), the errors and policy, the pipeline and its start,
+/// the worker, the ids, and `async_trait` for the impls.
+pub mod prelude {
+    pub use crate::{
+        async_trait, start, start_in, AnfrageId, CancellationToken, Done, FencedTx,
+        InputChangePolicy, Pipeline, PipelineWorker, PrepareContext, RepoError, Stage, StageError,
+        StageFlow, StagePolicy, TenantId,
+    };
+}
+
 /// The operator commands (`idemstage inspect | retry | cancel | dead`): the
 /// timeline of an anfrage, a retry of its dead stages (a [`Pipeline`] is the
 /// [`RetryPlanner`](ops::RetryPlanner)), its cancel, the dead-letter list. Every

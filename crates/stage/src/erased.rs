@@ -139,9 +139,9 @@ impl<S: Stage> ErasedStage for Typed<S> {
         crate::telemetry::record_prepared(stage.as_str(), "prepared");
         let checkpoint = if bound.reuse_prepared {
             let value = serde_json::to_value(&prepared).map_err(|e| {
-                StageError::Permanent(format!(
-                    "stage {stage}: its prepared value does not serialize: {e}"
-                ))
+                StageError::Permanent(
+                    format!("stage {stage}: its prepared value does not serialize: {e}").into(),
+                )
             })?;
             (!value.is_null()).then_some(value)
         } else {
@@ -165,10 +165,13 @@ impl<S: Stage> ErasedStage for Typed<S> {
             .expect("the state `prepare` of the same stage made");
         let done = self.0.commit(tx, input, value).await?;
         let output = serde_json::to_value(&done.output).map_err(|e| {
-            StageError::Permanent(format!(
-                "stage {}: its output does not serialize: {e}",
-                tx.token().stage
-            ))
+            StageError::Permanent(
+                format!(
+                    "stage {}: its output does not serialize: {e}",
+                    tx.token().stage
+                )
+                .into(),
+            )
         })?;
         Ok((output, done.flow))
     }
@@ -198,6 +201,6 @@ fn decode_input<I: serde::de::DeserializeOwned>(
         };
     decoded.or_else(|message| {
         let unit: Result<I, serde::de::value::Error> = I::deserialize(().into_deserializer());
-        unit.map_err(|_| StageError::Permanent(message))
+        unit.map_err(|_| StageError::Permanent(message.into()))
     })
 }

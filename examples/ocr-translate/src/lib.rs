@@ -144,9 +144,9 @@ impl Fault {
     fn inject(fault: Option<Fault>, stage: &str, attempt: i32) -> Result<(), StageError> {
         match fault {
             Some(f) if attempt <= f.through_attempt => match f.kind {
-                FaultKind::Error => Err(StageError::Transient(format!(
-                    "injected failure in {stage}, attempt {attempt}"
-                ))),
+                FaultKind::Error => Err(StageError::Transient(
+                    format!("injected failure in {stage}, attempt {attempt}").into(),
+                )),
                 FaultKind::Panic => panic!("injected panic in {stage}, attempt {attempt}"),
             },
             _ => Ok(()),

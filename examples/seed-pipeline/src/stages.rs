@@ -55,7 +55,9 @@ impl Chaos {
         if rand::random::<bool>() {
             panic!("injected crash in {stage}");
         }
-        Err(StageError::Transient(format!("injected crash in {stage}")))
+        Err(StageError::Transient(
+            format!("injected crash in {stage}").into(),
+        ))
     }
 }
 
@@ -337,7 +339,7 @@ impl Stage for Calculate {
         let positions = tx.extraktionen().await?;
         // The same input fails the same way on every attempt: permanent.
         let (total, lines) =
-            price_positions(&positions).map_err(|e| StageError::Permanent(e.to_string()))?;
+            price_positions(&positions).map_err(|e| StageError::Permanent(e.to_string().into()))?;
         tx.put_calculation(total, json!(lines)).await?;
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("calculate")?;

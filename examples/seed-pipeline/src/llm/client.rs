@@ -102,19 +102,24 @@ impl LlmClient {
             anfrage: Cow::Borrowed(&anfrage),
             text: Cow::Borrowed(text),
         })
-        .map_err(|e| StageError::Permanent(format!("cannot write the LLM request: {e}")))?;
+        .map_err(|e| StageError::Permanent(format!("cannot write the LLM request: {e}").into()))?;
         let request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json")
             .body(Full::new(Bytes::from(body)))
-            .map_err(|e| StageError::Permanent(format!("cannot build the LLM request: {e}")))?;
+            .map_err(|e| {
+                StageError::Permanent(format!("cannot build the LLM request: {e}").into())
+            })?;
         let (status, headers, body) = tokio::time::timeout(self.timeout, self.send(request))
             .await
             .map_err(|_| {
-                StageError::Transient(format!(
-                    "LLM service at {} gave no answer within {:?}",
-                    self.base_url, self.timeout
-                ))
+                StageError::Transient(
+                    format!(
+                        "LLM service at {} gave no answer within {:?}",
+                        self.base_url, self.timeout
+                    )
+                    .into(),
+                )
             })??;
         self.interpret(status, &headers, &body)
     }
@@ -123,11 +128,11 @@ impl LlmClient {
         let url = format!("{}{EXTRACT_PATH}", self.base_url);
         let uri: Uri = url
             .parse()
-            .map_err(|e| StageError::Permanent(format!("LLM service URL {url:?}: {e}")))?;
+            .map_err(|e| StageError::Permanent(format!("LLM service URL {url:?}: {e}").into()))?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-            return Err(StageError::Permanent(format!(
-                "LLM service URL {url:?}: not http://host:port"
-            )));
+            return Err(StageError::Permanent(
+                format!("LLM service URL {url:?}: not http://host:port").into(),
+            ));
         }
         Ok(uri)
     }
@@ -137,11 +142,14 @@ impl LlmClient {
         request: Request<Full<Bytes>>,
     ) -> Result<(StatusCode, HeaderMap, Bytes), StageError> {
         let transient = |what: &str, e: &dyn std::error::Error| {
-            StageError::Transient(format!(
-                "LLM service at {}: {what}: {}",
-                self.base_url,
-                error_chain(e)
-            ))
+            StageError::Transient(
+                format!(
+                    "LLM service at {}: {what}: {}",
+                    self.base_url,
+                    error_chain(e)
+                )
+                .into(),
+            )
         };
         let response = self
             .http
@@ -165,18 +173,21 @@ impl LlmClient {
     ) -> Result<Vec<Extraktion>, StageError> {
         match status {
             StatusCode::OK => decode(body).map_err(|e| {
-                StageError::Permanent(format!(
-                    "LLM service at {} answered 200 with an unreadable body: {e}",
-                    self.base_url
-                ))
+                StageError::Permanent(
+                    format!(
+                        "LLM service at {} answered 200 with an unreadable body: {e}",
+                        self.base_url
+                    )
+                    .into(),
+                )
             }),
             StatusCode::TOO_MANY_REQUESTS => Err(StageError::RateLimited {
                 retry_after: retry_after_of(headers),
             }),
             s if s.is_server_error() || s == StatusCode::REQUEST_TIMEOUT => {
-                Err(StageError::Transient(self.describe(s, body)))
+                Err(StageError::Transient(self.describe(s, body).into()))
             }
-            s => Err(StageError::Permanent(self.describe(s, body))),
+            s => Err(StageError::Permanent(self.describe(s, body).into())),
         }
     }
 

@@ -129,8 +129,11 @@ async fn a_500_is_transient_and_not_paid() {
     let (server, client) = start(LlmConfig::default().with_failure_rate(1.0));
     match extract(&client, "1 Stk Schraube").await {
         Err(StageError::Transient(message)) => {
-            assert!(message.contains("500"), "{message}");
-            assert!(message.contains("injected failure"), "{message}");
+            assert!(message.to_string().contains("500"), "{message}");
+            assert!(
+                message.to_string().contains("injected failure"),
+                "{message}"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -165,8 +168,11 @@ async fn a_request_the_service_refuses_is_permanent() {
     // The core's input limit: one byte more is refused, the limit itself is not.
     match extract(&client, &"x".repeat(MAX_TEXT_BYTES + 1)).await {
         Err(StageError::Permanent(message)) => {
-            assert!(message.contains("422"), "{message}");
-            assert!(message.contains("more than the limit"), "{message}");
+            assert!(message.to_string().contains("422"), "{message}");
+            assert!(
+                message.to_string().contains("more than the limit"),
+                "{message}"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -225,7 +231,10 @@ async fn no_answer_within_the_timeout_is_transient() {
     let client = client.with_timeout(Duration::from_millis(100));
     match extract(&client, "1 Stk Schraube").await {
         Err(StageError::Transient(message)) => {
-            assert!(message.contains("no answer within 100ms"), "{message}")
+            assert!(
+                message.to_string().contains("no answer within 100ms"),
+                "{message}"
+            )
         }
         other => panic!("{other:?}"),
     }
@@ -240,7 +249,7 @@ async fn a_service_that_is_gone_is_transient() {
     server.shutdown().await.unwrap();
     match extract(&client, "1 Stk Schraube").await {
         Err(StageError::Transient(message)) => {
-            assert!(message.contains("request failed"), "{message}")
+            assert!(message.to_string().contains("request failed"), "{message}")
         }
         other => panic!("{other:?}"),
     }
