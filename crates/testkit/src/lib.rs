@@ -6,6 +6,7 @@
 //! panicking (or `IDEMSTAGE_KEEP_TEST_DB=1`): then it is kept and its URL printed
 //! for post-mortem.
 
+pub mod check;
 pub mod example;
 mod pg_server;
 mod pgbouncer;
@@ -13,6 +14,7 @@ mod private_cluster;
 mod replicated_cluster;
 pub mod schema;
 
+pub use check::{check_pipeline, Invariants};
 pub use pgbouncer::PgBouncer;
 pub use private_cluster::PrivateCluster;
 pub use replicated_cluster::{ReplicatedCluster, Replication};

@@ -493,3 +493,36 @@ async fn prepare_reads_its_tenants_rows_and_cannot_write() {
     assert!(write.contains("read-only transaction"), "{write}");
     assert_eq!(count(&mut f.conn, "SELECT 1 FROM anfragen").await, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_testkit_checker_holds_any_pipeline_to_the_cores_invariants() {
+    let mut f = fixture().await;
+    let (shout, counter) = (Arc::new(Shout::default()), Arc::new(Count::default()));
+    let pipeline = pipeline(&shout, &counter);
+    let job = f.anfrage("eins").await;
+    assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 1));
+    // count is expected now (shout succeeded and went on) and has not run: lost.
+    let check = idemstage_testkit::check_pipeline(&mut f.conn, &pipeline)
+        .await
+        .unwrap();
+    assert_eq!(
+        (check.anfragen, check.anfragen_final, check.lost_stages),
+        (1, 0, 1)
+    );
+    assert!(!check.violations().is_empty());
+    assert!(succeeded(&run(&f, &pipeline, "count", &job).await, 1));
+    let check = idemstage_testkit::check_pipeline(&mut f.conn, &pipeline)
+        .await
+        .unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_eq!(check.stages_succeeded, 2);
+    // A success that names an upstream attempt that is not the current one.
+    diesel::sql_query("UPDATE pipeline_runs SET upstream_attempt = 7 WHERE stage = 'count'")
+        .execute(&mut f.conn)
+        .await
+        .unwrap();
+    let check = idemstage_testkit::check_pipeline(&mut f.conn, &pipeline)
+        .await
+        .unwrap();
+    assert_eq!(check.stale_lineage, 1);
+}

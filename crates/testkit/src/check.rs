@@ -1,0 +1,198 @@
+//! The core's invariants for ANY pipeline, read from the database after the fact
+//! (SQL only: it trusts nothing a worker remembers): no double execution, no
+//! stale lineage, no lost stage, attempt histories that match their runs. A team
+//! runs it at the end of its own fault and soak tests; its own tables' checks
+//! (rows written by an attempt that did not succeed, say) are its own.
+
+use std::collections::BTreeMap;
+
+use diesel::sql_types::{Array, BigInt, Nullable, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemstage_domain::RepoError;
+use idemstage_persistence::map_diesel_error;
+use idemstage_stage::Pipeline;
+
+/// What the database says about the runs of a pipeline, read after the fact.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Invariants {
+    /// Anfragen registered.
+    pub anfragen: i64,
+    /// Anfragen whose every expected stage is final (success, dead or cancelled).
+    pub anfragen_final: i64,
+    /// `pipeline_runs` counted by status.
+    pub runs_by_status: BTreeMap<String, i64>,
+    /// Runs with status `success`.
+    pub stages_succeeded: i64,
+    /// Attempts that ended `failed` or `abandoned` and were followed by another.
+    pub retries: i64,
+    /// Attempts that lost their lease and were refused at commit.
+    pub fenced: i64,
+    /// Successful attempts of a run that computed the same thing as the run's
+    /// previous success: the same input hash and upstream attempt (must be 0).
+    pub double_executions: i64,
+    /// Successful runs not computed from their upstream's current successful
+    /// attempt (the first stage: from the anfrage's stored input), or from another
+    /// stage than the one before them in the pipeline (must be 0).
+    pub stale_lineage: i64,
+    /// Expected stages that are not final (must be 0 at the end): the first stage
+    /// of every anfrage, and each later stage whose upstream has a current success
+    /// that did not stop the anfrage.
+    pub lost_stages: i64,
+    /// Runs whose attempt history does not match the run: a missing attempt row, an
+    /// attempt still `running` that is not the run's live attempt, or a `success`
+    /// run whose success attempt is not recorded as a success (must be 0).
+    pub attempt_history_errors: i64,
+    /// Jobs still queued, retrying or active (0 once everything is quiet).
+    pub live_jobs: i64,
+}
+
+#[derive(QueryableByName)]
+struct Kv {
+    #[diesel(sql_type = Text)]
+    k: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    v: Option<i64>,
+}
+
+/// `$1` the pipeline's stage names, in order.
+const CHECK_SQL: &str = "
+WITH stage_order AS (
+    SELECT s.stage, lag(s.stage) OVER (ORDER BY s.pos) AS upstream, s.pos
+      FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
+),
+expected AS (
+    SELECT a.tenant_id, a.id AS anfrage_id, o.stage
+      FROM anfragen a JOIN stage_order o ON o.pos = 1
+    UNION ALL
+    SELECT u.tenant_id, u.anfrage_id, o.stage
+      FROM pipeline_runs u JOIN stage_order o ON o.upstream = u.stage
+     WHERE u.success_attempt IS NOT NULL
+       AND u.stopped_attempt IS DISTINCT FROM u.success_attempt
+),
+open_stages AS (
+    SELECT e.* FROM expected e
+      LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
+     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
+)
+SELECT 'anfragen' AS k, (SELECT count(*) FROM anfragen) AS v
+UNION ALL SELECT 'anfragen_final',
+    (SELECT count(*) FROM anfragen a WHERE NOT EXISTS (
+        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.anfrage_id = a.id))
+UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
+UNION ALL SELECT 'retries',
+    (SELECT count(*) FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+      WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
+UNION ALL SELECT 'fenced', (SELECT count(*) FROM pipeline_run_attempts WHERE outcome = 'fenced')
+UNION ALL SELECT 'double_executions',
+    (SELECT count(*) FROM (
+        SELECT input_hash, upstream_attempt,
+               lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
+               row_number() OVER w AS n
+          FROM pipeline_run_attempts WHERE outcome = 'success'
+        WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
+      WHERE n > 1 AND prev_hash = input_hash
+        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
+UNION ALL SELECT 'stale_lineage',
+    (SELECT count(*) FROM pipeline_runs d JOIN stage_order o ON o.stage = d.stage
+      WHERE d.status = 'success'
+        AND (d.upstream_stage IS DISTINCT FROM o.upstream
+             OR (d.upstream_stage IS NULL AND NOT EXISTS (
+                    SELECT 1 FROM anfragen a
+                     WHERE a.tenant_id = d.tenant_id AND a.id = d.anfrage_id
+                       AND a.input_sha256 = d.input_hash))
+             OR (d.upstream_stage IS NOT NULL AND NOT EXISTS (
+                    SELECT 1 FROM pipeline_runs u
+                     WHERE u.tenant_id = d.tenant_id AND u.anfrage_id = d.anfrage_id
+                       AND u.stage = d.upstream_stage AND u.success_attempt = d.upstream_attempt))))
+UNION ALL SELECT 'attempt_history_errors',
+    (SELECT count(*) FROM pipeline_runs r
+      WHERE (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id) <> r.attempts
+         OR EXISTS (SELECT 1 FROM pipeline_run_attempts a
+                     WHERE a.run_id = r.id AND a.outcome = 'running'
+                       AND (a.attempt <> r.attempts OR r.status <> 'running'))
+         OR (r.status = 'success' AND NOT EXISTS (
+                SELECT 1 FROM pipeline_run_attempts a
+                 WHERE a.run_id = r.id AND a.attempt = r.success_attempt
+                   AND a.outcome = 'success')))
+UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
+UNION ALL SELECT 'status:' || status, count(*) FROM pipeline_runs GROUP BY status
+";
+
+/// Reads the core's invariants for `pipeline`'s runs (one statement) on `conn`,
+/// which must see every tenant's rows (an owner's connection, e.g.
+/// [`TestDb::conn`](crate::TestDb::conn), not a tenant-scoped one).
+pub async fn check_pipeline(
+    conn: &mut AsyncPgConnection,
+    pipeline: &Pipeline,
+) -> Result<Invariants, RepoError> {
+    let stages: Vec<String> = pipeline
+        .stages()
+        .iter()
+        .map(|s| s.name().as_str().to_owned())
+        .collect();
+    let rows: Vec<Kv> = diesel::sql_query(CHECK_SQL)
+        .bind::<Array<Text>, _>(stages)
+        .load(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    let mut check = Invariants::default();
+    for Kv { k, v } in rows {
+        let v = v.unwrap_or(0);
+        match k.as_str() {
+            "anfragen" => check.anfragen = v,
+            "anfragen_final" => check.anfragen_final = v,
+            "lost_stages" => check.lost_stages = v,
+            "retries" => check.retries = v,
+            "fenced" => check.fenced = v,
+            "double_executions" => check.double_executions = v,
+            "stale_lineage" => check.stale_lineage = v,
+            "attempt_history_errors" => check.attempt_history_errors = v,
+            "live_jobs" => check.live_jobs = v,
+            status => {
+                let status = status.trim_start_matches("status:").to_owned();
+                check.runs_by_status.insert(status, v);
+            }
+        }
+    }
+    check.stages_succeeded = check.runs_by_status.get("success").copied().unwrap_or(0);
+    Ok(check)
+}
+
+impl Invariants {
+    /// The invariants that must hold once every anfrage is final (empty: all hold).
+    pub fn violations(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        let counts = [
+            (self.double_executions, "double executions"),
+            (
+                self.stale_lineage,
+                "successes not computed from their upstream's current success",
+            ),
+            (self.lost_stages, "lost stages"),
+            (
+                self.attempt_history_errors,
+                "runs whose attempt history does not match",
+            ),
+        ];
+        for (n, what) in counts {
+            if n != 0 {
+                v.push(format!("{n} {what}"));
+            }
+        }
+        if self.anfragen_final != self.anfragen {
+            v.push(format!(
+                "{} of {} anfragen did not reach a final state",
+                self.anfragen - self.anfragen_final,
+                self.anfragen
+            ));
+        }
+        v
+    }
+
+    /// Every anfrage final and no job left queued, retrying or active: the state
+    /// in which a fault test checks [`violations`](Self::violations).
+    pub fn is_quiet(&self) -> bool {
+        self.anfragen_final == self.anfragen && self.live_jobs == 0
+    }
+}
