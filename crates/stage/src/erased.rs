@@ -97,6 +97,11 @@ pub(crate) struct Prepared {
 
 #[async_trait]
 pub(crate) trait ErasedStage: Send + Sync + 'static {
+    /// Whether an attempt must read its binding before `prepare`: a stage whose
+    /// `Input` is `()` reads nothing, and only a later attempt (attempts only
+    /// grow) of a stage that prepares something can have a checkpoint to reuse.
+    fn reads_binding(&self, attempt: i32, reuse_prepared: bool) -> bool;
+
     async fn prepare(&self, bound: Bound<'_>) -> Result<Prepared, StageError>;
 
     async fn commit(
@@ -110,6 +115,12 @@ struct Typed<S>(S);
 
 #[async_trait]
 impl<S: Stage> ErasedStage for Typed<S> {
+    fn reads_binding(&self, attempt: i32, reuse_prepared: bool) -> bool {
+        use std::any::TypeId;
+        TypeId::of::<S::Input>() != TypeId::of::<()>()
+            || (attempt > 1 && reuse_prepared && TypeId::of::<S::Prepared>() != TypeId::of::<()>())
+    }
+
     async fn prepare(&self, bound: Bound<'_>) -> Result<Prepared, StageError> {
         let stage = &bound.attempt.stage;
         let input: S::Input = decode_input(stage, bound.input)?;

@@ -11,7 +11,7 @@ use idemstage_domain::{
     ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
     RepoError, RunId, SkipReason, StageError, WorkerId,
 };
-use idemstage_persistence::runs::{InterruptOutcome, ReadBound};
+use idemstage_persistence::runs::{BoundInput, InterruptOutcome, ReadBound};
 use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
@@ -297,23 +297,32 @@ impl Executor {
         let body = async {
             // What the run is bound to, and a checkpoint of an earlier attempt on
             // the same binding: one statement.
-            let (input, checkpoint) =
-                match self.repo.read_bound(&token, policy.reuse_prepared).await? {
-                    ReadBound::Read {
-                        input, checkpoint, ..
-                    } => (input, checkpoint),
-                    ReadBound::Fenced => return Ok(Completion::Fenced),
-                    // The upstream attempt this run is bound to is no longer its
-                    // success: this attempt can never commit; settle it `stale`.
-                    ReadBound::UpstreamMoved => {
-                        return Ok(match self.repo.stale_on_lineage(&token).await? {
-                            idemstage_domain::CompleteOutcome::UpstreamChanged => {
-                                Completion::UpstreamChanged
-                            }
-                            _ => Completion::Fenced,
-                        })
-                    }
-                };
+            let read = if stage.erased().reads_binding(attempt, policy.reuse_prepared) {
+                self.repo.read_bound(&token, policy.reuse_prepared).await?
+            } else {
+                // Nothing to read (its commit still checks the lineage).
+                ReadBound::Read {
+                    input_hash: job.input_hash.clone(),
+                    input: BoundInput::UpstreamOutput(serde_json::Value::Null),
+                    checkpoint: None,
+                }
+            };
+            let (input, checkpoint) = match read {
+                ReadBound::Read {
+                    input, checkpoint, ..
+                } => (input, checkpoint),
+                ReadBound::Fenced => return Ok(Completion::Fenced),
+                // The upstream attempt this run is bound to is no longer its
+                // success: this attempt can never commit; settle it `stale`.
+                ReadBound::UpstreamMoved => {
+                    return Ok(match self.repo.stale_on_lineage(&token).await? {
+                        idemstage_domain::CompleteOutcome::UpstreamChanged => {
+                            Completion::UpstreamChanged
+                        }
+                        _ => Completion::Fenced,
+                    })
+                }
+            };
             let info = AttemptInfo {
                 run_id,
                 tenant: job.tenant_id.clone(),
