@@ -6,10 +6,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use idemstage_domain::{input_hash_of, InputChangePolicy};
+use idemstage_domain::InputChangePolicy;
 use idemstage_persistence::runs::ReadBound;
 use serde_json::json;
 
+use super::edges::set_input;
 use super::*;
 
 fn policy() -> StagePolicy {
@@ -123,22 +124,6 @@ async fn run(f: &Fixture, pipeline: &Pipeline, stage: &str, job: &StageJob) -> E
 
 fn succeeded(outcome: &ExecutionOutcome, attempt: i32) -> bool {
     matches!(outcome, ExecutionOutcome::Succeeded { attempt: a, .. } if *a == attempt)
-}
-
-/// Replaces the anfrage's stored input (as `start_in` under `Rerun`).
-async fn set_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
-    let hash = input_hash_of(text.as_bytes());
-    diesel::sql_query(format!(
-        "UPDATE anfragen SET input_text = '{text}', input_sha256 = '{hash}' WHERE id = '{}'",
-        job.anfrage_id
-    ))
-    .execute(&mut f.conn)
-    .await
-    .unwrap();
-    StageJob {
-        input_hash: hash,
-        ..job.clone()
-    }
 }
 
 async fn output(f: &mut Fixture, stage: &str) -> Option<serde_json::Value> {

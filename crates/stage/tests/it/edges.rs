@@ -32,7 +32,7 @@ fn pipeline(chaos: Chaos, max_attempts: i32) -> Pipeline {
 
 /// Replaces the anfrage's stored input as `start_in` under `Rerun` does (the
 /// same UPDATE), and returns the job that carries it.
-async fn set_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
+pub(crate) async fn set_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
     let hash = input_hash_of(text.as_bytes());
     diesel::sql_query(format!(
         "UPDATE anfragen SET input_text = '{text}', input_sha256 = '{hash}' WHERE id = '{}'",
