@@ -6,12 +6,14 @@
 //! stages.
 //!
 //! - [`Ocr`] splits the anfrage's input text into pages (on blank lines and form
-//!   feeds) and replaces the anfrage's `ocr_pages` with them. Its policy is
-//!   `Rerun`: the anfrage started again with another text is OCRed again, and
-//!   `translate` runs again once that succeeded.
-//! - [`Translate`] reads the current `ocr_pages` and writes one row of
+//!   feeds), replaces the anfrage's `ocr_pages` with them, and hands the pages on
+//!   (its `Output`). Its policy is `Rerun`: the anfrage started again with another
+//!   text is OCRed again, and `translate` runs again once that succeeded.
+//! - [`Translate`] reads those pages as its `Input` (the output of the ocr
+//!   attempt its run is bound to, never a newer one) and writes one row of
 //!   `translations` per page (a deterministic stand-in for a translation:
-//!   [`translate_text`]), naming the ocr attempt it read (its lineage).
+//!   [`translate_text`]). Which ocr attempt it read is the core's record
+//!   (`pipeline_runs.upstream_attempt`), not a column of the team's.
 //!
 //! Both write through the fenced transaction ([`idemstage::FencedTx`]): a page or
 //! translation exists only if the attempt that wrote it succeeded, and only the
@@ -193,29 +195,31 @@ impl Ocr {
 impl Stage for Ocr {
     const NAME: &'static str = OCR;
     type Input = String;
-    type Prepared = ();
-    type Output = ();
+    /// The pages found.
+    type Prepared = Vec<String>;
+    /// The pages, handed to `translate`.
+    type Output = Vec<String>;
 
     fn policy(&self) -> StagePolicy {
         self.policy.clone()
     }
 
-    async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
-        Ok(())
+    async fn prepare(&self, ctx: &PrepareContext<'_, String>) -> Result<Vec<String>, StageError> {
+        let pages = split_pages(ctx.input());
+        if pages.is_empty() {
+            return Err(StageError::Permanent("the input has no text".into()));
+        }
+        Ok(pages)
     }
 
     async fn commit(
         &self,
         tx: &mut FencedTx<'_>,
-        text: &String,
-        _: &(),
-    ) -> Result<Done<()>, StageError> {
+        _text: &String,
+        pages: &Vec<String>,
+    ) -> Result<Done<Vec<String>>, StageError> {
         let anfrage = tx.token().anfrage.to_string();
-        let pages = split_pages(text);
-        if pages.is_empty() {
-            return Err(StageError::Permanent("the input has no text".into()));
-        }
-        let replaced = tx.replace_ocr_pages(&pages).await?;
+        let replaced = tx.replace_ocr_pages(pages).await?;
         tx.audit(
             &anfrage,
             "ocr.pages",
@@ -223,7 +227,7 @@ impl Stage for Ocr {
         )
         .await?;
         Fault::inject(self.fault, OCR, tx.token().attempt)?;
-        Ok(Done::next(()))
+        Ok(Done::next(pages.clone()))
     }
 }
 
@@ -251,49 +255,44 @@ impl Translate {
 #[async_trait]
 impl Stage for Translate {
     const NAME: &'static str = TRANSLATE;
-    type Input = ();
-    type Prepared = ();
-    type Output = ();
+    /// The pages of the ocr attempt this run is bound to.
+    type Input = Vec<String>;
+    /// Their translations.
+    type Prepared = Vec<String>;
+    /// How many pages it translated.
+    type Output = usize;
 
     fn policy(&self) -> StagePolicy {
         self.policy.clone()
     }
 
-    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
-        Ok(())
+    /// The translation (a paid call in a real pipeline), outside any transaction.
+    async fn prepare(
+        &self,
+        ctx: &PrepareContext<'_, Vec<String>>,
+    ) -> Result<Vec<String>, StageError> {
+        if ctx.input().is_empty() {
+            return Err(StageError::Permanent("ocr found no pages".into()));
+        }
+        Ok(ctx.input().iter().map(|p| translate_text(p)).collect())
     }
 
-    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
+    async fn commit(
+        &self,
+        tx: &mut FencedTx<'_>,
+        _pages: &Vec<String>,
+        texts: &Vec<String>,
+    ) -> Result<Done<usize>, StageError> {
         let anfrage = tx.token().anfrage.to_string();
-        // The executor's lineage check holds ocr's run row share-locked for this
-        // transaction: the pages read here are those of the ocr success this
-        // attempt was claimed on, and stay so until it commits.
-        let pages = tx.ocr_pages().await?;
-        let Some(first) = pages.first() else {
-            return Err(StageError::Permanent("ocr left no pages".into()));
-        };
-        if pages
-            .iter()
-            .any(|p| (&p.run_id, p.attempt) != (&first.run_id, first.attempt))
-        {
-            return Err(StageError::Permanent(
-                "the ocr pages come from more than one attempt".into(),
-            ));
-        }
-        let texts: Vec<String> = pages.iter().map(|p| translate_text(&p.text)).collect();
-        let replaced = tx.upsert_translations(&pages, &texts).await?;
+        let replaced = tx.upsert_translations(texts).await?;
         tx.audit(
             &anfrage,
             "translate.pages",
-            json!({
-                "pages": replaced.written,
-                "dropped": replaced.deleted,
-                "ocr_attempt": first.attempt,
-            }),
+            json!({ "pages": replaced.written, "dropped": replaced.deleted }),
         )
         .await?;
         Fault::inject(self.fault, TRANSLATE, tx.token().attempt)?;
-        Ok(Done::next(()))
+        Ok(Done::next(texts.len()))
     }
 }
 

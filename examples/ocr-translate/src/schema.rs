@@ -9,8 +9,6 @@ diesel::table! {
         anfrage_id -> Text,
         page -> Int4,
         text -> Text,
-        run_id -> Text,
-        attempt -> Int4,
         created_at -> Timestamptz,
     }
 }
@@ -21,10 +19,6 @@ diesel::table! {
         anfrage_id -> Text,
         page -> Int4,
         text -> Text,
-        run_id -> Text,
-        attempt -> Int4,
-        ocr_run_id -> Text,
-        ocr_attempt -> Int4,
         created_at -> Timestamptz,
     }
 }

@@ -12,7 +12,7 @@ use idemstage::{async_trait, map_diesel_error, FencedTx, Replaced, RepoError, Ro
 
 use crate::schema::{ocr_pages, translations};
 
-/// A page as the ocr stage stored it, with the attempt that wrote it.
+/// A page as the ocr stage stored it.
 #[derive(Clone, Debug, PartialEq, Eq, Queryable, Selectable)]
 #[diesel(table_name = ocr_pages, check_for_backend(diesel::pg::Pg))]
 pub struct OcrPage {
@@ -20,14 +20,9 @@ pub struct OcrPage {
     pub page: i32,
     /// The page's text.
     pub text: String,
-    /// The ocr run that wrote the page.
-    pub run_id: String,
-    /// The ocr attempt that wrote the page.
-    pub attempt: i32,
 }
 
-/// A translated page, with the attempt that wrote it and the ocr attempt it was
-/// computed from.
+/// A translated page.
 #[derive(Clone, Debug, PartialEq, Eq, Queryable, Selectable)]
 #[diesel(table_name = translations, check_for_backend(diesel::pg::Pg))]
 pub struct Translation {
@@ -35,14 +30,6 @@ pub struct Translation {
     pub page: i32,
     /// The translated text.
     pub text: String,
-    /// The translate run that wrote it.
-    pub run_id: String,
-    /// The translate attempt that wrote it.
-    pub attempt: i32,
-    /// The ocr run whose page it translated.
-    pub ocr_run_id: String,
-    /// The ocr attempt whose page it translated.
-    pub ocr_attempt: i32,
 }
 
 #[derive(Insertable)]
@@ -53,8 +40,6 @@ struct NewPage<'a> {
     anfrage_id: String,
     page: i32,
     text: &'a str,
-    run_id: String,
-    attempt: i32,
 }
 
 #[derive(Insertable)]
@@ -64,30 +49,22 @@ struct NewTranslation<'a> {
     anfrage_id: String,
     page: i32,
     text: &'a str,
-    run_id: String,
-    attempt: i32,
-    ocr_run_id: &'a str,
-    ocr_attempt: i32,
 }
 
 /// The ocr-translate tables, on the fenced transaction of one of its stages.
 #[async_trait]
 pub trait OcrTables {
     /// DELETE-before-INSERT of the anfrage's `ocr_pages`: afterwards it has exactly
-    /// `pages` (numbered from 1), written by this attempt.
+    /// `pages` (numbered from 1).
     async fn replace_ocr_pages(&mut self, pages: &[String]) -> Result<Replaced, RepoError>;
 
     /// The anfrage's current ocr pages, in page order.
     async fn ocr_pages(&mut self) -> Result<Vec<OcrPage>, RepoError>;
 
-    /// Per-row upsert of the anfrage's `translations` (one per entry of `pages`,
-    /// translated as `texts`), then a delete of those past the new set: afterwards
-    /// it has exactly these pages, written by this attempt from `pages`' ocr attempt.
-    async fn upsert_translations(
-        &mut self,
-        pages: &[OcrPage],
-        texts: &[String],
-    ) -> Result<Replaced, RepoError>;
+    /// Per-row upsert of the anfrage's `translations` (`texts`, one per page,
+    /// numbered from 1), then a delete of those past the new set: afterwards it
+    /// has exactly these pages.
+    async fn upsert_translations(&mut self, texts: &[String]) -> Result<Replaced, RepoError>;
 
     /// The anfrage's translations, in page order.
     async fn translations(&mut self) -> Result<Vec<Translation>, RepoError>;
@@ -107,8 +84,6 @@ impl OcrTables for FencedTx<'_> {
                 anfrage_id: token.anfrage.to_string(),
                 page,
                 text,
-                run_id: token.run_id.to_string(),
-                attempt: token.attempt,
             })
             .collect();
         let delete = diesel::delete(
@@ -133,22 +108,17 @@ impl OcrTables for FencedTx<'_> {
             .map_err(map_diesel_error)
     }
 
-    async fn upsert_translations(
-        &mut self,
-        pages: &[OcrPage],
-        texts: &[String],
-    ) -> Result<Replaced, RepoError> {
+    async fn upsert_translations(&mut self, texts: &[String]) -> Result<Replaced, RepoError> {
         use translations::dsl as t;
-        assert_eq!(pages.len(), texts.len(), "one translation per page");
         let token = self.token().clone();
-        let keep: Vec<i32> = pages.iter().map(|p| p.page).collect();
+        let keep: Vec<i32> = (1..).take(texts.len()).collect();
         let delete_rest = diesel::delete(
             t::translations
                 .filter(t::tenant_id.eq(token.tenant.as_str()))
                 .filter(t::anfrage_id.eq(token.anfrage.to_string()))
                 .filter(diesel::dsl::not(t::page.eq_any(keep))),
         );
-        if pages.is_empty() {
+        if texts.is_empty() {
             // An upsert of no rows is no statement; only the delete remains.
             let deleted = delete_rest
                 .execute(self.conn())
@@ -159,18 +129,14 @@ impl OcrTables for FencedTx<'_> {
                 written: 0,
             });
         }
-        let rows: Vec<NewTranslation<'_>> = pages
+        let rows: Vec<NewTranslation<'_>> = texts
             .iter()
-            .zip(texts)
-            .map(|(source, text)| NewTranslation {
+            .zip(1..)
+            .map(|(text, page)| NewTranslation {
                 tenant_id: token.tenant.as_str(),
                 anfrage_id: token.anfrage.to_string(),
-                page: source.page,
+                page,
                 text,
-                run_id: token.run_id.to_string(),
-                attempt: token.attempt,
-                ocr_run_id: &source.run_id,
-                ocr_attempt: source.attempt,
             })
             .collect();
         let upsert = diesel::insert_into(t::translations)
@@ -179,10 +145,6 @@ impl OcrTables for FencedTx<'_> {
             .do_update()
             .set((
                 t::text.eq(excluded(t::text)),
-                t::run_id.eq(excluded(t::run_id)),
-                t::attempt.eq(excluded(t::attempt)),
-                t::ocr_run_id.eq(excluded(t::ocr_run_id)),
-                t::ocr_attempt.eq(excluded(t::ocr_attempt)),
                 t::created_at.eq(diesel::dsl::now),
             ));
         self.upsert_children(upsert, delete_rest).await

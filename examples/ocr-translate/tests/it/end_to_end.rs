@@ -51,37 +51,43 @@ SELECT id FROM jobs WHERE state IN ('created', 'retry', 'active')";
 /// the rows that break one, and must select none.
 const VIOLATIONS: &[(&str, &str)] = &[
     (
-        "a translation not written by the current successful attempt of its run",
-        "SELECT t.* FROM translations t
-           LEFT JOIN pipeline_runs r ON r.tenant_id = t.tenant_id AND r.id = t.run_id
-          WHERE r.id IS NULL OR r.stage <> 'translate' OR r.anfrage_id <> t.anfrage_id
-             OR r.status <> 'success' OR r.success_attempt IS DISTINCT FROM t.attempt",
-    ),
-    (
-        "a translation not computed from the current ocr success (or not from the one \
-         its run was claimed on)",
-        "SELECT t.* FROM translations t
-           JOIN pipeline_runs r ON r.tenant_id = t.tenant_id AND r.id = t.run_id
-           LEFT JOIN pipeline_runs o ON o.tenant_id = t.tenant_id AND o.id = t.ocr_run_id
-          WHERE o.id IS NULL OR o.stage <> 'ocr' OR o.anfrage_id <> t.anfrage_id
-             OR o.status <> 'success' OR o.success_attempt IS DISTINCT FROM t.ocr_attempt
-             OR r.upstream_stage IS DISTINCT FROM 'ocr'
-             OR r.upstream_attempt IS DISTINCT FROM t.ocr_attempt",
-    ),
-    (
-        "an ocr page not written by the current successful attempt of its run, or not \
-         on the anfrage's stored input",
+        "an ocr page that is not in the output of ocr's current success, or an ocr \
+         success not on the anfrage's stored input",
         "SELECT p.* FROM ocr_pages p
-           LEFT JOIN pipeline_runs r ON r.tenant_id = p.tenant_id AND r.id = p.run_id
+           LEFT JOIN pipeline_runs r ON r.tenant_id = p.tenant_id AND r.anfrage_id = p.anfrage_id
+                                    AND r.stage = 'ocr'
            LEFT JOIN anfragen a ON a.tenant_id = p.tenant_id AND a.id = p.anfrage_id
-          WHERE r.id IS NULL OR r.stage <> 'ocr' OR r.anfrage_id <> p.anfrage_id
-             OR r.status <> 'success' OR r.success_attempt IS DISTINCT FROM p.attempt
+          WHERE r.id IS NULL OR r.status <> 'success'
+             OR r.output ->> (p.page - 1) IS DISTINCT FROM p.text
+             OR jsonb_array_length(r.output) <> (
+                    SELECT count(*) FROM ocr_pages q
+                     WHERE q.tenant_id = p.tenant_id AND q.anfrage_id = p.anfrage_id)
              OR r.input_hash IS DISTINCT FROM a.input_sha256",
+    ),
+    (
+        "a translate success not computed from ocr's current success (its bound \
+         upstream attempt), or not of all of its pages",
+        "SELECT t.* FROM pipeline_runs t
+           LEFT JOIN pipeline_runs o ON o.tenant_id = t.tenant_id AND o.anfrage_id = t.anfrage_id
+                                    AND o.stage = 'ocr'
+          WHERE t.stage = 'translate' AND t.status = 'success'
+            AND (o.status IS DISTINCT FROM 'success'
+                 OR t.upstream_stage IS DISTINCT FROM 'ocr'
+                 OR t.upstream_attempt IS DISTINCT FROM o.success_attempt
+                 OR (t.output #>> '{}')::int IS DISTINCT FROM jsonb_array_length(o.output))",
+    ),
+    (
+        "a translation of an anfrage whose translate has not succeeded, or past the \
+         pages it translated",
+        "SELECT tr.* FROM translations tr
+           LEFT JOIN pipeline_runs r ON r.tenant_id = tr.tenant_id AND r.anfrage_id = tr.anfrage_id
+                                    AND r.stage = 'translate'
+          WHERE r.id IS NULL OR r.status <> 'success' OR tr.page > (r.output #>> '{}')::int",
     ),
     (
         "a page without its translation, or a translation without its page",
         "SELECT * FROM ocr_pages p FULL JOIN translations t USING (tenant_id, anfrage_id, page)
-          WHERE p.id IS NULL OR t.run_id IS NULL",
+          WHERE p.id IS NULL OR t.text IS NULL",
     ),
     (
         "a successful stage without its audit entry of the same attempt",
@@ -270,19 +276,23 @@ async fn workers_over_two_tenants_leave_only_current_lineage() {
         }
     }
 
-    // The checks are not vacuous: a translation that claims another attempt, and
-    // a page whose translation is gone, are each caught.
+    // The checks are not vacuous: a page that is not what ocr's success handed on,
+    // and a page whose translation is gone, are each caught.
     let (tenant, anfrage) = (anfragen[0].0.as_str(), anfragen[0].1.to_string());
-    let one = translations::table
-        .filter(translations::tenant_id.eq(tenant))
-        .filter(translations::anfrage_id.eq(&anfrage))
-        .filter(translations::page.eq(1));
-    diesel::update(one)
-        .set(translations::attempt.eq(translations::attempt + 1))
+    let page = ocr_pages::table
+        .filter(ocr_pages::tenant_id.eq(tenant))
+        .filter(ocr_pages::anfrage_id.eq(&anfrage))
+        .filter(ocr_pages::page.eq(1));
+    diesel::update(page)
+        .set(ocr_pages::text.eq("tampered"))
         .execute(c)
         .await
         .unwrap();
     assert_eq!(violation_counts(c).await[..4], [1, 0, 0, 0]);
+    let one = translations::table
+        .filter(translations::tenant_id.eq(tenant))
+        .filter(translations::anfrage_id.eq(&anfrage))
+        .filter(translations::page.eq(1));
     diesel::delete(one).execute(c).await.unwrap();
-    assert_eq!(violation_counts(c).await[..4], [0, 0, 0, 1]);
+    assert_eq!(violation_counts(c).await[..4], [1, 0, 0, 1]);
 }

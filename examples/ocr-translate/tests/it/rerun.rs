@@ -94,23 +94,23 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
         f.translations(&job).await,
         expected_translations(&PAGES_2, 2, 2)
     );
-    // Lineage: the translations name ocr's current run and attempt, which is what
-    // translate's run was claimed on.
+    // Lineage, through the core: translate's success is bound to ocr's current
+    // success, and the pages it translated are that success's output.
     assert_eq!(
         f.count_for(
             &job,
             &format!(
-                "SELECT 1 FROM translations t
-                   JOIN pipeline_runs o ON o.id = t.ocr_run_id AND o.stage = '{OCR}'
-                   JOIN pipeline_runs r ON r.id = t.run_id AND r.stage = '{TRANSLATE}'
-                  WHERE t.anfrage_id = '{{anfrage}}'
-                    AND o.status = 'success' AND o.success_attempt = t.ocr_attempt
-                    AND r.status = 'success' AND r.success_attempt = t.attempt
-                    AND r.upstream_stage = '{OCR}' AND r.upstream_attempt = t.ocr_attempt"
+                "SELECT 1 FROM pipeline_runs o
+                   JOIN pipeline_runs r ON r.tenant_id = o.tenant_id AND r.anfrage_id = o.anfrage_id
+                  WHERE o.anfrage_id = '{{anfrage}}' AND o.stage = '{OCR}' AND r.stage = '{TRANSLATE}'
+                    AND o.status = 'success' AND r.status = 'success'
+                    AND r.upstream_stage = '{OCR}' AND r.upstream_attempt = o.success_attempt
+                    AND o.output = '{}'::jsonb AND r.output = '2'::jsonb",
+                idemstage::serde_json::to_string(&PAGES_2).unwrap()
             )
         )
         .await,
-        2
+        1
     );
     // Both stages are bound to the new input now.
     assert_eq!(

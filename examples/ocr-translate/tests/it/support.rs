@@ -73,17 +73,52 @@ impl Fixture {
             .0
     }
 
-    /// The anfrage's pages as stored: (page, text, attempt).
+    /// The anfrage's pages as stored, each with ocr's last successful attempt
+    /// (the core's record; see [`Fixture::success_attempt`]): (page, text,
+    /// attempt).
     pub async fn pages(&mut self, job: &StageJob) -> Vec<(i32, String, i32)> {
         use ocr_pages::dsl as p;
-        p::ocr_pages
+        let attempt = self.success_attempt(job, ocr_translate::OCR).await;
+        let rows: Vec<(i32, String)> = p::ocr_pages
             .filter(p::tenant_id.eq(job.tenant_id.as_str()))
             .filter(p::anfrage_id.eq(job.anfrage_id.to_string()))
             .order(p::page)
-            .select((p::page, p::text, p::attempt))
+            .select((p::page, p::text))
             .load(&mut self.conn)
             .await
-            .unwrap()
+            .unwrap();
+        rows.into_iter()
+            .map(|(page, text)| (page, text, attempt.0))
+            .collect()
+    }
+
+    /// The last attempt of the anfrage's run of `stage` that succeeded, and the
+    /// upstream attempt it read (the core's record, `pipeline_run_attempts`): the
+    /// attempt whose rows the team's tables hold, since only a success commits
+    /// any. (0, 0) for none.
+    pub async fn success_attempt(&mut self, job: &StageJob, stage: &str) -> (i32, i32) {
+        #[derive(QueryableByName)]
+        struct Attempts {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            success: i32,
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            upstream: i32,
+        }
+        let found: Option<Attempts> = diesel::sql_query(
+            "SELECT a.attempt AS success, COALESCE(a.upstream_attempt, 0) AS upstream
+               FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+              WHERE r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3
+                AND a.outcome = 'success'
+              ORDER BY a.attempt DESC LIMIT 1",
+        )
+        .bind::<diesel::sql_types::Text, _>(job.tenant_id.as_str())
+        .bind::<diesel::sql_types::Text, _>(job.anfrage_id.to_string())
+        .bind::<diesel::sql_types::Text, _>(stage)
+        .get_result(&mut self.conn)
+        .await
+        .optional()
+        .unwrap();
+        found.map_or((0, 0), |a| (a.success, a.upstream))
     }
 
     /// The anfrage's page ids as stored.
@@ -97,17 +132,23 @@ impl Fixture {
             .unwrap()
     }
 
-    /// The anfrage's translations as stored: (page, text, attempt, ocr_attempt).
+    /// The anfrage's translations as stored, each with translate's last
+    /// successful attempt and the ocr attempt it read (the core's record; see
+    /// [`Fixture::success_attempt`]): (page, text, attempt, ocr_attempt).
     pub async fn translations(&mut self, job: &StageJob) -> Vec<(i32, String, i32, i32)> {
         use translations::dsl as t;
-        t::translations
+        let (attempt, ocr_attempt) = self.success_attempt(job, ocr_translate::TRANSLATE).await;
+        let rows: Vec<(i32, String)> = t::translations
             .filter(t::tenant_id.eq(job.tenant_id.as_str()))
             .filter(t::anfrage_id.eq(job.anfrage_id.to_string()))
             .order(t::page)
-            .select((t::page, t::text, t::attempt, t::ocr_attempt))
+            .select((t::page, t::text))
             .load(&mut self.conn)
             .await
-            .unwrap()
+            .unwrap();
+        rows.into_iter()
+            .map(|(page, text)| (page, text, attempt, ocr_attempt))
+            .collect()
     }
 
     /// The status of the anfrage's run of `stage`.

@@ -1,0 +1,2 @@
+DROP TABLE invoice_lines;
+DROP TABLE invoices;
