@@ -22,7 +22,7 @@ mod cli;
 use std::process::ExitCode;
 
 use diesel_migrations::EmbeddedMigrations;
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
 
 /// What the command line runs: a team's pipeline and its migrations, or the
 /// built-in example.

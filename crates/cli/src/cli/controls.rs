@@ -1,16 +1,14 @@
 //! `idemstage pause|resume|limit`: the stage controls the fetch enforces
-//! (`idemstage_persistence::queue::{pause, resume, set_limits}`). A stage's queue
+//! (`idemstage::queue::{pause, resume, set_limits}`). A stage's queue
 //! is its name.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idemstage_domain::TenantId;
-use idemstage_persistence::ops::Actor;
-use idemstage_persistence::queue::{
-    self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
-};
-use idemstage_stage::Pipeline;
+use idemstage::ops::Actor;
+use idemstage::queue::{self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage::Pipeline;
+use idemstage::TenantId;
 
 use super::ops::pipeline_or_example;
 use super::{known, BadInput};

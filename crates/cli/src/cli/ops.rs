@@ -1,16 +1,16 @@
 //! `idemstage inspect | retry | cancel | dead`: the operator commands
-//! (`idemstage_persistence::ops`). They connect as the `DATABASE_URL` user and
+//! (`idemstage::ops`). They connect as the `DATABASE_URL` user and
 //! name the tenant of every write, which runs scoped to it.
 
 use std::process::ExitCode;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, SendResult, StageName, TenantId};
-use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::ops::{
+use idemstage::ops::{
     self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, RetryOutcome,
 };
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::{AnfrageId, SendResult, StageName, TenantId};
+use idemstage_example::{self as example, Chaos};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -101,10 +101,9 @@ pub(crate) async fn actor(
         name: String,
     }
     let query = diesel::sql_query("SELECT current_user::text AS name");
-    let user: User =
-        idemstage_persistence::pinned(conn, async move |conn| query.get_result(conn).await)
-            .await
-            .map_err(idemstage_persistence::map_diesel_error)?;
+    let user: User = idemstage::pinned(conn, async move |conn| query.get_result(conn).await)
+        .await
+        .map_err(idemstage::map_diesel_error)?;
     Ok(Actor::parse(&user.name)?)
 }
 

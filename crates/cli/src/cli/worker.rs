@@ -6,11 +6,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstage_domain::{InputChangePolicy, RepoError, StagePolicy};
+use idemstage::Pipeline;
+use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage::{InputChangePolicy, RepoError, StagePolicy};
+use idemstage::{PoolConfig, Pooler};
 use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::{PoolConfig, Pooler};
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::Pipeline;
 use tokio_util::sync::CancellationToken;
 
 use super::{BadInput, WakeArg};
@@ -207,14 +207,14 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         let pool = db.pool(pool_config.clone()).await?;
         // A --listen-url that cannot LISTEN is refused now, not warned about forever.
         if let Some(url) = listen_url.as_deref().filter(|u| **u != db.url) {
-            idemstage_persistence::queue::JobListener::connect(url)
+            idemstage::queue::JobListener::connect(url)
                 .await
                 .map_err(|e| RepoError::Unavailable(format!("--listen-url: {e}").into()))?;
         }
         // Row-level security holds only for a role it restricts (README, "Deploying").
         let role = {
-            let mut conn = idemstage_persistence::db::get(&pool).await?;
-            idemstage_persistence::roles::check_worker_role(&mut conn).await?
+            let mut conn = idemstage::get(&pool).await?;
+            idemstage::roles::check_worker_role(&mut conn).await?
         };
         Ok((pool, role))
     })
@@ -233,8 +233,8 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
                 "idemstage worker refuses to start: {role}. Connect as a login role in \
                  {} that owns nothing and has no CREATEROLE (CREATE ROLE w LOGIN \
                  PASSWORD '..' IN ROLE {}; README, \"Deploying\"), or pass --allow-owner",
-                idemstage_persistence::roles::WORKER_ROLE,
-                idemstage_persistence::roles::WORKER_ROLE,
+                idemstage::roles::WORKER_ROLE,
+                idemstage::roles::WORKER_ROLE,
             ))
             .into());
         }

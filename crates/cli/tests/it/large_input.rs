@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Instant;
 
-use idemstage_domain::AnfrageId;
+use idemstage::AnfrageId;
 
 use crate::support::{self, count, Workers};
 

@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use idemstage_persistence::ops::Actor;
-use idemstage_persistence::queue::{self, Scope};
+use idemstage::ops::Actor;
+use idemstage::queue::{self, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::{assert_quiet_and_sound, count, enqueue, signal, wait_exit, STAGE_LEASE_MS};

@@ -6,8 +6,9 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, ClaimRequest, StageName, StagePolicy, TenantId, WorkerId};
-use idemstage_persistence::PgRunRepository;
+use idemstage::runs::ClaimRequest;
+use idemstage::PgRunRepository;
+use idemstage::{AnfrageId, StageName, StagePolicy, TenantId, WorkerId};
 use idemstage_testkit::{count, TestDb};
 
 fn idemstage(db: &TestDb, args: &[&str]) -> Output {
@@ -64,7 +65,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
             db.url(),
             idemstage_testkit::example::pipeline(),
             2,
-            Arc::new(idemstage_runner::Counters::default()),
+            Arc::new(idemstage::Counters::default()),
         );
         let check = idemstage_testkit::example::assert_quiet_and_sound(db.url(), 60).await;
         idemstage_testkit::example::stop_pipeline_worker(worker).await;
@@ -79,18 +80,18 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
         tenant: tenant.clone(),
         anfrage: dying,
         stage: StageName::parse("intake").unwrap(),
-        input_hash: idemstage_domain::input_hash_of(text.as_bytes()),
+        input_hash: idemstage::input_hash_of(text.as_bytes()),
         worker: WorkerId::generate(),
         policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
     };
-    let idemstage_domain::ClaimOutcome::Claimed {
+    let idemstage::runs::ClaimOutcome::Claimed {
         run_id, attempt, ..
     } = repo.claim(&req).await.unwrap()
     else {
         panic!("not claimed")
     };
-    let token = idemstage_domain::ClaimToken {
+    let token = idemstage::ClaimToken {
         run_id,
         tenant: tenant.clone(),
         anfrage: dying,

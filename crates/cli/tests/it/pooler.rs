@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use idemstage_domain::AnfrageId;
+use idemstage::AnfrageId;
 use idemstage_testkit::PgBouncer;
 
 use crate::support::{assert_quiet_and_sound, count, text, wait_until, Workers};

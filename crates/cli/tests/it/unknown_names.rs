@@ -6,7 +6,7 @@
 use std::process::{Command, Output};
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, TenantId};
+use idemstage::{AnfrageId, TenantId};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemstage"))

@@ -10,7 +10,7 @@
 //! - `GET /dead[?tenant=T&stage=S]` the dead-letter list (`ops::dead`) with
 //!   retry and cancel.
 //! - `POST /actions/{retry,cancel,pause,resume}` the operator writes, through
-//!   `idemstage_persistence::ops` and `queue::{pause, resume}`.
+//!   `idemstage::ops` and `queue::{pause, resume}`.
 //! - `GET|POST /login`, `POST /logout`: the browser's session (see [`auth`]).
 //!
 //! Every page but the login form and the stylesheet needs the token (see
@@ -33,8 +33,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use idemstage_persistence::{PgPool, PoolConfig};
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::{PgPool, PoolConfig};
 
 use super::BadInput;
 
