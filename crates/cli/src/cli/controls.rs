@@ -10,7 +10,6 @@ use idemstage::queue::{self, ControlChangeKind, Limits, PauseOutcome, Rate, Resu
 use idemstage::Pipeline;
 use idemstage::TenantId;
 
-use super::ops::pipeline_or_example;
 use super::{known, BadInput};
 
 #[derive(clap::Args)]
@@ -108,9 +107,9 @@ pub async fn pause(
     db: &super::Db,
     args: PauseArgs,
     pause: bool,
-    team: Option<Pipeline>,
+    team: Pipeline,
 ) -> anyhow::Result<ExitCode> {
-    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
+    let stage = known::stage(&team, &args.stage)?;
     let scope = scope(args.tenant.as_deref(), false)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
@@ -144,12 +143,8 @@ pub async fn pause(
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn limit(
-    db: &super::Db,
-    args: LimitArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
-    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
+pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let stage = known::stage(&team, &args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;

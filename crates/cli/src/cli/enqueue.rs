@@ -1,4 +1,4 @@
-//! `idemstage enqueue`: register an anfrage and send its intake job, atomically.
+//! `idemstage enqueue`: register an anfrage and send the job of its pipeline's first stage, atomically.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -10,7 +10,6 @@ use idemstage::anfragen::{validate_input, MAX_INPUT_BYTES};
 use idemstage::runs::TxError;
 use idemstage::{first_job, start_in, Pipeline};
 use idemstage::{AnfrageId, SendResult, TenantId};
-use idemstage_example::{self as example, Chaos};
 
 use super::BadInput;
 
@@ -54,13 +53,12 @@ fn read_input(args: &Args) -> anyhow::Result<String> {
         .map_err(|_| BadInput(format!("{} is not UTF-8 text", path.display())).into())
 }
 
-pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Result<ExitCode> {
     // Everything is validated before the first connection: bad input writes nothing.
     let tenant = TenantId::parse(&args.tenant)?;
     let anfrage = AnfrageId::parse(&args.anfrage)?;
     let text = read_input(&args)?;
     validate_input(&text)?;
-    let pipeline = team.unwrap_or_else(|| example::pipeline(Chaos::default()));
     let mut conn = db.connect().await?;
     // The same input again for an anfrage whose first stage already succeeded on
     // it: a send would make a job that only finds the stage done. Nothing is sent.

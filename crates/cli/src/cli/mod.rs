@@ -1,14 +1,9 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
-pub mod bench;
 pub mod console;
 pub mod controls;
-pub mod demo;
 pub mod enqueue;
-mod fairness;
-mod fixtures;
 mod known;
-mod limits;
 pub mod ops;
 mod prometheus;
 pub mod status;
@@ -83,6 +78,7 @@ impl From<PoolerArg> for Pooler {
     }
 }
 
+/// The database URL of `--database-url` or `DATABASE_URL` (bad input without one).
 pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
     flag.filter(|u| !u.is_empty())
         .map(str::to_owned)
@@ -90,6 +86,7 @@ pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
         .context("idemstage needs a PostgreSQL server")
 }
 
+/// The exit code of an error: 2 bad input, 3 database unavailable, else 1.
 pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain() {
         if cause.is::<BadInput>() || cause.is::<DomainError>() || cause.is::<known::Unknown>() {

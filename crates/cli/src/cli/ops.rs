@@ -10,7 +10,6 @@ use idemstage::ops::{
 };
 use idemstage::Pipeline;
 use idemstage::{AnfrageId, SendResult, StageName, TenantId};
-use idemstage_example::{self as example, Chaos};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -107,17 +106,13 @@ pub(crate) async fn actor(
     Ok(Actor::parse(&user.name)?)
 }
 
-pub(crate) fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
-    team.unwrap_or_else(|| example::pipeline(Chaos::default()))
-}
-
 pub async fn inspect(
     db: &super::Db,
     args: InspectArgs,
-    team: Option<Pipeline>,
+    team: Pipeline,
 ) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
-    let pipeline = pipeline_or_example(team);
+    let pipeline = team;
     let mut conn = db.connect().await?;
     let mut timeline = ops::inspect(&mut conn, &tenant, &anfrage).await?;
     // In the pipeline's order; a stage the pipeline does not know last.
@@ -214,13 +209,9 @@ fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
     }
 }
 
-pub async fn retry(
-    db: &super::Db,
-    args: RetryArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
+pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
-    let pipeline = pipeline_or_example(team);
+    let pipeline = team;
     let stage = args
         .stage
         .as_deref()
@@ -316,12 +307,8 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn dead(
-    db: &super::Db,
-    args: DeadArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
-    let pipeline = pipeline_or_example(team);
+pub async fn dead(db: &super::Db, args: DeadArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let pipeline = team;
     let filter = DeadFilter {
         tenant: args.tenant.as_deref().map(TenantId::parse).transpose()?,
         stage: args

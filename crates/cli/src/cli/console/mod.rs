@@ -110,7 +110,7 @@ fn load_token(file: Option<&PathBuf>) -> anyhow::Result<String> {
     Ok(token)
 }
 
-pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Pipeline) -> anyhow::Result<ExitCode> {
     // Everything the user can get wrong is refused before the first connection.
     let token = load_token(args.token_file.as_ref())?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
@@ -134,7 +134,7 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         .await?;
     let console = Arc::new(Console {
         pool,
-        pipeline: super::ops::pipeline_or_example(team),
+        pipeline: team,
         read_only: args.read_only,
         auth: auth::Authenticator::new(&token),
     });

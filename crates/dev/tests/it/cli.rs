@@ -50,7 +50,7 @@ fn enqueue(db: &TestDb, tenant: &str) -> Output {
 #[tokio::test]
 async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     let db = idemstage_testkit::example::db().await;
-    let dir = std::env::temp_dir().join(format!("idemstage-cli-{}", ulid_like()));
+    let dir = std::env::temp_dir().join(format!("idemstage-dev-{}", ulid_like()));
     std::fs::create_dir_all(&dir).unwrap();
     let big = dir.join("big.txt");
     std::fs::write(&big, "a".repeat(10 * 1024 * 1024)).unwrap();
