@@ -190,7 +190,7 @@ mod tests {
     /// the second `cargo xtask demo` on a cluster left running, and every bench.
     #[tokio::test]
     async fn reset_empties_every_table_of_the_schema() {
-        let db = idemstage_testkit::example::db().await;
+        let db = idemstage_harness::example::db().await;
         let mut conn = db.conn().await;
         let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
         let tenant = TenantId::parse("t1").unwrap();

@@ -6,16 +6,16 @@
 //! panicking (or `IDEMSTAGE_KEEP_TEST_DB=1`): then it is kept and its URL printed
 //! for post-mortem.
 
-pub mod example;
-mod pg_server;
-mod pgbouncer;
-mod private_cluster;
-mod replicated_cluster;
-pub mod schema;
+//!
+//! [`run_stage`] runs one stage of a team's pipeline for a job against the test
+//! database, in process, and returns its outcome. (Our own fault harnesses,
+//! PgBouncer and private or replicated clusters, are in `idemstage-harness`,
+//! which a team does not link.)
 
-pub use pgbouncer::PgBouncer;
-pub use private_cluster::PrivateCluster;
-pub use replicated_cluster::{ReplicatedCluster, Replication};
+pub mod schema;
+mod stage;
+
+pub use stage::{anfrage_job, run_stage};
 
 use std::time::Duration;
 

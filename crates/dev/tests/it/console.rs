@@ -228,7 +228,7 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
 
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
     let dying_s = dying.to_string();
     let mut conn = db.conn().await;
@@ -671,7 +671,7 @@ async fn click_and_wait(browser: &Client, id: &str, then: &str) {
 #[tokio::test]
 async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage_succeeds() {
     let driver = Chromedriver::start().await;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
     let dying_s = dying.to_string();
     let mut conn = db.conn().await;
@@ -827,9 +827,9 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pauses() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
-    let bouncer = idemstage_testkit::PgBouncer::start(db.url(), 2);
+    let bouncer = idemstage_harness::PgBouncer::start(db.url(), 2);
     let console = Console::start(&bouncer.url(db.url()), &["--pooler", "transaction"]);
     let addr = console.addr;
     let (b_name, b_value) = bearer();

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use diesel::sql_types::{Integer, Text};
 use diesel_async::RunQueryDsl;
-use idemstage_testkit::{ReplicatedCluster, Replication};
+use idemstage_harness::{ReplicatedCluster, Replication};
 
 use crate::support::{assert_quiet_and_sound, enqueue, wait_until, Workers};
 

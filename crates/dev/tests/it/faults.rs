@@ -16,7 +16,7 @@ use idemstage::{Counters, WorkerStatsSnapshot};
 use idemstage::{PgPool, PoolConfig};
 use idemstage::{Pipeline, StageJob};
 use idemstage_example::{self as example, Chaos};
-use idemstage_testkit::PrivateCluster;
+use idemstage_harness::PrivateCluster;
 use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,7 @@ use crate::support::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_random_sigkills_lose_nothing_and_run_nothing_twice() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let n = 80;
     enqueue(db.url(), n).await;
     // The delay keeps claims open between claim and commit (and transactions open),
@@ -88,7 +88,7 @@ async fn attempts(conn: &mut AsyncPgConnection, filter: &str) -> Vec<AttemptRow>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stopped_past_its_lease_is_fenced_after_sigcont() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 12).await;
     let mut conn = db.conn().await;
     // Worker A alone, with a long body, so that it holds claims when stopped; and
@@ -213,7 +213,7 @@ async fn terminator(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminated_connections_mid_transaction_lose_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 50).await;
     let mut workers = Workers::start(db.url(), 2, &["--stage-delay-ms", "400"]);
     // Client backends in a transaction (idle in it, or running a statement of it),
@@ -242,7 +242,7 @@ async fn terminated_connections_mid_transaction_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_terminated_during_commit_are_rechecked_not_lost() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     // A deferred constraint trigger makes every completion's COMMIT take a while, so
     // that the connection can be terminated while the server is inside COMMIT.
@@ -322,7 +322,7 @@ fn start_worker(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 40).await;
     // 8 stage executions (each wants a connection for its work and one for its
     // heartbeat, plus the job lease renewals) share 2 connections, and give up
@@ -353,7 +353,7 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_sends_racing_completion_run_each_stage_once() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let n = 30;
     let keys: Vec<(TenantId, AnfrageId, String)> = (0..n)
         .map(|i| {

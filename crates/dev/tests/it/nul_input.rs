@@ -26,7 +26,7 @@ async fn rows(db: &idemstage_testkit::TestDb) -> i64 {
 /// error, which also aborted a caller's transaction around `start_in`).
 #[tokio::test]
 async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let pipeline = crate::support::pipeline();
     let (tenant, anfrage) = (
         TenantId::parse("t1").unwrap(),

@@ -53,28 +53,28 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
 
 #[tokio::test]
 async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_with_exit_2() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     let (done, queued, dying) = (AnfrageId::new(), AnfrageId::new(), AnfrageId::new());
-    let text = idemstage_testkit::example::text(1);
-    idemstage_testkit::example::send(&mut conn, &tenant, done, &text).await;
+    let text = idemstage_harness::example::text(1);
+    idemstage_harness::example::send(&mut conn, &tenant, done, &text).await;
     let check = {
-        let worker = idemstage_testkit::example::start_pipeline_worker(
+        let worker = idemstage_harness::example::start_pipeline_worker(
             db.pool(4).await,
             db.url(),
-            idemstage_testkit::example::pipeline(),
+            idemstage_harness::example::pipeline(),
             2,
             Arc::new(idemstage::Counters::default()),
         );
-        let check = idemstage_testkit::example::assert_quiet_and_sound(db.url(), 60).await;
-        idemstage_testkit::example::stop_pipeline_worker(worker).await;
+        let check = idemstage_harness::example::assert_quiet_and_sound(db.url(), 60).await;
+        idemstage_harness::example::stop_pipeline_worker(worker).await;
         check
     };
     assert_eq!(check.stages_succeeded, 4);
-    idemstage_testkit::example::send(&mut conn, &tenant, queued, &text).await;
+    idemstage_harness::example::send(&mut conn, &tenant, queued, &text).await;
     // A dead intake: one attempt, failed for good.
-    idemstage_testkit::example::send(&mut conn, &tenant, dying, &text).await;
+    idemstage_harness::example::send(&mut conn, &tenant, dying, &text).await;
     let repo = PgRunRepository::new(db.pool(2).await);
     let req = ClaimRequest {
         tenant: tenant.clone(),

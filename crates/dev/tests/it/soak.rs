@@ -102,7 +102,7 @@ fn soak_secs() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     let secs = soak_secs();
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     // Every connection made from now on waits at most 100 ms for a row lock: the
     // lock holders below make the workers' statements time out (55P03).
     {

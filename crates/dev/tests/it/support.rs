@@ -142,11 +142,11 @@ pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
     keys
 }
 
-pub use idemstage_testkit::count;
-pub use idemstage_testkit::example::{
+pub use idemstage_harness::example::{
     assert_quiet_and_sound, pipeline, send, start_pipeline_worker, stop_pipeline_worker, text,
     wait_until, JOB_LEASE_MS,
 };
+pub use idemstage_testkit::count;
 
 pub fn signal(child: &Child, sig: &str) {
     let status = Command::new("kill")

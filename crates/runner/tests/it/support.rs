@@ -2,5 +2,5 @@
 //! testkit), and `count`. The helpers for `idemstage worker` processes are in
 //! `crates/dev/tests/it/support.rs`.
 
+pub use idemstage_harness::example::*;
 pub use idemstage_testkit::count;
-pub use idemstage_testkit::example::*;
