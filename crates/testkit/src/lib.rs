@@ -95,7 +95,7 @@ pub fn url_with_user(url: &str, role: &str) -> String {
 /// Creates the login roles [`TEST_WORKER`] and [`TEST_OPERATOR`] on the server of
 /// `admin_url` if missing (roles are per server). The group roles come from the
 /// core's migrations: call this after migrating one database of the server (a
-/// [`TestDb`] does it itself; a [`PrivateCluster`] test after its `migrate`).
+/// [`TestDb`] does it itself; an `idemstage_harness::PrivateCluster` test after its `migrate`).
 pub async fn ensure_test_roles(admin_url: &str) {
     let mut admin = connect(admin_url).await.expect("connect to DATABASE_URL");
     for (role, group) in [
