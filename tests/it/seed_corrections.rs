@@ -67,7 +67,7 @@ fn request(tenant: &TenantId, anfrage: idemstage_domain::AnfrageId, hash: &str) 
 /// Our `DO UPDATE … WHERE` form skips and leaves the row alone.
 #[tokio::test]
 async fn correction_1_a_guard_on_the_conflict_target_filters_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t = TenantId::parse("t1").unwrap();
     let (anfrage, hash) = anfrage(&mut conn, &t, "1 Stk Test").await;
@@ -105,7 +105,7 @@ async fn correction_1_a_guard_on_the_conflict_target_filters_nothing() {
 /// stage that another worker is still running; the lease guard does not.
 #[tokio::test]
 async fn correction_2_the_seed_guard_claims_a_running_stage_twice() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t = TenantId::parse("t1").unwrap();
     let (anfrage, hash) = anfrage(&mut conn, &t, "1 Stk Test").await;

@@ -77,7 +77,7 @@ pub fn main(args: &[String]) -> Result<i32> {
             "build",
             "--release",
             "-p",
-            "idemstage-cli",
+            "idemstage-dev",
             "--bin",
             "idemstage",
         ])

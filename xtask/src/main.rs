@@ -74,7 +74,7 @@ fn run() -> Result<i32> {
         "migrate" => with_database("postgres", |url| {
             run_status(
                 cargo()
-                    .args(["run", "-p", "idemstage-cli", "--bin", "idemstage", "--"])
+                    .args(["run", "-p", "idemstage-dev", "--bin", "idemstage", "--"])
                     .arg("migrate")
                     .args(rest)
                     .env("DATABASE_URL", url),
@@ -120,7 +120,7 @@ fn run() -> Result<i32> {
             with_database("postgres", |url| {
                 run_status(
                     cargo()
-                        .args(["test", "--release", "-p", "idemstage-cli", "--test", "it"])
+                        .args(["test", "--release", "-p", "idemstage-dev", "--test", "it"])
                         .args(["soak::", "--", "--nocapture"])
                         .env("IDEMSTAGE_SOAK_SECS", (minutes * 60).to_string())
                         .env("DATABASE_URL", url),
@@ -135,7 +135,7 @@ fn run() -> Result<i32> {
             with_database(&format!("idemstage_{cmd}"), |url| {
                 let code = run_status(
                     cargo()
-                        .args(["run", "--release", "-p", "idemstage-cli"])
+                        .args(["run", "--release", "-p", "idemstage-dev"])
                         .args(["--bin", "idemstage", "--", cmd])
                         // `cargo xtask demo -- --anfragen 10` works like without `--`.
                         .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(&rest))
@@ -185,7 +185,7 @@ fn demo_console(url: &str) -> Result<()> {
                 "run",
                 "--release",
                 "-p",
-                "idemstage-cli",
+                "idemstage-dev",
                 "--bin",
                 "idemstage",
                 "--",

@@ -201,9 +201,46 @@ pub mod queue {
         FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
         JobState, JobToSend,
     };
+    pub use idemstage_domain::{QueueStats, StateCounts};
     pub use idemstage_persistence::queue::{
-        control_changes, controls, held_until, hold, pause, resume, send, send_batch, send_in,
-        send_in_waking, set_limits, ControlChange, ControlChangeKind, LeaseCommit, Limits,
-        Notifier, PauseOutcome, QueueControl, Rate, ResumeOutcome, Scope, Wake,
+        complete, complete_many, control_changes, controls, fetch, held_until, hold, pause,
+        queue_depths, queue_stats, resume, send, send_batch, send_in, send_in_waking, set_limits,
+        ControlChange, ControlChangeKind, JobListener, LeaseCommit, Limits, Notifier, PauseOutcome,
+        QueueControl, QueueDepth, Rate, ResumeOutcome, Scope, Wake,
     };
+}
+
+/// The stage runs (layer 1) below the executor: the claim of a stage by a worker
+/// ([`PgRunRepository::claim`](crate::PgRunRepository) with a
+/// [`ClaimRequest`](runs::ClaimRequest)), its outcomes, and the error of a
+/// transaction that mixes a team's statements with ours ([`TxError`](runs::TxError)).
+pub mod runs {
+    pub use idemstage_domain::{ClaimOutcome, ClaimRequest, CompleteOutcome, FailOutcome};
+    pub use idemstage_persistence::TxError;
+}
+
+/// The anfragen and their inputs below [`start`]: the input's
+/// validation and limit, the registration of an anfrage's input alone (no job
+/// sent), and [`start_in`](anfragen::start_in), which registers it and sends a job
+/// the caller builds, in the caller's transaction.
+pub mod anfragen {
+    pub use idemstage_persistence::anfragen::{
+        register_anfrage, register_input, start_in, validate_input, RegisterOutcome, StartOutcome,
+        MAX_INPUT_BYTES,
+    };
+}
+
+/// Read-only reports over the core's tables (`idemstage status`, the console's
+/// overview): stage × status counts, one tenant's stages, whether a tenant exists.
+pub mod report {
+    pub use idemstage_persistence::report::{
+        stage_status_counts, tenant_exists, tenant_stage_overview, StageStatusCount, TenantStageRow,
+    };
+}
+
+/// The core's Diesel tables (`pipeline_runs`, `anfragen`, `jobs`, …), for reading
+/// them in a team's reports and tests; every write goes through the functions of
+/// this crate.
+pub mod schema {
+    pub use idemstage_persistence::schema::*;
 }

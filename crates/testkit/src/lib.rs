@@ -6,18 +6,19 @@
 //! panicking (or `IDEMSTAGE_KEEP_TEST_DB=1`): then it is kept and its URL printed
 //! for post-mortem.
 
+//!
+//! [`run_stage`] runs one stage of a team's pipeline for a job against the test
+//! database, in process, and returns its outcome; [`check_pipeline`] reads the
+//! core's invariants for any pipeline afterwards. (Our own fault harnesses,
+//! PgBouncer and private or replicated clusters, are in `idemstage-harness`,
+//! which a team does not link.)
+
 pub mod check;
-pub mod example;
-mod pg_server;
-mod pgbouncer;
-mod private_cluster;
-mod replicated_cluster;
 pub mod schema;
+mod stage;
 
 pub use check::{check_pipeline, Invariants};
-pub use pgbouncer::PgBouncer;
-pub use private_cluster::PrivateCluster;
-pub use replicated_cluster::{ReplicatedCluster, Replication};
+pub use stage::{anfrage_job, run_stage};
 
 use std::time::Duration;
 
@@ -97,7 +98,7 @@ pub fn url_with_user(url: &str, role: &str) -> String {
 /// Creates the login roles [`TEST_WORKER`] and [`TEST_OPERATOR`] on the server of
 /// `admin_url` if missing (roles are per server). The group roles come from the
 /// core's migrations: call this after migrating one database of the server (a
-/// [`TestDb`] does it itself; a [`PrivateCluster`] test after its `migrate`).
+/// [`TestDb`] does it itself; an `idemstage_harness::PrivateCluster` test after its `migrate`).
 pub async fn ensure_test_roles(admin_url: &str) {
     let mut admin = connect(admin_url).await.expect("connect to DATABASE_URL");
     for (role, group) in [

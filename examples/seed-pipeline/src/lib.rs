@@ -18,7 +18,7 @@
 //! invariant checker that `idemstage demo`, `idemstage bench` and the fault tests
 //! run against the database after the fact. The tables are created by this crate's
 //! own [`MIGRATIONS`], run after the core's. The `idemstage` binary of
-//! `idemstage-cli` runs this pipeline (`App::example()`).
+//! `idemstage-dev` (our `idemstage` binary) runs this pipeline.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -6,7 +6,7 @@ use idemstage_testkit::schema::{assert_schema_rs_matches, assert_tenant_isolated
 
 #[tokio::test]
 async fn the_checked_in_schema_matches_the_migrations_and_every_table_is_isolated() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tables = assert_schema_rs_matches(&mut conn, include_str!("../src/schema.rs")).await;
     assert_eq!(

@@ -1,18 +1,15 @@
 //! `idemstage pause|resume|limit`: the stage controls the fetch enforces
-//! (`idemstage_persistence::queue::{pause, resume, set_limits}`). A stage's queue
+//! (`idemstage::queue::{pause, resume, set_limits}`). A stage's queue
 //! is its name.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idemstage_domain::TenantId;
-use idemstage_persistence::ops::Actor;
-use idemstage_persistence::queue::{
-    self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope,
-};
-use idemstage_stage::Pipeline;
+use idemstage::ops::Actor;
+use idemstage::queue::{self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage::Pipeline;
+use idemstage::TenantId;
 
-use super::ops::pipeline_or_example;
 use super::{known, BadInput};
 
 #[derive(clap::Args)]
@@ -110,9 +107,9 @@ pub async fn pause(
     db: &super::Db,
     args: PauseArgs,
     pause: bool,
-    team: Option<Pipeline>,
+    team: Pipeline,
 ) -> anyhow::Result<ExitCode> {
-    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
+    let stage = known::stage(&team, &args.stage)?;
     let scope = scope(args.tenant.as_deref(), false)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
@@ -146,12 +143,8 @@ pub async fn pause(
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn limit(
-    db: &super::Db,
-    args: LimitArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
-    let stage = known::stage(&pipeline_or_example(team), &args.stage)?;
+pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let stage = known::stage(&team, &args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;

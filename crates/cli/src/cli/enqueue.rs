@@ -1,4 +1,4 @@
-//! `idemstage enqueue`: register an anfrage and send its intake job, atomically.
+//! `idemstage enqueue`: register an anfrage and send the job of its pipeline's first stage, atomically.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -6,11 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use diesel_async::AsyncConnection;
-use idemstage_domain::{AnfrageId, SendResult, TenantId};
-use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::anfragen::{validate_input, MAX_INPUT_BYTES};
-use idemstage_persistence::TxError;
-use idemstage_stage::{first_job, start_in, Pipeline};
+use idemstage::anfragen::{validate_input, MAX_INPUT_BYTES};
+use idemstage::runs::TxError;
+use idemstage::{first_job, start_in, Pipeline};
+use idemstage::{AnfrageId, SendResult, TenantId};
 
 use super::BadInput;
 
@@ -54,17 +53,16 @@ fn read_input(args: &Args) -> anyhow::Result<String> {
         .map_err(|_| BadInput(format!("{} is not UTF-8 text", path.display())).into())
 }
 
-pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Result<ExitCode> {
     // Everything is validated before the first connection: bad input writes nothing.
     let tenant = TenantId::parse(&args.tenant)?;
     let anfrage = AnfrageId::parse(&args.anfrage)?;
     let text = read_input(&args)?;
     validate_input(&text)?;
-    let pipeline = team.unwrap_or_else(|| example::pipeline(Chaos::default()));
     let mut conn = db.connect().await?;
     // The same input again for an anfrage whose first stage already succeeded on
     // it: a send would make a job that only finds the stage done. Nothing is sent.
-    let hash = idemstage_domain::input_hash_of(text.as_bytes());
+    let hash = idemstage::input_hash_of(text.as_bytes());
     let first_stage = first_job(&pipeline, tenant.clone(), anfrage, hash.clone()).queue;
     if first_stage_succeeded(&mut conn, &tenant, &anfrage, &first_stage, &hash).await? {
         println!("finished");
@@ -107,21 +105,21 @@ async fn first_stage_succeeded(
 ) -> anyhow::Result<bool> {
     use diesel::prelude::*;
     use diesel_async::RunQueryDsl;
-    use idemstage_persistence::schema::pipeline_runs::dsl as r;
+    use idemstage::schema::pipeline_runs::dsl as r;
     let anfrage_id = anfrage.to_string();
-    let found = idemstage_persistence::tenant::transaction(conn, tenant, async |conn| {
+    let found = idemstage::tenant_transaction(conn, tenant, async |conn| {
         r::pipeline_runs
             .filter(r::tenant_id.eq(tenant.as_str()))
             .filter(r::anfrage_id.eq(&anfrage_id))
             .filter(r::stage.eq(stage))
             .filter(r::input_hash.eq(input_hash))
-            .filter(r::status.eq(idemstage_domain::RunStatus::Success.as_str()))
+            .filter(r::status.eq(idemstage::RunStatus::Success.as_str()))
             .select(r::id)
             .first::<String>(conn)
             .await
             .optional()
     })
     .await
-    .map_err(idemstage_persistence::map_diesel_error)?;
+    .map_err(idemstage::map_diesel_error)?;
     Ok(found.is_some())
 }

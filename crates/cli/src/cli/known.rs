@@ -5,8 +5,8 @@
 //! does not exist, would be written and pause nobody.
 
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{StageName, TenantId};
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::{StageName, TenantId};
 
 /// A stage or a tenant that nobody has (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +48,7 @@ pub(crate) fn stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName
 /// Refuses a tenant without anfragen. Checked before the write, in a statement of
 /// its own: anfragen are never deleted, so a tenant known here stays known.
 pub(crate) async fn tenant(conn: &mut AsyncPgConnection, tenant: &TenantId) -> anyhow::Result<()> {
-    if idemstage_persistence::report::tenant_exists(conn, tenant).await? {
+    if idemstage::report::tenant_exists(conn, tenant).await? {
         Ok(())
     } else {
         Err(Unknown::Tenant(tenant.clone()).into())

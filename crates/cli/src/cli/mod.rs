@@ -1,14 +1,9 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
-pub mod bench;
 pub mod console;
 pub mod controls;
-pub mod demo;
 pub mod enqueue;
-mod fairness;
-mod fixtures;
 mod known;
-mod limits;
 pub mod ops;
 mod prometheus;
 pub mod status;
@@ -17,8 +12,8 @@ pub mod worker;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use idemstage_domain::{DomainError, RepoError};
-use idemstage_persistence::Pooler;
+use idemstage::Pooler;
+use idemstage::{DomainError, RepoError};
 
 /// An error the user can fix by changing the input (exit code 2).
 #[derive(Debug, thiserror::Error)]
@@ -38,17 +33,17 @@ pub struct Db {
 impl Db {
     /// One connection.
     pub async fn connect(&self) -> Result<diesel_async::AsyncPgConnection, RepoError> {
-        idemstage_persistence::connect_with(&self.url, self.pooler).await
+        idemstage::connect_with(&self.url, self.pooler).await
     }
 
     /// A pool sized and timed as `config` says, reaching the server as this URL
     /// does (`config.pooler` is replaced by [`Db::pooler`]).
     pub async fn pool(
         &self,
-        config: idemstage_persistence::PoolConfig,
-    ) -> Result<idemstage_persistence::PgPool, RepoError> {
+        config: idemstage::PoolConfig,
+    ) -> Result<idemstage::PgPool, RepoError> {
         let config = config.with_pooler(self.pooler);
-        idemstage_persistence::connect_pool(&self.url, config).await
+        idemstage::connect_pool(&self.url, config).await
     }
 
     /// Refuses a transaction pooler for `command`, which needs a session of its own.
@@ -83,6 +78,7 @@ impl From<PoolerArg> for Pooler {
     }
 }
 
+/// The database URL of `--database-url` or `DATABASE_URL` (bad input without one).
 pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
     flag.filter(|u| !u.is_empty())
         .map(str::to_owned)
@@ -90,16 +86,15 @@ pub fn database_url(flag: Option<&str>) -> anyhow::Result<String> {
         .context("idemstage needs a PostgreSQL server")
 }
 
+/// The exit code of an error: 2 bad input, 3 database unavailable, else 1.
 pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain() {
         if cause.is::<BadInput>() || cause.is::<DomainError>() || cause.is::<known::Unknown>() {
             return ExitCode::from(2);
         }
-        if let Some(ops) = cause.downcast_ref::<idemstage_persistence::ops::OpsError>() {
+        if let Some(ops) = cause.downcast_ref::<idemstage::ops::OpsError>() {
             return match ops {
-                idemstage_persistence::ops::OpsError::Repo(RepoError::Unavailable(_)) => {
-                    ExitCode::from(3)
-                }
+                idemstage::ops::OpsError::Repo(RepoError::Unavailable(_)) => ExitCode::from(3),
                 e if e.is_bad_request() => ExitCode::from(2),
                 _ => ExitCode::from(1),
             };
@@ -122,12 +117,12 @@ pub async fn migrate(
     url: &str,
     team: Vec<diesel_migrations::EmbeddedMigrations>,
 ) -> anyhow::Result<ExitCode> {
-    let applied = idemstage_persistence::migrate_with(url, team).await?;
+    let applied = idemstage::migrate_with(url, team).await?;
     println!("applied {applied} migration(s)");
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--wake`: [`idemstage_persistence::queue::Wake`] on the command line.
+/// `--wake`: [`idemstage::queue::Wake`] on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum WakeArg {
     /// NOTIFY inside the stage's commit
@@ -136,11 +131,11 @@ pub enum WakeArg {
     AfterCommit,
 }
 
-impl From<WakeArg> for idemstage_persistence::queue::Wake {
+impl From<WakeArg> for idemstage::queue::Wake {
     fn from(w: WakeArg) -> Self {
         match w {
-            WakeArg::InCommit => idemstage_persistence::queue::Wake::InCommit,
-            WakeArg::AfterCommit => idemstage_persistence::queue::Wake::AfterCommit,
+            WakeArg::InCommit => idemstage::queue::Wake::InCommit,
+            WakeArg::AfterCommit => idemstage::queue::Wake::AfterCommit,
         }
     }
 }

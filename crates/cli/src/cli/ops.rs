@@ -1,16 +1,15 @@
 //! `idemstage inspect | retry | cancel | dead`: the operator commands
-//! (`idemstage_persistence::ops`). They connect as the `DATABASE_URL` user and
+//! (`idemstage::ops`). They connect as the `DATABASE_URL` user and
 //! name the tenant of every write, which runs scoped to it.
 
 use std::process::ExitCode;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, SendResult, StageName, TenantId};
-use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::ops::{
+use idemstage::ops::{
     self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, RetryOutcome,
 };
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::{AnfrageId, SendResult, StageName, TenantId};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -101,24 +100,19 @@ pub(crate) async fn actor(
         name: String,
     }
     let query = diesel::sql_query("SELECT current_user::text AS name");
-    let user: User =
-        idemstage_persistence::pinned(conn, async move |conn| query.get_result(conn).await)
-            .await
-            .map_err(idemstage_persistence::map_diesel_error)?;
+    let user: User = idemstage::pinned(conn, async move |conn| query.get_result(conn).await)
+        .await
+        .map_err(idemstage::map_diesel_error)?;
     Ok(Actor::parse(&user.name)?)
-}
-
-pub(crate) fn pipeline_or_example(team: Option<Pipeline>) -> Pipeline {
-    team.unwrap_or_else(|| example::pipeline(Chaos::default()))
 }
 
 pub async fn inspect(
     db: &super::Db,
     args: InspectArgs,
-    team: Option<Pipeline>,
+    team: Pipeline,
 ) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
-    let pipeline = pipeline_or_example(team);
+    let pipeline = team;
     let mut conn = db.connect().await?;
     let mut timeline = ops::inspect(&mut conn, &tenant, &anfrage).await?;
     // In the pipeline's order; a stage the pipeline does not know last.
@@ -215,13 +209,9 @@ fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
     }
 }
 
-pub async fn retry(
-    db: &super::Db,
-    args: RetryArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
+pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
     let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
-    let pipeline = pipeline_or_example(team);
+    let pipeline = team;
     let stage = args
         .stage
         .as_deref()
@@ -317,12 +307,8 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn dead(
-    db: &super::Db,
-    args: DeadArgs,
-    team: Option<Pipeline>,
-) -> anyhow::Result<ExitCode> {
-    let pipeline = pipeline_or_example(team);
+pub async fn dead(db: &super::Db, args: DeadArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let pipeline = team;
     let filter = DeadFilter {
         tenant: args.tenant.as_deref().map(TenantId::parse).transpose()?,
         stage: args

@@ -37,11 +37,11 @@ pub async fn serve(listen: SocketAddr) -> anyhow::Result<SocketAddr> {
     let addr = listener.local_addr()?;
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
-            Matcher::Full(idemstage_stage::telemetry::STAGE_DURATION.to_owned()),
+            Matcher::Full(idemstage::telemetry::STAGE_DURATION.to_owned()),
             DURATION_BUCKETS,
         )?
         .install_recorder()?;
-    idemstage_runner::telemetry::describe();
+    idemstage::telemetry::describe();
     {
         let handle = handle.clone();
         tokio::spawn(async move {

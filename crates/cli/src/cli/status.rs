@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
-use idemstage_domain::TenantId;
-use idemstage_persistence::report::stage_status_counts;
+use idemstage::report::stage_status_counts;
+use idemstage::TenantId;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,7 +20,7 @@ pub async fn run(db: &super::Db, args: Args) -> anyhow::Result<ExitCode> {
     let mut conn = db.connect().await?;
     let stages = stage_status_counts(&mut conn, tenant.as_ref()).await?;
     // Jobs carry no tenant column: queue counts are for all tenants.
-    let queues = idemstage_persistence::queue::queue_stats(&mut conn).await?;
+    let queues = idemstage::queue::queue_stats(&mut conn).await?;
     if args.json {
         println!(
             "{}",

@@ -1,4 +1,4 @@
-//! `idemstage worker`: works the example pipeline's stage queues until SIGINT or
+//! `idemstage worker`: works the pipeline's stage queues until SIGINT or
 //! SIGTERM, then stops fetching, lets in-flight stages finish within the grace
 //! period, gives the rest back, and exits 0.
 
@@ -6,11 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstage_domain::{InputChangePolicy, RepoError, StagePolicy};
-use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::{PoolConfig, Pooler};
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::RepoError;
+use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage::{PoolConfig, Pooler};
 use tokio_util::sync::CancellationToken;
 
 use super::{BadInput, WakeArg};
@@ -42,10 +41,6 @@ pub struct Args {
     /// Seconds in-flight stages may take to finish after SIGINT/SIGTERM
     #[arg(long, default_value_t = 20)]
     pub grace_s: u64,
-    /// Stage lease (claim) in milliseconds, renewed at a third of it (built-in
-    /// example only; a team's stages have their own policies) [default: 30000]
-    #[arg(long)]
-    pub stage_lease_ms: Option<u64>,
     /// Lease of the jobs this worker sends, in milliseconds; renewed while a job
     /// runs, so it bounds how long a dead worker's job waits to be retried
     #[arg(long, default_value_t = 60_000)]
@@ -54,11 +49,6 @@ pub struct Args {
     /// stage that is expected, not final and has no live job (0: off)
     #[arg(long, default_value_t = 30)]
     pub reconcile_interval_s: u64,
-    /// Re-run a finished stage when its anfrage is sent again with another input
-    /// (and invalidate the stages after it once the rerun succeeds); default: refuse
-    /// another input (built-in example only)
-    #[arg(long)]
-    pub rerun_on_new_input: bool,
     /// Serve Prometheus metrics on this address (GET /metrics), e.g.
     /// 127.0.0.1:9464; port 0 picks a free one. The bound address is printed on
     /// stderr. The metrics (README, "Metrics"): jobs fetched, completed, retried
@@ -84,66 +74,19 @@ pub struct Args {
     /// milliseconds [default: 2000, or 250 when it polls for lack of LISTEN]
     #[arg(long)]
     pub poll_ms: Option<u64>,
-    /// Fault injection: probability that a stage body aborts mid-way
-    #[arg(long, default_value_t = 0.0, hide = true)]
-    pub crash_rate: f64,
-    /// Fault injection: up to this many ms of extra work per stage, after the claim
-    /// and inside the fenced transaction (widens the windows fault tests hit)
-    #[arg(long, default_value_t = 0, hide = true)]
-    pub stage_delay_ms: u64,
 }
 
 impl Args {
-    /// The pipeline to work: a team's as it is (with the job lease), or the example
-    /// with these leases and faults.
-    pub fn pipeline(&self, team: Option<Pipeline>) -> anyhow::Result<Pipeline> {
+    /// The pipeline to work: the team's as it is (its stages carry their own
+    /// policies), with the job lease.
+    pub fn pipeline(&self, team: Pipeline) -> anyhow::Result<Pipeline> {
         if self.job_lease_ms < 100 {
             return Err(BadInput("--job-lease-ms must be >= 100".into()).into());
         }
         let mut send = Pipeline::default_send_options();
         send.expire_in = Duration::from_millis(self.job_lease_ms);
-        if let Some(team) = team {
-            if self.stage_lease_ms.is_some()
-                || self.rerun_on_new_input
-                || self.crash_rate != 0.0
-                || self.stage_delay_ms != 0
-            {
-                return Err(BadInput(
-                    "--stage-lease-ms, --rerun-on-new-input and the fault flags apply to the \
-                     built-in example only: a team's stages carry their own policies"
-                        .into(),
-                )
-                .into());
-            }
-            return team
-                .with_send_options(send)
-                .map_err(|e| BadInput(e.to_string()).into());
-        }
-        if !(0.0..1.0).contains(&self.crash_rate) {
-            return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
-        }
-        let stage_lease_ms = self.stage_lease_ms.unwrap_or(30_000);
-        if stage_lease_ms < 30 {
-            return Err(BadInput("--stage-lease-ms must be >= 30".into()).into());
-        }
-        let stage_lease = Duration::from_millis(stage_lease_ms);
-        let policy = StagePolicy::default()
-            .with_on_input_change(if self.rerun_on_new_input {
-                InputChangePolicy::Rerun
-            } else {
-                InputChangePolicy::Reject
-            })
-            .with_lease(stage_lease)
-            .with_heartbeat(stage_lease / 3);
-        Ok(example::pipeline_with(
-            Chaos {
-                crash_rate: self.crash_rate,
-                delay_ms: self.stage_delay_ms,
-            },
-            policy,
-        )
-        .and_then(|p| p.with_send_options(send))
-        .map_err(|e| BadInput(e.to_string()))?)
+        team.with_send_options(send)
+            .map_err(|e| BadInput(e.to_string()).into())
     }
 
     /// The URL its LISTEN connection uses, if it listens: `--listen-url`, else the
@@ -186,7 +129,7 @@ impl Args {
     }
 }
 
-pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Pipeline) -> anyhow::Result<ExitCode> {
     if args.concurrency == 0 {
         return Err(BadInput("--concurrency must be positive".into()).into());
     }
@@ -207,14 +150,14 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         let pool = db.pool(pool_config.clone()).await?;
         // A --listen-url that cannot LISTEN is refused now, not warned about forever.
         if let Some(url) = listen_url.as_deref().filter(|u| **u != db.url) {
-            idemstage_persistence::queue::JobListener::connect(url)
+            idemstage::queue::JobListener::connect(url)
                 .await
                 .map_err(|e| RepoError::Unavailable(format!("--listen-url: {e}").into()))?;
         }
         // Row-level security holds only for a role it restricts (README, "Deploying").
         let role = {
-            let mut conn = idemstage_persistence::db::get(&pool).await?;
-            idemstage_persistence::roles::check_worker_role(&mut conn).await?
+            let mut conn = idemstage::get(&pool).await?;
+            idemstage::roles::check_worker_role(&mut conn).await?
         };
         Ok((pool, role))
     })
@@ -233,8 +176,8 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
                 "idemstage worker refuses to start: {role}. Connect as a login role in \
                  {} that owns nothing and has no CREATEROLE (CREATE ROLE w LOGIN \
                  PASSWORD '..' IN ROLE {}; README, \"Deploying\"), or pass --allow-owner",
-                idemstage_persistence::roles::WORKER_ROLE,
-                idemstage_persistence::roles::WORKER_ROLE,
+                idemstage::roles::WORKER_ROLE,
+                idemstage::roles::WORKER_ROLE,
             ))
             .into());
         }

@@ -47,7 +47,7 @@ fn positions(n: i32, label: &str) -> Vec<Extraktion> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_claims_of_a_fresh_key_yield_exactly_one_claimed() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 64).await;
     let t = tenant("t1");
     let anfrage = new_anfrage(&mut db.conn().await, &t).await;
@@ -88,7 +88,7 @@ async fn sixty_four_concurrent_claims_of_a_fresh_key_yield_exactly_one_claimed()
 
 #[tokio::test]
 async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -130,7 +130,7 @@ async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
 
 #[tokio::test]
 async fn a_live_lease_is_in_flight_and_an_expired_one_is_claimed_again() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -176,7 +176,7 @@ async fn a_live_lease_is_in_flight_and_an_expired_one_is_claimed_again() {
 
 #[tokio::test]
 async fn a_stale_holder_is_fenced_and_none_of_its_writes_survive() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -249,7 +249,7 @@ async fn a_stale_holder_is_fenced_and_none_of_its_writes_survive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_concurrent_replacers_leave_exactly_one_child_set() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -300,7 +300,7 @@ async fn two_concurrent_replacers_leave_exactly_one_child_set() {
 
 #[tokio::test]
 async fn the_per_row_upsert_variant_ends_like_replace() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -335,7 +335,7 @@ async fn the_per_row_upsert_variant_ends_like_replace() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn insert_or_get_under_32_concurrent_callers_returns_one_id() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let t = tenant("t1");
     let anfrage = new_anfrage(&mut db.conn().await, &t).await;
     let barrier = Arc::new(Barrier::new(32));
@@ -396,7 +396,7 @@ async fn insert_or_get_under_32_concurrent_callers_returns_one_id() {
 
 #[tokio::test]
 async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -449,7 +449,7 @@ async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
 
 #[tokio::test]
 async fn a_permanent_failure_is_dead_at_once() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -467,7 +467,7 @@ async fn a_permanent_failure_is_dead_at_once() {
 
 #[tokio::test]
 async fn input_binding_rejects_or_reruns_by_policy() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -522,7 +522,7 @@ async fn input_binding_rejects_or_reruns_by_policy() {
 
 #[tokio::test]
 async fn a_claim_for_an_unknown_anfrage_is_a_typed_error() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let owner = tenant("owner");
@@ -542,7 +542,7 @@ async fn a_claim_for_an_unknown_anfrage_is_a_typed_error() {
 /// reported as a skip or a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadlock_between_two_completions_is_retried() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -603,7 +603,7 @@ async fn a_deadlock_between_two_completions_is_retried() {
 /// run: here the commit did not happen, so the transaction is run again, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_during_commit_is_rechecked_and_retried() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     // A deferred trigger makes COMMIT itself slow, so the connection can be killed
     // exactly while COMMIT is in progress.
@@ -690,7 +690,7 @@ async fn stress_random_claims_keep_every_invariant() {
     const TASKS: usize = 16;
     const CLAIMS: usize = 2_000;
     const KEYS: usize = 200;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, TASKS as u32).await;
     let mut conn = db.conn().await;
     let t = tenant("stress");
@@ -797,7 +797,7 @@ async fn stress_random_claims_keep_every_invariant() {
 /// was the primary key alone; now any conflict counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let t = tenant("t1");
     for _ in 0..10 {
         let anfrage = idemstage_domain::AnfrageId::new();
@@ -852,7 +852,7 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
 /// was then refused with `InputChanged` for good. Now it binds nothing.
 #[tokio::test]
 async fn a_job_hash_that_is_not_the_stored_input_binds_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
@@ -885,7 +885,7 @@ async fn a_job_hash_that_is_not_the_stored_input_binds_nothing() {
 async fn a_claim_that_waited_on_a_row_lock_gets_a_lease_from_after_the_wait() {
     use diesel::sql_types::Timestamptz;
     use diesel_async::RunQueryDsl;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = Arc::new(repo(&db, 2).await);
     let mut conn = db.conn().await;
     let t = tenant("t1");

@@ -65,7 +65,7 @@ async fn migrations_round_trip_up_down_up() {
 /// (`revert_all_with`), while the core's alone refuses to revert under them.
 #[tokio::test]
 async fn team_migrations_round_trip_with_the_cores() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tables = public_tables(&mut conn).await;
     assert!(

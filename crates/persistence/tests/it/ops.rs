@@ -80,7 +80,7 @@ fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
 
 #[tokio::test]
 async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let req = dead_intake(&mut conn, &repo).await;
@@ -164,7 +164,7 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
 
 #[tokio::test]
 async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_changes_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let pipeline = pipeline();
@@ -259,7 +259,7 @@ async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_chang
 
 #[tokio::test]
 async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t1 = tenant("t1");
@@ -377,7 +377,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
 
 #[tokio::test]
 async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let t1 = tenant("t1");
@@ -445,7 +445,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
 
 #[tokio::test]
 async fn the_dead_letter_list_shows_dead_stages_and_failed_jobs_with_their_last_errors() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let first = dead_intake(&mut conn, &repo).await;
@@ -495,7 +495,7 @@ async fn the_dead_letter_list_shows_dead_stages_and_failed_jobs_with_their_last_
 
 #[tokio::test]
 async fn inspect_shows_every_attempt_with_its_upstream_and_every_job() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let t1 = tenant("t1");

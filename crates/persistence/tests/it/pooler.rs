@@ -9,9 +9,10 @@ use std::time::Duration;
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{FailKind, JobToSend, SendOptions, SendResult, TenantId};
+use idemstage_harness::PgBouncer;
 use idemstage_persistence::queue::{self, Limits, Rate, Scope};
 use idemstage_persistence::{connect_with, Pooler};
-use idemstage_testkit::{PgBouncer, TestDb};
+use idemstage_testkit::TestDb;
 use serde_json::json;
 
 fn job(queue: &str, tenant: &TenantId) -> JobToSend {

@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use idemstage_domain::AnfrageId;
-use idemstage_persistence::ops::{self, Actor, CancelOutcome, RetryOutcome};
-use idemstage_persistence::roles::{check_worker_role, RoleCheck};
-use idemstage_testkit::example::{
+use idemstage_harness::example::{
     assert_quiet_and_sound, send, start_pipeline_worker, stop_pipeline_worker, text,
 };
+use idemstage_persistence::ops::{self, Actor, CancelOutcome, RetryOutcome};
+use idemstage_persistence::roles::{check_worker_role, RoleCheck};
 use idemstage_testkit::{TEST_OPERATOR, TEST_WORKER};
 
 use crate::support::*;
@@ -49,7 +49,7 @@ async fn worked(db: &idemstage_testkit::TestDb) {
     let worker = start_pipeline_worker(
         pool,
         &db.worker_url(),
-        idemstage_testkit::example::pipeline(),
+        idemstage_harness::example::pipeline(),
         2,
         Arc::new(idemstage::Counters::default()),
     );
@@ -62,7 +62,7 @@ async fn worked(db: &idemstage_testkit::TestDb) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_or_change_the_schema(
 ) {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     worked(&db).await;
     let mut owner = db.conn().await;
     assert!(matches!(
@@ -165,7 +165,7 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
 
 #[tokio::test]
 async fn an_operator_role_reads_every_tenant_and_retries_and_cancels() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     // A dead intake of t1 (one attempt, failed), and a fresh anfrage of t2.

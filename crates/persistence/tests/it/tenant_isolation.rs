@@ -70,7 +70,7 @@ async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
 
 #[tokio::test]
 async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants_rows() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let (a, b) = (tenant("ta"), tenant("tb"));
     fill(&db, &a).await;
     let b_anfrage = fill(&db, &b).await;

@@ -63,7 +63,7 @@ async fn assert_fk_violation(conn: &mut AsyncPgConnection, sql: &str, constraint
 
 #[tokio::test]
 async fn a_row_of_one_tenant_cannot_name_another_tenants_run() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let (t1, t2) = (tenant("t1"), tenant("t2"));
     let (anfrage, own_run) = run_of(&db, &t1).await;
     let (_, foreign_run) = run_of(&db, &t2).await;

@@ -114,7 +114,7 @@ fn send_next<'t>(tx: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageErro
 /// sends no NOTIFY, the notifier then names the queue of the job it sent.
 #[tokio::test]
 async fn a_fenced_completion_with_after_commit_wakes_the_next_queue_once_committed() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = PgRunRepository::new(db.pool(4).await).with_wake(Wake::AfterCommit);
     assert_eq!(repo.wake(), Wake::AfterCommit);
     let mut conn = db.conn().await;

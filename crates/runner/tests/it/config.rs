@@ -9,7 +9,7 @@ use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, WorkerErr
 /// less often than the job lease lasts is refused (it used to be the CLI's rule).
 #[tokio::test]
 async fn maintenance_slower_than_the_job_lease_is_refused() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     // The pipeline's jobs have a 3 s lease; maintenance every 30 s by default.
     let pipeline = crate::support::pipeline();
     let config = PipelineWorkerConfig::default();

@@ -34,7 +34,7 @@ async fn wait_for_row(conn: &mut diesel_async::AsyncPgConnection, sql: &str, wha
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
     for setting in ["lock_timeout", "statement_timeout"] {
-        let db = idemstage_testkit::example::db().await;
+        let db = idemstage_harness::example::db().await;
         let mut conn = db.conn().await;
         conn.batch_execute(&format!(
             "ALTER DATABASE \"{}\" SET {setting} = '150ms'",
@@ -128,7 +128,7 @@ impl Stage for NulOnce {
 /// it, the job failed for good and the stage stayed `running` with no live job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let pipeline = Pipeline::new(vec![StageRef::named(
         "nul",

@@ -48,7 +48,7 @@ impl Stage for AlwaysInterrupted {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let pipeline = Pipeline::new(vec![StageRef::named(
         "flaky",

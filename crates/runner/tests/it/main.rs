@@ -1,6 +1,6 @@
 //! Integration tests of the runner crate (one binary): the queue worker loop and
 //! in-process stage workers (shutdown, database errors) against a real PostgreSQL.
-//! The tests that run `idemstage` processes are in `crates/cli/tests/it/`.
+//! The tests that run `idemstage` processes are in `crates/dev/tests/it/`.
 
 mod builder;
 mod config;

@@ -380,7 +380,7 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
 #[tokio::test]
 async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
     use diesel_async::AsyncConnection;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let pool = db.pool(4).await;
     let mut f = fixture().await;
     // The fixture's database is another one: work in `db` only.

@@ -38,7 +38,7 @@ pub(crate) struct Fixture {
 }
 
 pub(crate) async fn fixture() -> Fixture {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let repo = Arc::new(PgRunRepository::new(db.pool(8).await));
     let conn = db.conn().await;
     Fixture {

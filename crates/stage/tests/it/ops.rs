@@ -6,13 +6,13 @@ use std::sync::Arc;
 use idemstage::ops::{self, Actor, RetryOutcome};
 use idemstage_domain::{AnfrageId, StagePolicy, TenantId};
 use idemstage_example::{self as example, Chaos};
-use idemstage_testkit::example::{
+use idemstage_harness::example::{
     assert_quiet_and_sound, send, start_pipeline_worker, stop_pipeline_worker, text, wait_until,
 };
 
 #[tokio::test]
 async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let pool = db.pool(8).await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
@@ -32,7 +32,7 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     assert_eq!(dead.stages_succeeded, 0, "{dead:?}");
 
     // The operator retries it (the pipeline the workers run now knows the budget).
-    let pipeline = idemstage_testkit::example::pipeline();
+    let pipeline = idemstage_harness::example::pipeline();
     let outcome = ops::retry(
         &mut conn,
         &tenant,

@@ -1,6 +1,6 @@
-//! The console's POSTs: retry, cancel (through `idemstage_persistence::ops`,
+//! The console's POSTs: retry, cancel (through `idemstage::ops`,
 //! which records the actor in `audit_log`), pause and resume (through
-//! `idemstage_persistence::queue`). Each checks, in this order: read-only mode
+//! `idemstage::queue`). Each checks, in this order: read-only mode
 //! (403), the form (413 / 400), its CSRF token (403), its ids (400 / 404); only
 //! then does it write.
 
@@ -9,9 +9,9 @@ use axum::extract::{Form, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
-use idemstage_domain::{AnfrageId, SendResult, TenantId};
-use idemstage_persistence::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
-use idemstage_persistence::queue::{self, PauseOutcome, ResumeOutcome, Scope};
+use idemstage::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
+use idemstage::queue::{self, PauseOutcome, ResumeOutcome, Scope};
+use idemstage::{AnfrageId, SendResult, TenantId};
 use serde::Deserialize;
 
 use super::auth::{check_csrf, Principal};
@@ -67,7 +67,7 @@ pub(crate) async fn retry(
     let stage = field(&form.stage)
         .map(|s| known_stage(&console, s))
         .transpose()?;
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let outcome = ops::retry(
         &mut conn,
         &tenant,
@@ -124,7 +124,7 @@ pub(crate) async fn cancel(
 ) -> Result<Response, PageError> {
     let form = admit(&console, &p, form)?;
     let (tenant, anfrage) = ids(&form)?;
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &p.actor).await?;
     drop(conn);
     tracing::info!(actor = %p.actor, %tenant, %anfrage, "console: cancel");
@@ -184,7 +184,7 @@ async fn pause_or_resume(
         Some(t) => Scope::Tenant(known_tenant(&console, t).await?),
         None => Scope::Queue,
     };
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let (title, changed) = if pause {
         match queue::pause(&mut conn, stage.as_str(), &scope, &p.actor).await? {
             PauseOutcome::Paused => ("Paused", true),

@@ -23,7 +23,7 @@ use axum::extract::{Form, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
-use idemstage_persistence::ops::Actor;
+use idemstage::ops::Actor;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;

@@ -10,7 +10,7 @@
 //! - `GET /dead[?tenant=T&stage=S]` the dead-letter list (`ops::dead`) with
 //!   retry and cancel.
 //! - `POST /actions/{retry,cancel,pause,resume}` the operator writes, through
-//!   `idemstage_persistence::ops` and `queue::{pause, resume}`.
+//!   `idemstage::ops` and `queue::{pause, resume}`.
 //! - `GET|POST /login`, `POST /logout`: the browser's session (see [`auth`]).
 //!
 //! Every page but the login form and the stylesheet needs the token (see
@@ -33,8 +33,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use idemstage_persistence::{PgPool, PoolConfig};
-use idemstage_stage::Pipeline;
+use idemstage::Pipeline;
+use idemstage::{PgPool, PoolConfig};
 
 use super::BadInput;
 
@@ -110,7 +110,7 @@ fn load_token(file: Option<&PathBuf>) -> anyhow::Result<String> {
     Ok(token)
 }
 
-pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::Result<ExitCode> {
+pub async fn run(db: &super::Db, args: Args, team: Pipeline) -> anyhow::Result<ExitCode> {
     // Everything the user can get wrong is refused before the first connection.
     let token = load_token(args.token_file.as_ref())?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
@@ -134,7 +134,7 @@ pub async fn run(db: &super::Db, args: Args, team: Option<Pipeline>) -> anyhow::
         .await?;
     let console = Arc::new(Console {
         pool,
-        pipeline: super::ops::pipeline_or_example(team),
+        pipeline: team,
         read_only: args.read_only,
         auth: auth::Authenticator::new(&token),
     });

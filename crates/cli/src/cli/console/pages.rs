@@ -10,10 +10,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use chrono::{DateTime, Utc};
-use idemstage_domain::{AnfrageId, DomainError, RepoError, RunStatus, StageName, TenantId};
-use idemstage_persistence::ops::{self, AnfrageTimeline, DeadFilter, OpsError};
-use idemstage_persistence::queue::{self, Scope};
-use idemstage_persistence::report;
+use idemstage::ops::{self, AnfrageTimeline, DeadFilter, OpsError};
+use idemstage::queue::{self, Scope};
+use idemstage::report;
+use idemstage::{AnfrageId, DomainError, RepoError, RunStatus, StageName, TenantId};
 use maud::{html, Markup, DOCTYPE};
 use serde::Deserialize;
 
@@ -280,7 +280,7 @@ pub(crate) async fn overview(
     State(console): State<Shared>,
     Extension(p): Extension<Principal>,
 ) -> Result<Response, PageError> {
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let rows = report::tenant_stage_overview(&mut conn, THROUGHPUT_WINDOW).await?;
     let stages = stage_order(&console, rows.iter().map(|r| r.stage.clone()));
     let depths = queue::queue_depths(&mut conn, &stages).await?;
@@ -481,7 +481,7 @@ pub(crate) async fn anfrage(
     }
     let tenant = TenantId::parse(tenant)?;
     let anfrage = AnfrageId::parse(anfrage)?;
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let mut t = ops::inspect(&mut conn, &tenant, &anfrage).await?;
     drop(conn);
     let order = |s: &StageName| {
@@ -600,7 +600,7 @@ pub(crate) struct DeadQuery {
 /// otherwise).
 pub(crate) async fn known_tenant(console: &Shared, slug: &str) -> Result<TenantId, PageError> {
     let tenant = TenantId::parse(slug)?;
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     if !report::tenant_exists(&mut conn, &tenant).await? {
         return Err(PageError::new(
             StatusCode::NOT_FOUND,
@@ -642,7 +642,7 @@ pub(crate) async fn dead(
         stage,
         limit: Some(500),
     };
-    let mut conn = idemstage_persistence::db::get(&console.pool).await?;
+    let mut conn = idemstage::get(&console.pool).await?;
     let letters = ops::dead(&mut conn, &filter).await?;
     drop(conn);
     let ro = console.read_only;

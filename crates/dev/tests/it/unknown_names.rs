@@ -6,7 +6,7 @@
 use std::process::{Command, Output};
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, TenantId};
+use idemstage::{AnfrageId, TenantId};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemstage"))
@@ -45,12 +45,12 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
 /// unknown values exited 0 too.
 #[tokio::test]
 async fn unknown_stages_and_tenants_are_refused_with_exit_2_and_change_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let url = db.url();
     let mut conn = db.conn().await;
     // t1 is known: it has an anfrage. nobody has none.
     let t1 = TenantId::parse("t1").unwrap();
-    idemstage_testkit::example::send(&mut conn, &t1, AnfrageId::new(), "1 Stk").await;
+    idemstage_harness::example::send(&mut conn, &t1, AnfrageId::new(), "1 Stk").await;
 
     let before = snapshot(&mut conn).await;
     let stage = "unknown stage \"extrakt\"";

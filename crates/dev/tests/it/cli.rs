@@ -49,8 +49,8 @@ fn enqueue(db: &TestDb, tenant: &str) -> Output {
 
 #[tokio::test]
 async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
-    let db = idemstage_testkit::example::db().await;
-    let dir = std::env::temp_dir().join(format!("idemstage-cli-{}", ulid_like()));
+    let db = idemstage_harness::example::db().await;
+    let dir = std::env::temp_dir().join(format!("idemstage-dev-{}", ulid_like()));
     std::fs::create_dir_all(&dir).unwrap();
     let big = dir.join("big.txt");
     std::fs::write(&big, "a".repeat(10 * 1024 * 1024)).unwrap();
@@ -148,7 +148,7 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
 
 #[tokio::test]
 async fn enqueue_prints_the_job_id_then_duplicate() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let first = enqueue(&db, "t1");
     let id = String::from_utf8(first.stdout).unwrap();
     assert_eq!(id.trim().len(), 26, "{id}");
@@ -161,7 +161,7 @@ async fn enqueue_prints_the_job_id_then_duplicate() {
 
 #[tokio::test]
 async fn bench_refuses_bad_counts_before_it_touches_the_database() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     for (args, message) in [
@@ -185,7 +185,7 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
 /// no "demo" in its name, which it would empty) it refuses to start.
 #[tokio::test]
 async fn demo_refuses_a_database_that_holds_other_anfragen() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     let out = idemstage(&db, &["demo", "--anfragen", "1"]);
@@ -197,7 +197,7 @@ async fn demo_refuses_a_database_that_holds_other_anfragen() {
 
 #[tokio::test]
 async fn pooler_flags_are_checked_before_anything_runs() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     for (args, code, message) in [
         (
             vec!["migrate", "--pooler", "transaction"],
@@ -265,7 +265,7 @@ fn ulid_like() -> String {
 /// example's first stage rejects input changes: exit 2, and nothing changes.
 #[tokio::test]
 async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let first = enqueue(&db, "t1");
     assert!(first.status.success(), "{first:?}");
     let before = rows(&db).await;
@@ -426,7 +426,7 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_of_a_finished_anfrage_says_it_is_finished_not_a_job_id() {
     use std::sync::Arc;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let first = enqueue(&db, "t1");
     assert!(first.status.success());
     let id = String::from_utf8(first.stdout).unwrap();
@@ -436,7 +436,7 @@ async fn enqueue_of_a_finished_anfrage_says_it_is_finished_not_a_job_id() {
         db.url(),
         crate::support::pipeline(),
         2,
-        Arc::new(idemstage_runner::Counters::default()),
+        Arc::new(idemstage::Counters::default()),
     );
     crate::support::assert_quiet_and_sound(db.url(), 60).await;
     crate::support::stop_pipeline_worker(worker).await;

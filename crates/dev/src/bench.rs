@@ -11,19 +11,20 @@ use std::time::{Duration, Instant};
 
 use super::fixtures;
 use anyhow::{bail, Context};
-use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, JobId, JobToSend, SendOptions, SendResult, SkipReason, StageName,
-    StagePolicy, TenantId, WorkerId,
-};
-use idemstage_example::check_example_pipeline;
-use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::queue::LeaseCommit;
-use idemstage_persistence::{queue, PgRunRepository, PoolConfig};
-use idemstage_runner::{
+use idemstage::first_job;
+use idemstage::queue::JobToSend;
+use idemstage::queue::LeaseCommit;
+use idemstage::runs::{ClaimOutcome, ClaimRequest};
+use idemstage::{
     handler_fn, Counters, HandlerError, JobHandler, PipelineWorker, PipelineWorkerConfig,
     QueueWorker, QueueWorkerConfig,
 };
-use idemstage_stage::first_job;
+use idemstage::{queue, PgRunRepository, PoolConfig};
+use idemstage::{
+    JobId, SendOptions, SendResult, SkipReason, StageName, StagePolicy, TenantId, WorkerId,
+};
+use idemstage_example::check_example_pipeline;
+use idemstage_example::{self as example, Chaos};
 use serde_json::json;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -159,8 +160,8 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    idemstage_persistence::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
-    let mut conn = idemstage_persistence::connect(url).await?;
+    idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
+    let mut conn = idemstage::connect(url).await?;
     // Every scenario starts by emptying the tables: never on a database that is not
     // obviously a benchmark database.
     let db = fixtures::current_database(&mut conn).await?;
@@ -256,10 +257,10 @@ where
 }
 
 async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::insert_numbered_anfragen(&mut conn, TENANT, CLAIM_ANFRAGEN, INPUT).await?;
-    let input_hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
+    let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
     fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ANFRAGEN, SKIP_STAGE, &input_hash)
         .await?;
     fixtures::vacuum_analyze(
@@ -272,7 +273,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         return Ok(json!({ "scenario": "claim", "setup_only": true, "anfragen": CLAIM_ANFRAGEN }));
     }
 
-    let pool = idemstage_persistence::connect_pool(
+    let pool = idemstage::connect_pool(
         url,
         PoolConfig::default().with_max_size(args.concurrency as u32),
     )
@@ -355,7 +356,7 @@ const DRAIN_QUEUE: &str = "bench_drain";
 const LATENCY_QUEUE: &str = "bench_latency";
 
 async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::vacuum_analyze(&mut conn, &["jobs"]).await?;
     let mut violations = Vec::new();
@@ -369,7 +370,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
     // Connected before the clock starts, as pg-boss's pool is.
     let mut conns = Vec::new();
     for _ in 0..args.concurrency {
-        conns.push(idemstage_persistence::connect(url).await?);
+        conns.push(idemstage::connect(url).await?);
     }
     let started = Instant::now();
     for mut c in conns {
@@ -607,7 +608,7 @@ async fn drain(
     insert_drain_jobs(conn, args.jobs).await?;
     let mut conns = Vec::new();
     for _ in 0..loops {
-        conns.push(idemstage_persistence::connect(url).await?);
+        conns.push(idemstage::connect(url).await?);
     }
     let completed = Arc::new(AtomicU64::new(0));
     let queues = vec![DRAIN_QUEUE.to_owned()];
@@ -626,7 +627,7 @@ async fn drain(
                 let outcomes = queue::complete_many(&mut c, &tokens).await?;
                 let n = outcomes
                     .iter()
-                    .filter(|o| **o == idemstage_domain::JobCompleteOutcome::Completed)
+                    .filter(|o| **o == idemstage::queue::JobCompleteOutcome::Completed)
                     .count();
                 completed.fetch_add(n as u64, Ordering::Relaxed);
             }
@@ -672,7 +673,7 @@ pub(super) async fn bench_worker<H: JobHandler>(
     lease_commit: LeaseCommit,
     handler: H,
 ) -> anyhow::Result<QueueWorker<H>> {
-    let pool = idemstage_persistence::connect_pool(
+    let pool = idemstage::connect_pool(
         url,
         PoolConfig::default().with_max_size(args.concurrency as u32 + 2),
     )
@@ -701,8 +702,7 @@ async fn pickup_latency(
     let notifier = match wake {
         queue::Wake::InCommit => None,
         queue::Wake::AfterCommit => Some(queue::Notifier::new(
-            idemstage_persistence::connect_pool(url, PoolConfig::default().with_max_size(1))
-                .await?,
+            idemstage::connect_pool(url, PoolConfig::default().with_max_size(1)).await?,
         )),
     };
     let handler = {
@@ -775,13 +775,13 @@ fn peak_rss_mb() -> Option<f64> {
 }
 
 async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     // Every anfrage is feasible, so each runs all four stages.
     fixtures::insert_numbered_anfragen(&mut conn, TENANT, args.anfragen, INPUT).await?;
     let pipeline = example::pipeline(Chaos::default());
     let tenant = TenantId::parse(TENANT)?;
-    let input_hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
+    let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
     let jobs: Vec<JobToSend> = (0..args.anfragen)
         .map(|i| {
             first_job(
@@ -815,10 +815,10 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         )
         .with_wake(args.wake.into());
     let (pool_url, pooler) = match &args.pooler_url {
-        Some(pooled) => (pooled.as_str(), idemstage_persistence::Pooler::Transaction),
-        None => (url, idemstage_persistence::Pooler::None),
+        Some(pooled) => (pooled.as_str(), idemstage::Pooler::Transaction),
+        None => (url, idemstage::Pooler::None),
     };
-    let pool = idemstage_persistence::connect_pool(
+    let pool = idemstage::connect_pool(
         pool_url,
         PoolConfig::default()
             .with_max_size(config.pool_size())

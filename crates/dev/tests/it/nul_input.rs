@@ -4,7 +4,7 @@
 
 use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, DomainError, RepoError, TenantId};
+use idemstage::{AnfrageId, DomainError, RepoError, TenantId};
 
 const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
@@ -26,7 +26,7 @@ async fn rows(db: &idemstage_testkit::TestDb) -> i64 {
 /// error, which also aborted a caller's transaction around `start_in`).
 #[tokio::test]
 async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let pipeline = crate::support::pipeline();
     let (tenant, anfrage) = (
         TenantId::parse("t1").unwrap(),
@@ -40,19 +40,19 @@ async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
         )
     };
     let pool = db.pool(1).await;
-    let e = idemstage_stage::start(&pool, &pipeline, &tenant, &anfrage, text)
+    let e = idemstage::start(&pool, &pipeline, &tenant, &anfrage, text)
         .await
         .unwrap_err();
     assert!(refused(&e) && e.is_bad_request(), "{e:?}");
     // Inside a caller's transaction: refused before any statement, so the
     // transaction goes on and the good input starts in it.
     let mut conn = db.conn().await;
-    conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
-        let e = idemstage_stage::start_in(conn, &pipeline, &tenant, &anfrage, text)
+    conn.transaction::<_, idemstage::runs::TxError, _>(async |conn| {
+        let e = idemstage::start_in(conn, &pipeline, &tenant, &anfrage, text)
             .await
             .unwrap_err();
         assert!(refused(&e), "{e:?}");
-        idemstage_stage::start_in(conn, &pipeline, &tenant, &anfrage, "1 Stk Schrauben").await?;
+        idemstage::start_in(conn, &pipeline, &tenant, &anfrage, "1 Stk Schrauben").await?;
         Ok(())
     })
     .await

@@ -6,8 +6,9 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, ClaimRequest, StageName, StagePolicy, TenantId, WorkerId};
-use idemstage_persistence::PgRunRepository;
+use idemstage::runs::ClaimRequest;
+use idemstage::PgRunRepository;
+use idemstage::{AnfrageId, StageName, StagePolicy, TenantId, WorkerId};
 use idemstage_testkit::{count, TestDb};
 
 fn idemstage(db: &TestDb, args: &[&str]) -> Output {
@@ -52,45 +53,45 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
 
 #[tokio::test]
 async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_with_exit_2() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     let (done, queued, dying) = (AnfrageId::new(), AnfrageId::new(), AnfrageId::new());
-    let text = idemstage_testkit::example::text(1);
-    idemstage_testkit::example::send(&mut conn, &tenant, done, &text).await;
+    let text = idemstage_harness::example::text(1);
+    idemstage_harness::example::send(&mut conn, &tenant, done, &text).await;
     let check = {
-        let worker = idemstage_testkit::example::start_pipeline_worker(
+        let worker = idemstage_harness::example::start_pipeline_worker(
             db.pool(4).await,
             db.url(),
-            idemstage_testkit::example::pipeline(),
+            idemstage_harness::example::pipeline(),
             2,
-            Arc::new(idemstage_runner::Counters::default()),
+            Arc::new(idemstage::Counters::default()),
         );
-        let check = idemstage_testkit::example::assert_quiet_and_sound(db.url(), 60).await;
-        idemstage_testkit::example::stop_pipeline_worker(worker).await;
+        let check = idemstage_harness::example::assert_quiet_and_sound(db.url(), 60).await;
+        idemstage_harness::example::stop_pipeline_worker(worker).await;
         check
     };
     assert_eq!(check.stages_succeeded, 4);
-    idemstage_testkit::example::send(&mut conn, &tenant, queued, &text).await;
+    idemstage_harness::example::send(&mut conn, &tenant, queued, &text).await;
     // A dead intake: one attempt, failed for good.
-    idemstage_testkit::example::send(&mut conn, &tenant, dying, &text).await;
+    idemstage_harness::example::send(&mut conn, &tenant, dying, &text).await;
     let repo = PgRunRepository::new(db.pool(2).await);
     let req = ClaimRequest {
         tenant: tenant.clone(),
         anfrage: dying,
         stage: StageName::parse("intake").unwrap(),
-        input_hash: idemstage_domain::input_hash_of(text.as_bytes()),
+        input_hash: idemstage::input_hash_of(text.as_bytes()),
         worker: WorkerId::generate(),
         policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
     };
-    let idemstage_domain::ClaimOutcome::Claimed {
+    let idemstage::runs::ClaimOutcome::Claimed {
         run_id, attempt, ..
     } = repo.claim(&req).await.unwrap()
     else {
         panic!("not claimed")
     };
-    let token = idemstage_domain::ClaimToken {
+    let token = idemstage::ClaimToken {
         run_id,
         tenant: tenant.clone(),
         anfrage: dying,

@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer};
 use diesel_async::RunQueryDsl;
+use idemstage::first_job;
 use idemstage::ops::{self, Actor};
-use idemstage_domain::{input_hash_of, AnfrageId, TenantId};
-use idemstage_stage::first_job;
+use idemstage::{input_hash_of, AnfrageId, TenantId};
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
@@ -53,7 +53,7 @@ async fn send_blank_rerun(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &TenantId,
     anfrage: AnfrageId,
-) -> Result<(), idemstage_domain::RepoError> {
+) -> Result<(), idemstage::RepoError> {
     use diesel::sql_types::{Jsonb, Text};
     use diesel_async::AsyncConnection;
     let blank = " ";
@@ -64,7 +64,7 @@ async fn send_blank_rerun(
         anfrage,
         hash.clone(),
     );
-    conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
+    conn.transaction::<_, idemstage::runs::TxError, _>(async |conn| {
         diesel::sql_query(
             "UPDATE anfragen SET input_text = $1, input_sha256 = $2 WHERE tenant_id = $3 AND id = $4",
         )
@@ -74,8 +74,8 @@ async fn send_blank_rerun(
         .bind::<Text, _>(anfrage.to_string())
         .execute(conn)
         .await
-        .map_err(|e| idemstage_persistence::TxError::Repo(idemstage::map_diesel_error(e)))?;
-        idemstage_persistence::queue::send_in(conn, &job).await?;
+        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        idemstage::queue::send_in(conn, &job).await?;
         diesel::sql_query(
             "UPDATE jobs SET payload = $1, retry_count = 0
               WHERE queue = $2 AND singleton_key = $3 AND state IN ('created', 'retry', 'active')",
@@ -85,11 +85,11 @@ async fn send_blank_rerun(
         .bind::<Text, _>(job.options.singleton_key.as_deref().unwrap_or_default())
         .execute(conn)
         .await
-        .map_err(|e| idemstage_persistence::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::map_diesel_error(e)))?;
         Ok(())
     })
     .await
-    .map_err(idemstage_persistence::TxError::into_repo)
+    .map_err(idemstage::runs::TxError::into_repo)
 }
 
 fn soak_secs() -> u64 {
@@ -102,7 +102,7 @@ fn soak_secs() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     let secs = soak_secs();
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     // Every connection made from now on waits at most 100 ms for a row lock: the
     // lock holders below make the workers' statements time out (55P03).
     {
@@ -142,7 +142,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 #[diesel(sql_type = Integer)]
                 pid: i32,
             }
-            let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            let mut conn = idemstage::connect(&url).await.unwrap();
             let mut keys = Vec::new();
             let pid: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
                 .get_result(&mut conn)

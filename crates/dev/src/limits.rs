@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{JobToSend, TenantId};
+use idemstage::first_job;
+use idemstage::ops::Actor;
+use idemstage::queue::JobToSend;
+use idemstage::queue::{self, Limits, Rate, Scope};
+use idemstage::PoolConfig;
+use idemstage::TenantId;
+use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
 use idemstage_example::{self as example, check_example_pipeline, Chaos};
-use idemstage_persistence::ops::Actor;
-use idemstage_persistence::queue::{self, Limits, Rate, Scope};
-use idemstage_persistence::PoolConfig;
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
-use idemstage_stage::first_job;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -65,10 +66,10 @@ async fn backlog(
     n: u64,
     job_lease: Duration,
 ) -> anyhow::Result<()> {
-    let mut send = idemstage_stage::Pipeline::default_send_options();
+    let mut send = idemstage::Pipeline::default_send_options();
     send.expire_in = job_lease;
     let pipeline = example::pipeline(Chaos::default()).with_send_options(send)?;
-    let hash = idemstage_domain::input_hash_of(INPUT.as_bytes());
+    let hash = idemstage::input_hash_of(INPUT.as_bytes());
     for (k, slug) in tenants.iter().enumerate() {
         let from = k as u64 * n;
         fixtures::insert_numbered_anfragen_from(conn, slug, from, n, INPUT).await?;
@@ -135,7 +136,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         ));
     }
     let stage = first_stage();
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     let per_tenant = args.caps_anfragen;
     backlog(
@@ -283,7 +284,7 @@ async fn sample(
     killed: &AtomicBool,
     stop: &CancellationToken,
 ) -> anyhow::Result<(Maxima, Maxima)> {
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     let (mut before, mut after) = (Maxima::default(), Maxima::default());
     while !stop.is_cancelled() {
         let rows: Vec<Active> = diesel::sql_query(
@@ -326,7 +327,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         bail!(super::BadInput("--rate must be positive".into()));
     }
     let stage = first_stage();
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     // Enough that the backlog outlasts the measured window.
     let window_s = (RATE_WARMUP + RATE_WINDOW).as_secs();
@@ -335,7 +336,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         &mut conn,
         &["bench"],
         n,
-        idemstage_stage::Pipeline::default_send_options().expire_in,
+        idemstage::Pipeline::default_send_options().expire_in,
     )
     .await?;
     queue::set_limits(
@@ -360,11 +361,9 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let config = PipelineWorkerConfig::default()
         .with_concurrency(args.concurrency)
         .with_queue(QueueWorkerConfig::for_queues([stage.clone()]));
-    let pool = idemstage_persistence::connect_pool(
-        url,
-        PoolConfig::default().with_max_size(config.pool_size()),
-    )
-    .await?;
+    let pool =
+        idemstage::connect_pool(url, PoolConfig::default().with_max_size(config.pool_size()))
+            .await?;
     let pipeline = example::pipeline(Chaos::default());
     let worker = PipelineWorker::new(pool, url, pipeline, config, counters.clone())?;
     let shutdown = CancellationToken::new();

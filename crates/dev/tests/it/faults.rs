@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{AnfrageId, SendResult, StagePolicy, TenantId};
+use idemstage::{AnfrageId, SendResult, StagePolicy, TenantId};
+use idemstage::{Counters, WorkerStatsSnapshot};
+use idemstage::{PgPool, PoolConfig};
+use idemstage::{Pipeline, StageJob};
 use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::{PgPool, PoolConfig};
-use idemstage_runner::{Counters, WorkerStatsSnapshot};
-use idemstage_stage::{Pipeline, StageJob};
-use idemstage_testkit::PrivateCluster;
+use idemstage_harness::PrivateCluster;
 use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,7 @@ use crate::support::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_random_sigkills_lose_nothing_and_run_nothing_twice() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let n = 80;
     enqueue(db.url(), n).await;
     // The delay keeps claims open between claim and commit (and transactions open),
@@ -88,7 +88,7 @@ async fn attempts(conn: &mut AsyncPgConnection, filter: &str) -> Vec<AttemptRow>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stopped_past_its_lease_is_fenced_after_sigcont() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 12).await;
     let mut conn = db.conn().await;
     // Worker A alone, with a long body, so that it holds claims when stopped; and
@@ -195,7 +195,7 @@ async fn terminator(
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+    let mut conn = idemstage::connect(&url).await.unwrap();
     let mut done = 0;
     while done < kills && !stop.is_cancelled() {
         let pause = rand::rng().random_range(every_ms.clone());
@@ -213,7 +213,7 @@ async fn terminator(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminated_connections_mid_transaction_lose_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 50).await;
     let mut workers = Workers::start(db.url(), 2, &["--stage-delay-ms", "400"]);
     // Client backends in a transaction (idle in it, or running a statement of it),
@@ -242,7 +242,7 @@ async fn terminated_connections_mid_transaction_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_terminated_during_commit_are_rechecked_not_lost() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     // A deferred constraint trigger makes every completion's COMMIT take a while, so
     // that the connection can be terminated while the server is inside COMMIT.
@@ -281,7 +281,7 @@ async fn connections_terminated_during_commit_are_rechecked_not_lost() {
 async fn a_postgres_restart_mid_run_loses_nothing() {
     let cluster = PrivateCluster::start();
     let url = cluster.url("postgres");
-    idemstage_persistence::migrate_with(&url, vec![idemstage_example::MIGRATIONS])
+    idemstage::migrate_with(&url, vec![idemstage_example::MIGRATIONS])
         .await
         .unwrap();
     idemstage_testkit::ensure_test_roles(&url).await;
@@ -322,12 +322,12 @@ fn start_worker(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 40).await;
     // 8 stage executions (each wants a connection for its work and one for its
     // heartbeat, plus the job lease renewals) share 2 connections, and give up
     // waiting for one after 200 ms.
-    let pool = idemstage_persistence::connect_pool(
+    let pool = idemstage::connect_pool(
         db.url(),
         PoolConfig::default()
             .with_max_size(2)
@@ -353,7 +353,7 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_sends_racing_completion_run_each_stage_once() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let n = 30;
     let keys: Vec<(TenantId, AnfrageId, String)> = (0..n)
         .map(|i| {
@@ -387,9 +387,9 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
             duplicate.clone(),
         );
         senders.push(tokio::spawn(async move {
-            let mut conn = idemstage_persistence::connect(&url).await.unwrap();
+            let mut conn = idemstage::connect(&url).await.unwrap();
             let pipeline = support::pipeline();
-            let extract = idemstage_domain::StageName::parse("extract").unwrap();
+            let extract = idemstage::StageName::parse("extract").unwrap();
             for round in 0..12 {
                 for k in 0..keys.len() {
                     // Each sender walks the keys from another start: the same key is
@@ -404,14 +404,10 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
                             &StageJob {
                                 tenant_id: tenant.clone(),
                                 anfrage_id: *anfrage,
-                                input_hash: idemstage_domain::input_hash_of(text.as_bytes()),
+                                input_hash: idemstage::input_hash_of(text.as_bytes()),
                             },
                         );
-                        results.push(
-                            idemstage_persistence::queue::send_in(&mut conn, &job)
-                                .await
-                                .unwrap(),
-                        );
+                        results.push(idemstage::queue::send_in(&mut conn, &job).await.unwrap());
                     }
                     for r in results {
                         match r {

@@ -7,7 +7,7 @@ use crate::support::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_worker_processes_one_killed_lose_nothing_and_run_nothing_twice() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 60).await;
     let mut workers = Workers::start(db.url(), 3, &["--crash-rate", "0.05"]);
     // Kill one worker with SIGKILL once work is under way (it holds claims and jobs).
@@ -26,7 +26,7 @@ async fn three_worker_processes_one_killed_lose_nothing_and_run_nothing_twice() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stops_cleanly_on_sigterm() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     enqueue(db.url(), 10).await;
     let mut w = Workers::start(db.url(), 1, &[]);
     wait_until(db.url(), "work under way", 60, |c| c.stages_succeeded >= 1).await;

@@ -6,9 +6,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage_domain::{AnfrageId, SendResult, TenantId};
-use idemstage_persistence::TxError;
-use idemstage_stage::first_job;
+use idemstage::first_job;
+use idemstage::runs::TxError;
+use idemstage::{AnfrageId, SendResult, TenantId};
 
 /// Stage lease and job lease of the worker processes: short, so that a killed or
 /// stopped worker's claims and jobs come back within seconds.
@@ -109,15 +109,15 @@ pub async fn send_rerun(
     tenant: &TenantId,
     anfrage: AnfrageId,
     text: &str,
-) -> Result<SendResult, idemstage_domain::RepoError> {
+) -> Result<SendResult, idemstage::RepoError> {
     let pipeline = pipeline();
     conn.transaction::<_, TxError, _>(async |conn| {
-        let started = idemstage_persistence::anfragen::start_in(
+        let started = idemstage::anfragen::start_in(
             conn,
             tenant,
             &anfrage,
             text,
-            idemstage_domain::InputChangePolicy::Rerun,
+            idemstage::InputChangePolicy::Rerun,
             |hash| first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned()),
         )
         .await?;
@@ -129,7 +129,7 @@ pub async fn send_rerun(
 
 /// Sends `n` anfragen over 3 tenants, each twice. Returns their keys.
 pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
-    let mut conn = idemstage_persistence::connect(url).await.unwrap();
+    let mut conn = idemstage::connect(url).await.unwrap();
     let mut keys = Vec::new();
     for i in 0..n {
         let tenant = TenantId::parse(&format!("t{}", i % 3)).unwrap();
@@ -142,11 +142,11 @@ pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
     keys
 }
 
-pub use idemstage_testkit::count;
-pub use idemstage_testkit::example::{
+pub use idemstage_harness::example::{
     assert_quiet_and_sound, pipeline, send, start_pipeline_worker, stop_pipeline_worker, text,
     wait_until, JOB_LEASE_MS,
 };
+pub use idemstage_testkit::count;
 
 pub fn signal(child: &Child, sig: &str) {
     let status = Command::new("kill")

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 /// A pgbouncer of the test's own, in transaction mode (`pool_mode =
 /// transaction`), in front of the server of the URL it was started for: every
 /// database, the user of that URL (else `postgres`), `postgres`,
-/// [`TEST_WORKER`](crate::TEST_WORKER) and [`TEST_OPERATOR`](crate::TEST_OPERATOR).
+/// [`TEST_WORKER`](idemstage_testkit::TEST_WORKER) and [`TEST_OPERATOR`](idemstage_testkit::TEST_OPERATOR).
 /// Clients are trusted (`auth_type = trust`, loopback only); towards the server
 /// pgbouncer logs in with the passwords of its `auth_file`: the URL's own, and
 /// the test roles' (their names), so that it works in front of a server that
@@ -125,8 +125,11 @@ impl Drop for PgBouncer {
 /// authentication failed), and a password server refused the test roles.
 fn auth_file(server_url: &str) -> String {
     let (user, password) = user_password(server_url);
-    let test_roles =
-        [crate::TEST_WORKER, crate::TEST_OPERATOR].map(|r| (r.to_owned(), r.to_owned()));
+    let test_roles = [
+        idemstage_testkit::TEST_WORKER,
+        idemstage_testkit::TEST_OPERATOR,
+    ]
+    .map(|r| (r.to_owned(), r.to_owned()));
     let mut users: Vec<(String, String)> = Vec::new();
     for (u, p) in [(
         user.unwrap_or_else(|| "postgres".into()),

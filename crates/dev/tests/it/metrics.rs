@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use idemstage_persistence::ops::Actor;
-use idemstage_persistence::queue::{self, Scope};
+use idemstage::ops::Actor;
+use idemstage::queue::{self, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::{assert_quiet_and_sound, count, enqueue, signal, wait_exit, STAGE_LEASE_MS};
@@ -235,7 +235,7 @@ async fn compare(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     // Extract's jobs pile up while it is paused: the queue gauges must show them.
     let actor = Actor::parse("metrics test").unwrap();

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Instant;
 
-use idemstage_domain::AnfrageId;
+use idemstage::AnfrageId;
 
 use crate::support::{self, count, Workers};
 
@@ -15,7 +15,7 @@ use crate::support::{self, count, Workers};
 /// within a minute (the time is printed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_72000_line_input_from_a_file_runs_through_a_worker_process_within_a_minute() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dir = std::env::temp_dir().join(format!("idemstage-large-{}", AnfrageId::new()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("input.txt");

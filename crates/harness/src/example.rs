@@ -5,16 +5,16 @@
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage::anfragen::register_anfrage;
+use idemstage::first_job;
+use idemstage::runs::TxError;
+use idemstage::{AnfrageId, SendResult, TenantId};
 use idemstage_example::{check_example_pipeline, Chaos, PipelineCheck};
-use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::TxError;
-use idemstage_stage::first_job;
 
 /// A fresh database with the core's and the example pipeline's migrations (from a
 /// template made once per server and migration fingerprint).
-pub async fn db() -> crate::TestDb {
-    crate::TestDb::with_template(
+pub async fn db() -> idemstage_testkit::TestDb {
+    idemstage_testkit::TestDb::with_template(
         vec![idemstage_example::MIGRATIONS],
         idemstage_example::MIGRATIONS_FINGERPRINT,
     )
@@ -26,8 +26,8 @@ pub async fn db() -> crate::TestDb {
 pub const JOB_LEASE_MS: u64 = 3000;
 
 /// The example pipeline with a job lease of `JOB_LEASE_MS`.
-pub fn pipeline() -> idemstage_stage::Pipeline {
-    let mut options = idemstage_stage::Pipeline::default_send_options();
+pub fn pipeline() -> idemstage::Pipeline {
+    let mut options = idemstage::Pipeline::default_send_options();
     options.expire_in = Duration::from_millis(JOB_LEASE_MS);
     idemstage_example::pipeline(Chaos::default())
         .with_send_options(options)
@@ -52,11 +52,11 @@ pub async fn send(
         &pipeline,
         tenant.clone(),
         anfrage,
-        idemstage_domain::input_hash_of(text.as_bytes()),
+        idemstage::input_hash_of(text.as_bytes()),
     );
     conn.transaction::<_, TxError, _>(async |conn| {
         register_anfrage(conn, tenant, &anfrage, text).await?;
-        Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+        Ok(idemstage::queue::send_in(conn, &job).await?)
     })
     .await
     .unwrap()
@@ -74,7 +74,7 @@ pub async fn wait_until(
     loop {
         // Reconnect if the server went away.
         if conn.is_none() {
-            conn = idemstage_persistence::connect(url).await.ok();
+            conn = idemstage::connect(url).await.ok();
         }
         if let Some(c) = conn.as_mut() {
             match check_example_pipeline(c).await {
@@ -107,26 +107,25 @@ pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
 
 /// An in-process stage worker over `pipeline`, polling and maintaining often.
 pub fn start_pipeline_worker(
-    pool: idemstage_persistence::PgPool,
+    pool: idemstage::PgPool,
     url: &str,
-    pipeline: idemstage_stage::Pipeline,
+    pipeline: idemstage::Pipeline,
     concurrency: usize,
-    counters: std::sync::Arc<idemstage_runner::Counters>,
+    counters: std::sync::Arc<idemstage::Counters>,
 ) -> (
-    tokio_util::sync::CancellationToken,
-    tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+    idemstage::CancellationToken,
+    tokio::task::JoinHandle<idemstage::WorkerStatsSnapshot>,
 ) {
-    let config = idemstage_runner::PipelineWorkerConfig::default()
+    let config = idemstage::PipelineWorkerConfig::default()
         .with_concurrency(concurrency)
         .with_queue(
-            idemstage_runner::QueueWorkerConfig::default()
+            idemstage::QueueWorkerConfig::default()
                 .with_poll_interval(Duration::from_millis(200))
                 .with_maintenance_interval(Duration::from_millis(1000))
                 .with_error_backoff(Duration::from_millis(20), Duration::from_millis(500)),
         );
-    let worker =
-        idemstage_runner::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
+    let worker = idemstage::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
+    let stop = idemstage::CancellationToken::new();
     let handle = tokio::spawn(worker.run(stop.clone()));
     (stop, handle)
 }
@@ -134,10 +133,10 @@ pub fn start_pipeline_worker(
 /// Stops an in-process worker started by `start_pipeline_worker`.
 pub async fn stop_pipeline_worker(
     (stop, handle): (
-        tokio_util::sync::CancellationToken,
-        tokio::task::JoinHandle<idemstage_runner::WorkerStatsSnapshot>,
+        idemstage::CancellationToken,
+        tokio::task::JoinHandle<idemstage::WorkerStatsSnapshot>,
     ),
-) -> idemstage_runner::WorkerStatsSnapshot {
+) -> idemstage::WorkerStatsSnapshot {
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(60), handle)
         .await

@@ -17,10 +17,11 @@ use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use fantoccini::{Client, ClientBuilder, Locator};
-use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, ClaimToken, StageName, StagePolicy, TenantId, WorkerId,
+use idemstage::PgRunRepository;
+use idemstage::{
+    runs::{ClaimOutcome, ClaimRequest},
+    AnfrageId, ClaimToken, StageName, StagePolicy, TenantId, WorkerId,
 };
-use idemstage_persistence::PgRunRepository;
 use idemstage_testkit::{count, TestDb};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -171,7 +172,7 @@ async fn small_pipeline_run(db: &TestDb) -> AnfrageId {
         tenant: t2.clone(),
         anfrage: dying,
         stage: StageName::parse("intake").unwrap(),
-        input_hash: idemstage_domain::input_hash_of(text(7).as_bytes()),
+        input_hash: idemstage::input_hash_of(text(7).as_bytes()),
         worker: WorkerId::generate(),
         policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
@@ -197,7 +198,7 @@ async fn small_pipeline_run(db: &TestDb) -> AnfrageId {
         db.url(),
         pipeline(),
         2,
-        Arc::new(idemstage_runner::Counters::default()),
+        Arc::new(idemstage::Counters::default()),
     );
     let check = assert_quiet_and_sound(db.url(), 120).await;
     stop_pipeline_worker(worker).await;
@@ -227,7 +228,7 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
 
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
     let dying_s = dying.to_string();
     let mut conn = db.conn().await;
@@ -670,7 +671,7 @@ async fn click_and_wait(browser: &Client, id: &str, then: &str) {
 #[tokio::test]
 async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage_succeeds() {
     let driver = Chromedriver::start().await;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
     let dying_s = dying.to_string();
     let mut conn = db.conn().await;
@@ -787,7 +788,7 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
             db.url(),
             pipeline(),
             2,
-            Arc::new(idemstage_runner::Counters::default()),
+            Arc::new(idemstage::Counters::default()),
         );
         let check = assert_quiet_and_sound(db.url(), 120).await;
         stop_pipeline_worker(worker).await;
@@ -826,9 +827,9 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pauses() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let dying = small_pipeline_run(&db).await;
-    let bouncer = idemstage_testkit::PgBouncer::start(db.url(), 2);
+    let bouncer = idemstage_harness::PgBouncer::start(db.url(), 2);
     let console = Console::start(&bouncer.url(db.url()), &["--pooler", "transaction"]);
     let addr = console.addr;
     let (b_name, b_value) = bearer();

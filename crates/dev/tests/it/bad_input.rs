@@ -4,19 +4,17 @@
 //! in a clear error on a failed job (or run); the worker keeps running and the
 //! good work next to it is unaffected. (Bad CLI input is in `cli.rs`.)
 
-use idemstage_persistence::FencedTx;
+use idemstage::FencedTx;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{
-    input_hash_of, AnfrageId, JobId, SendOptions, StageError, StagePolicy, TenantId,
-};
-use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_runner::Counters;
-use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage};
+use idemstage::anfragen::register_anfrage;
+use idemstage::Counters;
+use idemstage::{first_job, Done, Pipeline, PrepareContext, Stage};
+use idemstage::{input_hash_of, AnfrageId, JobId, SendOptions, StageError, StagePolicy, TenantId};
 use serde_json::{json, Value};
 
 use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
@@ -77,7 +75,7 @@ async fn wait_job_state(conn: &mut AsyncPgConnection, id: JobId, state: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t1 = TenantId::parse("t1").unwrap();
     // Another tenant's anfrage, that a crafted payload names.
@@ -221,7 +219,7 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     let anfrage = AnfrageId::new();
@@ -239,9 +237,7 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
     .await
     .unwrap();
     let job = first_job(&support::pipeline(), tenant.clone(), anfrage, hash);
-    idemstage_persistence::queue::send_in(&mut conn, &job)
-        .await
-        .unwrap();
+    idemstage::queue::send_in(&mut conn, &job).await.unwrap();
     let worker = start_pipeline_worker(
         db.pool(10).await,
         db.url(),
@@ -328,7 +324,7 @@ impl Stage for Probe {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let policy = StagePolicy::default()
         .with_max_attempts(2)
@@ -358,9 +354,7 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
             anfrage,
             input_hash_of(text.as_bytes()),
         );
-        idemstage_persistence::queue::send_in(&mut conn, &job)
-            .await
-            .unwrap();
+        idemstage::queue::send_in(&mut conn, &job).await.unwrap();
         anfragen.push((text, anfrage));
     }
     let worker = start_pipeline_worker(
@@ -435,9 +429,7 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         anfrage,
         input_hash_of(b"fine again"),
     );
-    idemstage_persistence::queue::send_in(&mut conn, &job)
-        .await
-        .unwrap();
+    idemstage::queue::send_in(&mut conn, &job).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while count(
         &mut conn,
@@ -485,7 +477,7 @@ fn a_worker_for_a_queue_the_pipeline_does_not_know_refuses_to_start() {
 
 #[tokio::test]
 async fn a_worker_asked_to_hold_too_many_jobs_refuses_to_start() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
         .args(["worker", "--prefetch", "200000"])
         .env("DATABASE_URL", db.url())
@@ -561,7 +553,7 @@ fn worker_starts(url: &str, extra: &[&str]) -> (bool, String) {
 
 #[tokio::test]
 async fn a_worker_connected_as_a_role_rls_does_not_restrict_refuses_to_start() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     // The superuser owner: refused, exit 2, with what to do instead.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
         .arg("worker")
@@ -595,11 +587,9 @@ async fn a_worker_connected_as_a_role_rls_does_not_restrict_refuses_to_start() {
 #[tokio::test]
 async fn a_worker_on_a_role_that_can_make_itself_the_owner_refuses_to_start() {
     use diesel_async::SimpleAsyncConnection;
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     let mut admin = db.conn().await;
-    let suffix = idemstage_domain::AnfrageId::new()
-        .to_string()
-        .to_lowercase();
+    let suffix = idemstage::AnfrageId::new().to_string().to_lowercase();
     let (createrole, db_owner) = (
         format!("idemstage_t_cr_{suffix}"),
         format!("idemstage_t_do_{suffix}"),

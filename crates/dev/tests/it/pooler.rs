@@ -5,8 +5,8 @@
 
 use std::process::Command;
 
-use idemstage_domain::AnfrageId;
-use idemstage_testkit::PgBouncer;
+use idemstage::AnfrageId;
+use idemstage_harness::PgBouncer;
 
 use crate::support::{assert_quiet_and_sound, count, text, wait_until, Workers};
 
@@ -29,7 +29,7 @@ fn enqueue_through(url: &str, tenant: &str, anfrage: AnfrageId, text: &str) -> S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_pgbouncer_with_sigkilled_workers_nothing_is_lost_or_run_twice() {
-    let db = idemstage_testkit::example::db().await;
+    let db = idemstage_harness::example::db().await;
     // Four server sessions per (database, user) for 3 workers' pools of 11: the
     // pooler really multiplexes, and resets every session after each transaction.
     let bouncer = PgBouncer::start(db.url(), 4);

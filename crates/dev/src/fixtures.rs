@@ -4,8 +4,8 @@
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, RepoError};
-use idemstage_persistence::map_diesel_error;
+use idemstage::map_diesel_error;
+use idemstage::{AnfrageId, RepoError};
 
 /// Numbered anfragen have ids `lpad(ANFRAGE_BASE + i, 26, '0')`: all digits and a
 /// leading `0`, so valid ULID text, and producible by pgbench scripts, which have
@@ -81,7 +81,7 @@ pub async fn insert_numbered_anfragen_from(
     .bind::<Text, _>(tenant)
     .bind::<BigInt, _>((ANFRAGE_BASE + from) as i64)
     .bind::<Text, _>(input_text)
-    .bind::<Text, _>(idemstage_domain::input_hash_of(input_text.as_bytes()))
+    .bind::<Text, _>(idemstage::input_hash_of(input_text.as_bytes()))
     .bind::<BigInt, _>(n as i64)
     .execute(conn)
     .await
@@ -171,7 +171,7 @@ mod tests {
     use diesel::sql_types::{BigInt, Text};
     use diesel::QueryableByName;
     use diesel_async::RunQueryDsl;
-    use idemstage_domain::{AnfrageId, InputChangePolicy, TenantId};
+    use idemstage::{AnfrageId, InputChangePolicy, TenantId};
 
     #[derive(QueryableByName)]
     struct Table {
@@ -190,19 +190,19 @@ mod tests {
     /// the second `cargo xtask demo` on a cluster left running, and every bench.
     #[tokio::test]
     async fn reset_empties_every_table_of_the_schema() {
-        let db = idemstage_testkit::example::db().await;
+        let db = idemstage_harness::example::db().await;
         let mut conn = db.conn().await;
         let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
         let tenant = TenantId::parse("t1").unwrap();
         let anfrage = AnfrageId::new();
         for text in ["10 Stk Schrauben", "20 Stk Schrauben"] {
-            idemstage_persistence::anfragen::start_in(
+            idemstage::anfragen::start_in(
                 &mut conn,
                 &tenant,
                 &anfrage,
                 text,
                 InputChangePolicy::Rerun,
-                |hash| idemstage_stage::first_job(&pipeline, tenant.clone(), anfrage, hash.into()),
+                |hash| idemstage::first_job(&pipeline, tenant.clone(), anfrage, hash.into()),
             )
             .await
             .unwrap();

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use super::fixtures;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
-use idemstage_domain::{AnfrageId, SendResult, TenantId};
+use idemstage::anfragen::register_anfrage;
+use idemstage::first_job;
+use idemstage::{runs::TxError, PoolConfig};
+use idemstage::{AnfrageId, SendResult, TenantId};
+use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_example::check_example_pipeline;
 use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::anfragen::register_anfrage;
-use idemstage_persistence::{PoolConfig, TxError};
-use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage_stage::first_job;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -118,12 +118,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !(0.0..1.0).contains(&args.crash_rate) {
         return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
     }
-    idemstage_persistence::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
+    idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
     // The verdict is read from the whole database, so it must hold only this run's
     // rows: a demo database (`*_demo`) is emptied first (a second `cargo xtask
     // demo` on a cluster left running), any other one must be empty already.
     {
-        let mut conn = idemstage_persistence::connect(url).await?;
+        let mut conn = idemstage::connect(url).await?;
         let stale = check_example_pipeline(&mut conn).await?.anfragen;
         if stale > 0 {
             let db = fixtures::current_database(&mut conn).await?;
@@ -171,13 +171,13 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         .context("starting the local LLM service")?;
     let pipeline = example::pipeline_with_llm(
         Chaos::crashing(args.crash_rate),
-        idemstage_domain::StagePolicy::default(),
+        idemstage::StagePolicy::default(),
         Some(example::llm::LlmClient::new(llm.url())),
     )?;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut workers = JoinSet::new();
     for _ in 0..args.workers {
-        let pool = idemstage_persistence::connect_pool(
+        let pool = idemstage::connect_pool(
             url,
             PoolConfig::default().with_max_size(args.concurrency as u32 * 2 + 2),
         )
@@ -204,7 +204,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
             url.to_owned(),
         );
         senders.spawn(async move {
-            let mut conn = idemstage_persistence::connect(&url).await?;
+            let mut conn = idemstage::connect(&url).await?;
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&a) = sends.get(i) else {
@@ -215,12 +215,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
                     &pipeline,
                     tenant.clone(),
                     *anfrage,
-                    idemstage_domain::input_hash_of(text.as_bytes()),
+                    idemstage::input_hash_of(text.as_bytes()),
                 );
                 let sent = conn
                     .transaction::<_, TxError, _>(async |conn| {
                         register_anfrage(conn, tenant, anfrage, text).await?;
-                        Ok(idemstage_persistence::queue::send_in(conn, &job).await?)
+                        Ok(idemstage::queue::send_in(conn, &job).await?)
                     })
                     .await
                     .map_err(TxError::into_repo)?;
@@ -247,13 +247,11 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         .expect("valid template")
         .progress_chars("=> "),
     );
-    let mut conn = idemstage_persistence::connect(url).await?;
+    let mut conn = idemstage::connect(url).await?;
     let deadline = started + Duration::from_secs(args.timeout_s);
     let finished = loop {
         let check = check_example_pipeline(&mut conn).await?;
-        let live = idemstage_persistence::queue::queue_stats(&mut conn)
-            .await?
-            .live();
+        let live = idemstage::queue::queue_stats(&mut conn).await?.live();
         progress.set_position(check.anfragen_final as u64);
         progress.set_message(format!(
             "({} stage runs succeeded, {live} jobs live)",
@@ -377,7 +375,7 @@ async fn extractions_succeeded(conn: &mut diesel_async::AsyncPgConnection) -> an
     use diesel::ExpressionMethods;
     use diesel::QueryDsl;
     use diesel_async::RunQueryDsl;
-    use idemstage_persistence::schema::pipeline_runs::dsl as r;
+    use idemstage::schema::pipeline_runs::dsl as r;
     Ok(r::pipeline_runs
         .filter(r::stage.eq("extract"))
         .filter(r::status.eq("success"))

@@ -1,0 +1,137 @@
+//! Our own `idemstage` binary: [`idemstage_cli`]'s command line for the seed's
+//! example pipeline (intake → extract → feasibility → calculate), plus `demo`,
+//! `bench`, and the seed worker's example-only flags (its stage lease, rerun on a
+//! new input, and the fault injection the fault tests use). A team's binary is
+//! `idemstage_cli::run_app` for its own pipeline and has none of these.
+
+mod bench;
+mod demo;
+mod fairness;
+mod fixtures;
+mod limits;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args as _, FromArgMatches as _, Subcommand as _};
+use idemstage::{InputChangePolicy, Pipeline, StagePolicy};
+use idemstage_cli::extend::{self, BadInput, GlobalArgs, WakeArg};
+use idemstage_example::{self as example, Chaos};
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+// The commands of ours only, beside idemstage-cli's (no doc comment: clap would
+// take it for the binary's `about`).
+#[derive(clap::Subcommand)]
+enum DevCommand {
+    /// The main job: duplicate sends, many workers, injected crashes; then a report
+    /// checked against the database.
+    Demo(demo::Args),
+    /// Benchmarks: claim, queue or pipeline throughput (see BENCHMARKS.md). Empties
+    /// every table: runs only on a database whose name contains "bench".
+    Bench(bench::Args),
+}
+
+// `worker`'s flags for the seed pipeline (a team's stages carry their own
+// policies, so idemstage-cli has none of these; no doc comment: clap would take it
+// for `worker`'s `about`).
+#[derive(clap::Args)]
+struct ExampleWorker {
+    /// Stage lease (claim) in milliseconds, renewed at a third of it [default: 30000]
+    #[arg(long)]
+    stage_lease_ms: Option<u64>,
+    /// Re-run a finished stage when its anfrage is sent again with another input
+    /// (and invalidate the stages after it once the rerun succeeds); default: refuse
+    /// another input
+    #[arg(long)]
+    rerun_on_new_input: bool,
+    /// Fault injection: probability that a stage body aborts mid-way
+    #[arg(long, default_value_t = 0.0, hide = true)]
+    crash_rate: f64,
+    /// Fault injection: up to this many ms of extra work per stage, after the claim
+    /// and inside the fenced transaction (widens the windows fault tests hit)
+    #[arg(long, default_value_t = 0, hide = true)]
+    stage_delay_ms: u64,
+}
+
+impl ExampleWorker {
+    /// The seed pipeline with these leases and faults.
+    fn pipeline(&self) -> anyhow::Result<Pipeline> {
+        if !(0.0..1.0).contains(&self.crash_rate) {
+            return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
+        }
+        let stage_lease_ms = self.stage_lease_ms.unwrap_or(30_000);
+        if stage_lease_ms < 30 {
+            return Err(BadInput("--stage-lease-ms must be >= 30".into()).into());
+        }
+        let stage_lease = Duration::from_millis(stage_lease_ms);
+        let policy = StagePolicy::default()
+            .with_on_input_change(if self.rerun_on_new_input {
+                InputChangePolicy::Rerun
+            } else {
+                InputChangePolicy::Reject
+            })
+            .with_lease(stage_lease)
+            .with_heartbeat(stage_lease / 3);
+        Ok(example::pipeline_with(
+            Chaos {
+                crash_rate: self.crash_rate,
+                delay_ms: self.stage_delay_ms,
+            },
+            policy,
+        )
+        .map_err(|e| BadInput(e.to_string()))?)
+    }
+}
+
+fn command() -> clap::Command {
+    let command = extend::command()
+        .about("idemstage's own binary: the seed's example pipeline, its demo and benchmarks")
+        .mut_subcommand("worker", ExampleWorker::augment_args);
+    DevCommand::augment_subcommands(command)
+}
+
+fn main() -> ExitCode {
+    let matches = command().get_matches();
+    extend::block_on(async move {
+        let ours = matches
+            .subcommand_name()
+            .is_some_and(DevCommand::has_subcommand);
+        if ours {
+            // The demo injects crashes on purpose: its warnings would drown the report.
+            extend::init_logging("error");
+            let result = async {
+                let command = DevCommand::from_arg_matches(&matches)?;
+                let db = GlobalArgs::from_matches(&matches)?.db()?;
+                match command {
+                    DevCommand::Demo(args) => {
+                        db.direct_only("demo")?;
+                        demo::run(&db.url, args).await
+                    }
+                    DevCommand::Bench(args) => {
+                        db.direct_only("bench")?;
+                        bench::run(&db.url, args).await
+                    }
+                }
+            }
+            .await;
+            return extend::exit_code(result);
+        }
+        extend::init_logging("warn");
+        let pipeline = match matches.subcommand() {
+            Some(("worker", worker)) => {
+                match ExampleWorker::from_arg_matches(worker)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|w| w.pipeline())
+                {
+                    Ok(pipeline) => pipeline,
+                    Err(e) => return extend::exit_code(Err(e)),
+                }
+            }
+            _ => example::pipeline(Chaos::default()),
+        };
+        let app = idemstage_cli::App::new(pipeline).with_migrations(vec![example::MIGRATIONS]);
+        extend::run_matches(app, &matches).await
+    })
+}

@@ -1,0 +1,60 @@
+//! One stage of a team's pipeline, run in process against a test database.
+
+use std::sync::Arc;
+
+use idemstage::{
+    AnfrageId, ExecutionOutcome, Executor, PgRunRepository, Pipeline, RepoError, StageJob,
+    TenantId, WorkerId,
+};
+
+use crate::TestDb;
+
+/// Runs the stage named `stage` of `pipeline` once for `job` against `db`, as a
+/// worker would (claim, `prepare`, `commit` in the fenced transaction, hand-off
+/// to the next stage), in process and without the queue, and returns its
+/// outcome. Panics if the pipeline has no such stage.
+///
+/// ```no_run
+/// # async fn demo(pipeline: idemstage::Pipeline, db: idemstage_testkit::TestDb) {
+/// let tenant = idemstage::TenantId::parse("acme").unwrap();
+/// let job = idemstage_testkit::anfrage_job(&db, &pipeline, &tenant, "scan of page 1").await;
+/// let outcome = idemstage_testkit::run_stage(&db, &pipeline, "ocr", &job).await.unwrap();
+/// assert!(matches!(outcome, idemstage::ExecutionOutcome::Succeeded { .. }));
+/// # }
+/// ```
+pub async fn run_stage(
+    db: &TestDb,
+    pipeline: &Pipeline,
+    stage: &str,
+    job: &StageJob,
+) -> Result<ExecutionOutcome, RepoError> {
+    let stage = pipeline
+        .stage(stage)
+        .unwrap_or_else(|e| panic!("run_stage: {e}"));
+    let repo = Arc::new(PgRunRepository::new(db.pool(2).await));
+    Executor::new(repo, WorkerId::generate())
+        .run(pipeline, stage, job)
+        .await
+}
+
+/// Registers a new anfrage of `tenant` with `input` in `db` (no job sent) and
+/// returns the job of `pipeline`'s first stage for it, for [`run_stage`] (a later
+/// stage's job for the same anfrage is the same).
+pub async fn anfrage_job(
+    db: &TestDb,
+    pipeline: &Pipeline,
+    tenant: &TenantId,
+    input: &str,
+) -> StageJob {
+    let anfrage = AnfrageId::new();
+    let mut conn = db.conn().await;
+    let registered = idemstage::anfragen::register_anfrage(&mut conn, tenant, &anfrage, input)
+        .await
+        .expect("register the anfrage");
+    let _ = pipeline;
+    StageJob {
+        tenant_id: tenant.clone(),
+        anfrage_id: anfrage,
+        input_hash: registered.input_sha256().to_owned(),
+    }
+}
