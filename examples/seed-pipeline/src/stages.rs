@@ -180,19 +180,17 @@ named_stage!(Calculate);
 #[async_trait]
 impl Stage for Intake {
     const NAME: &'static str = "intake";
-    type Input = String;
+    // Reads its input inside the fenced transaction (`tx.anfrage_text()`, the
+    // bound text), where it writes: one statement there, instead of a read of
+    // its own before `prepare`, which has nothing to do with it.
+    type Input = ();
     type Prepared = ();
     type Output = ();
     named_identity!();
-    async fn prepare(&self, _: &PrepareContext<'_, String>) -> Result<(), StageError> {
+    async fn prepare(&self, _: &PrepareContext<'_, ()>) -> Result<(), StageError> {
         self.0.chaos.prepare_delay().await
     }
-    async fn commit(
-        &self,
-        tx: &mut FencedTx<'_>,
-        _: &String,
-        _: &(),
-    ) -> Result<Done<()>, StageError> {
+    async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         let anfrage = tx.token().anfrage.to_string();
         let text = tx.anfrage_text().await?;
         let sha = idemstage::input_hash_of(text.as_bytes());
@@ -227,29 +225,40 @@ impl Extract {
 impl Stage for Extract {
     const NAME: &'static str = "extract";
     type Input = ();
-    type Prepared = Vec<Extraktion>;
+    /// The "LLM"'s answer; `None` without a client: the parse then runs inside
+    /// the transaction on the bound text, as cheap as a read.
+    type Prepared = Option<Vec<Extraktion>>;
     type Output = ();
     named_identity!();
-    /// The extraction, outside any transaction: the "LLM" call (or the same
-    /// parse in process), on the input this run is bound to.
-    async fn prepare(&self, ctx: &PrepareContext<'_, ()>) -> Result<Vec<Extraktion>, StageError> {
+    /// The extraction, outside any transaction: the "LLM" call, on the input this
+    /// run is bound to.
+    async fn prepare(
+        &self,
+        ctx: &PrepareContext<'_, ()>,
+    ) -> Result<Option<Vec<Extraktion>>, StageError> {
         self.0.chaos.prepare_delay().await?;
+        let Some(llm) = &self.0.llm else {
+            return Ok(None);
+        };
         let text = ctx.anfrage_text().await?;
-        match &self.0.llm {
-            Some(llm) => {
-                let at = ctx.attempt();
-                llm.extract(&at.tenant, &at.anfrage, &text).await
-            }
-            None => Ok(extract_positions(&text)),
-        }
+        let at = ctx.attempt();
+        Ok(Some(llm.extract(&at.tenant, &at.anfrage, &text).await?))
     }
     async fn commit(
         &self,
         tx: &mut FencedTx<'_>,
         _: &(),
-        positions: &Vec<Extraktion>,
+        answer: &Option<Vec<Extraktion>>,
     ) -> Result<Done<()>, StageError> {
         let anfrage = tx.token().anfrage.to_string();
+        let parsed;
+        let positions = match answer {
+            Some(positions) => positions,
+            None => {
+                parsed = extract_positions(&tx.anfrage_text().await?);
+                &parsed
+            }
+        };
         tx.replace_extraktionen(positions).await?;
         self.0.chaos.in_tx_delay().await;
         // A crash after the paid call: the next attempt reuses its answer.
