@@ -29,8 +29,6 @@ pub enum BoundInput {
 pub enum ReadBound {
     /// The attempt's binding.
     Read {
-        /// The input hash the run is bound to.
-        input_hash: String,
         /// Its input or upstream output.
         input: BoundInput,
         /// A prepared value checkpointed for this run on this very binding (only
@@ -102,7 +100,6 @@ impl PgRunRepository {
             return Ok(ReadBound::UpstreamMoved);
         };
         Ok(ReadBound::Read {
-            input_hash: row.input_hash,
             input,
             checkpoint: row.checkpoint,
         })

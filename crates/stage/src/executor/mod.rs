@@ -2,28 +2,26 @@
 
 mod commit;
 mod guards;
+mod prepare;
 
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use futures_util::FutureExt;
 use idemstage_domain::{
     ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
     RepoError, RunId, SkipReason, StageError, WorkerId,
 };
-use idemstage_persistence::runs::{BoundInput, InterruptOutcome, ReadBound};
+use idemstage_persistence::runs::InterruptOutcome;
 use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::contract::AttemptInfo;
-use crate::erased::Bound;
 use crate::{Pipeline, StageFlow, StageJob, StageRef};
 
 use commit::Completion;
 use guards::{AbortOnDrop, ReleaseOnDrop};
+use prepare::Prepare;
 
 /// What one execution ended in. Every variant is a normal result; only a repository
 /// failure that left the outcome unknown is an `Err`.
@@ -295,61 +293,13 @@ impl Executor {
         });
         let prepare_lease_lost = lost_rx.clone();
         let body = async {
-            // What the run is bound to, and a checkpoint of an earlier attempt on
-            // the same binding: one statement.
-            let read = if stage.erased().reads_binding(attempt, policy.reuse_prepared) {
-                self.repo.read_bound(&token, policy.reuse_prepared).await?
-            } else {
-                // Nothing to read (its commit still checks the lineage).
-                ReadBound::Read {
-                    input_hash: job.input_hash.clone(),
-                    input: BoundInput::UpstreamOutput(serde_json::Value::Null),
-                    checkpoint: None,
-                }
+            let prepared = match self
+                .prepare(stage, &job, &token, &policy, prepare_lease_lost)
+                .await?
+            {
+                Prepare::Ready(prepared) => prepared,
+                Prepare::Settled(completion) => return Ok(completion),
             };
-            let (input, checkpoint) = match read {
-                ReadBound::Read {
-                    input, checkpoint, ..
-                } => (input, checkpoint),
-                ReadBound::Fenced => return Ok(Completion::Fenced),
-                // The upstream attempt this run is bound to is no longer its
-                // success: this attempt can never commit; settle it `stale`.
-                ReadBound::UpstreamMoved => {
-                    return Ok(match self.repo.stale_on_lineage(&token).await? {
-                        idemstage_domain::CompleteOutcome::UpstreamChanged => {
-                            Completion::UpstreamChanged
-                        }
-                        _ => Completion::Fenced,
-                    })
-                }
-            };
-            let info = AttemptInfo {
-                run_id,
-                tenant: job.tenant_id.clone(),
-                anfrage: job.anfrage_id,
-                stage: stage.name().clone(),
-                attempt,
-                input_hash: job.input_hash.clone(),
-            };
-            let bound = Bound {
-                input,
-                checkpoint,
-                attempt: &info,
-                repo: &self.repo,
-                lease_lost: prepare_lease_lost.clone(),
-                reuse_prepared: policy.reuse_prepared,
-            };
-            let prepared = AssertUnwindSafe(stage.erased().prepare(bound))
-                .catch_unwind()
-                .await
-                .map_err(panic_message)??;
-            if let Some(value) = &prepared.checkpoint {
-                // Kept for the next attempt on this binding. A failure here costs
-                // only the reuse: the commit decides the attempt.
-                if let Err(e) = self.repo.checkpoint(&token, value).await {
-                    tracing::warn!(error = %e, "prepared value not checkpointed");
-                }
-            }
             self.commit(pipeline, stage, &job, &token, prepared, lease)
                 .await
         };
