@@ -1,7 +1,7 @@
 -- The claim of a fresh key (insert path), as `PgRunRepository::claim` sends it: a
 -- tenant-scoped transaction (BEGIN; scope; claim; COMMIT) of the registered
 -- statements `tenant_scope` and `run_claim` (persistence::statements), a new
--- stage name per execution on a random one of the 10,000 numbered anfragen.
+-- stage name per execution on a random one of the 10,000 numbered items.
 --
 -- Run with `-M prepared`: every `$n` of the library is a bind parameter here
 -- too, so the server parses each statement once per connection and, as for the
@@ -14,8 +14,8 @@
 --   -D input_hash=63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042
 -- A NULL bind (no upstream stage) is `nullif(:none, 0)`, NULL in every
 -- execution but a parameter to the planner, as the library's NULL is.
--- Numbered anfrage i has id lpad(10000000 + i, 26, '0') (cli::fixtures,
--- cli::bench::CLAIM_ANFRAGEN); `crates/cli` tests check these statements
+-- Numbered item i has id lpad(10000000 + i, 26, '0') (cli::fixtures,
+-- cli::bench::CLAIM_ITEMS); `crates/cli` tests check these statements
 -- against the registry.
 -- BEGIN and the scope in one round trip (`-D pipeline=1`, `\startpipeline`), as
 -- the library sends them (one message: BEGIN and three SET LOCAL; prepared
@@ -35,22 +35,22 @@ SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :t
 \if :pipeline
 \endpipeline
 \endif
-INSERT INTO pipeline_runs AS r
-    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+INSERT INTO stage_runs AS r
+    (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
 SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :r, 'running', 1, :max_attempts, src.input_hash, :worker,
        clock_timestamp(), clock_timestamp() + :lease_us * interval '1 microsecond',
        src.upstream_stage, src.upstream_attempt
   FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
                NULL::integer AS upstream_attempt
-          FROM anfragen a
+          FROM items a
          WHERE nullif(:none, 0)::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
-          FROM pipeline_runs u
-          JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-         WHERE u.tenant_id = :tenant AND u.anfrage_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text) AS src
-ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
+          FROM stage_runs u
+          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+         WHERE u.tenant_id = :tenant AND u.item_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text) AS src
+ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
        attempts = r.attempts + 1,
        max_attempts = CASE WHEN r.status IN ('success', 'stale')
@@ -68,7 +68,7 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM pipeline_run_attempts s
+               SELECT 1 FROM stage_run_attempts s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))

@@ -1,7 +1,7 @@
 -- The claim of a key that succeeded (skip path), as `PgRunRepository::claim`
 -- sends it: the claim (`run_claim`), which returns no row, then the read that
 -- explains the skip (`run_explain_skip`), both in one tenant-scoped transaction
--- (`tenant_scope`; persistence::statements). Every numbered anfrage has a
+-- (`tenant_scope`; persistence::statements). Every numbered item has a
 -- succeeded run of stage `done` (`idemstage bench claim --setup-only`).
 --
 -- Run with `-M prepared`: every `$n` of the library is a bind parameter here
@@ -15,8 +15,8 @@
 --   -D input_hash=63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042
 -- A NULL bind (no upstream stage) is `nullif(:none, 0)`, NULL in every
 -- execution but a parameter to the planner, as the library's NULL is.
--- Numbered anfrage i has id lpad(10000000 + i, 26, '0') (cli::fixtures,
--- cli::bench::CLAIM_ANFRAGEN); `crates/cli` tests check these statements
+-- Numbered item i has id lpad(10000000 + i, 26, '0') (cli::fixtures,
+-- cli::bench::CLAIM_ITEMS); `crates/cli` tests check these statements
 -- against the registry.
 -- BEGIN and the scope in one round trip (`-D pipeline=1`, `\startpipeline`), as
 -- the library sends them (one message: BEGIN and three SET LOCAL; prepared
@@ -36,22 +36,22 @@ SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :t
 \if :pipeline
 \endpipeline
 \endif
-INSERT INTO pipeline_runs AS r
-    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+INSERT INTO stage_runs AS r
+    (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
 SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :done_stage, 'running', 1, :max_attempts, src.input_hash, :worker,
        clock_timestamp(), clock_timestamp() + :lease_us * interval '1 microsecond',
        src.upstream_stage, src.upstream_attempt
   FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
                NULL::integer AS upstream_attempt
-          FROM anfragen a
+          FROM items a
          WHERE nullif(:none, 0)::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
-          FROM pipeline_runs u
-          JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-         WHERE u.tenant_id = :tenant AND u.anfrage_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text) AS src
-ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
+          FROM stage_runs u
+          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+         WHERE u.tenant_id = :tenant AND u.item_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text) AS src
+ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
        attempts = r.attempts + 1,
        max_attempts = CASE WHEN r.status IN ('success', 'stale')
@@ -69,7 +69,7 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM pipeline_run_attempts s
+               SELECT 1 FROM stage_run_attempts s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
@@ -82,9 +82,9 @@ SELECT clock_timestamp() AS db_now,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
        r.lease_expires_at, s.input_hash AS success_hash, s.upstream_attempt AS success_upstream
   FROM (SELECT 1) AS one
-  LEFT JOIN anfragen a ON a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0')
-  LEFT JOIN pipeline_runs u ON u.tenant_id = :tenant AND u.anfrage_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text
-  LEFT JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-  LEFT JOIN pipeline_runs r ON r.tenant_id = :tenant AND r.anfrage_id = lpad((:a)::text, 26, '0') AND r.stage = :done_stage
-  LEFT JOIN pipeline_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt;
+  LEFT JOIN items a ON a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0')
+  LEFT JOIN stage_runs u ON u.tenant_id = :tenant AND u.item_id = lpad((:a)::text, 26, '0') AND u.stage = nullif(:none, 0)::text
+  LEFT JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+  LEFT JOIN stage_runs r ON r.tenant_id = :tenant AND r.item_id = lpad((:a)::text, 26, '0') AND r.stage = :done_stage
+  LEFT JOIN stage_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt;
 COMMIT;

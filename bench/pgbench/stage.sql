@@ -19,7 +19,7 @@
 -- worker's intake has none), and calculate sends a next job too (the worker's
 -- does not), so that the queue keeps its depth.
 --
--- Each client works its own anfragen (as one anfrage's stages never run at
+-- Each client works its own items (as one item's stages never run at
 -- once); the next job's singleton key is unique per execution so that no send
 -- is refused.
 --
@@ -55,7 +55,7 @@
 --   -D tenant=bench -D worker=pgbench -D idle_ms=10000 -D done_stage=done
 --   -D next_queue=feasibility -D queues={intake,extract,feasibility,calculate}
 --   -D input_hash=63ff0668491a0d9cb9b6b7d42d553b6a7f774d615a7a6285194610f7e29d3042
---   -D clients=<the -c count> (client k works the anfragen k, k + clients, ...)
+--   -D clients=<the -c count> (client k works the items k, k + clients, ...)
 --   -D job=0|1 -D batch=<n> -D k=0 (k: the client's place in its fetched batch;
 --   pgbench keeps a client's variables from one transaction to the next)
 -- A NULL bind (no upstream stage) is `nullif(:none, 0)`, NULL in every
@@ -97,22 +97,22 @@ SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :t
 \if :pipeline
 \endpipeline
 \endif
-INSERT INTO pipeline_runs AS r
-    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+INSERT INTO stage_runs AS r
+    (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
 SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :st || :r, 'running', 1, :max_attempts, src.input_hash, :worker,
        clock_timestamp(), clock_timestamp() + :lease_us * interval '1 microsecond',
        src.upstream_stage, src.upstream_attempt
   FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
                NULL::integer AS upstream_attempt
-          FROM anfragen a
+          FROM items a
          WHERE :done_stage::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
-          FROM pipeline_runs u
-          JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-         WHERE u.tenant_id = :tenant AND u.anfrage_id = lpad((:a)::text, 26, '0') AND u.stage = :done_stage::text) AS src
-ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
+          FROM stage_runs u
+          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+         WHERE u.tenant_id = :tenant AND u.item_id = lpad((:a)::text, 26, '0') AND u.stage = :done_stage::text) AS src
+ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
        attempts = r.attempts + 1,
        max_attempts = CASE WHEN r.status IN ('success', 'stale')
@@ -130,7 +130,7 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM pipeline_run_attempts s
+               SELECT 1 FROM stage_run_attempts s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
@@ -149,41 +149,41 @@ SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :t
 \startpipeline
 \endif
 SELECT CASE WHEN r.upstream_stage IS NULL
-            THEN EXISTS (SELECT 1 FROM anfragen a
-                          WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+            THEN EXISTS (SELECT 1 FROM items a
+                          WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
                             AND a.input_sha256 = r.input_hash
                             FOR SHARE)
-            ELSE EXISTS (SELECT 1 FROM pipeline_runs u
-                          WHERE u.tenant_id = r.tenant_id AND u.anfrage_id = r.anfrage_id
+            ELSE EXISTS (SELECT 1 FROM stage_runs u
+                          WHERE u.tenant_id = r.tenant_id AND u.item_id = r.item_id
                             AND u.stage = r.upstream_stage
                             AND u.success_attempt = r.upstream_attempt
                             FOR SHARE)
        END AS current
-  FROM pipeline_runs r
+  FROM stage_runs r
  WHERE r.id = lpad((:r)::text, 26, '0') AND r.attempts = :attempt AND r.status = 'running';
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'success', success_attempt = attempts, finished_at = now()
  WHERE id = lpad((:r)::text, 26, '0') AND attempts = :attempt AND status = 'running';
 \if :pipeline
 \endpipeline
 \endif
 \if :st = 1
-SELECT "anfragen"."input_text" FROM "anfragen" WHERE (("anfragen"."tenant_id" = :tenant) AND ("anfragen"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
-INSERT INTO "dateien" ("id", "tenant_id", "anfrage_id", "sha256", "s3_key", "size_bytes") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :input_hash, 'anfragen/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 53) ON CONFLICT ("tenant_id", "sha256", "s3_key") DO NOTHING RETURNING "dateien"."id";
-INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r2)::text, 26, '0'), :tenant, lpad((:r1)::text, 26, '0'), 'datei.created', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('s3_key', 'anfragen/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 'sha256', :input_hash::text));
-INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.intake', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('datei_id', lpad((:r1)::text, 26, '0')));
+SELECT "items"."input_text" FROM "items" WHERE (("items"."tenant_id" = :tenant) AND ("items"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
+INSERT INTO "dateien" ("id", "tenant_id", "item_id", "sha256", "s3_key", "size_bytes") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :input_hash, 'items/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 53) ON CONFLICT ("tenant_id", "sha256", "s3_key") DO NOTHING RETURNING "dateien"."id";
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r2)::text, 26, '0'), :tenant, lpad((:r1)::text, 26, '0'), 'datei.created', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('s3_key', 'items/' || :tenant || '/' || lpad((:r)::text, 26, '0') || '/input.txt', 'sha256', :input_hash::text));
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'item.intake', lpad((:r)::text, 26, '0'), :attempt, jsonb_build_object('datei_id', lpad((:r1)::text, 26, '0')));
 \elif :st = 2
-SELECT "anfragen"."input_text" FROM "anfragen" WHERE (("anfragen"."tenant_id" = :tenant) AND ("anfragen"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
-DELETE FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0')));
-INSERT INTO "anfrage_extraktionen" ("id", "tenant_id", "anfrage_id", "position_index", "description", "quantity", "unit", "run_id", "attempt") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 0, 'Schrauben M8', 10, 'Stk', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r2)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 1, 'Kabel NYM 3x1,5', 2.5, 'm', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r3)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 2, 'Montage', 4, 'h', lpad((:r)::text, 26, '0'), :attempt);
-INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.extracted', lpad((:r)::text, 26, '0'), :attempt, '{"positions": 3}');
+SELECT "items"."input_text" FROM "items" WHERE (("items"."tenant_id" = :tenant) AND ("items"."id" = lpad((:a)::text, 26, '0'))) LIMIT :one;
+DELETE FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."item_id" = lpad((:a)::text, 26, '0')));
+INSERT INTO "anfrage_extraktionen" ("id", "tenant_id", "item_id", "position_index", "description", "quantity", "unit", "run_id", "attempt") VALUES (lpad((:r1)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 0, 'Schrauben M8', 10, 'Stk', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r2)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 1, 'Kabel NYM 3x1,5', 2.5, 'm', lpad((:r)::text, 26, '0'), :attempt), (lpad((:r3)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 2, 'Montage', 4, 'h', lpad((:r)::text, 26, '0'), :attempt);
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'item.extracted', lpad((:r)::text, 26, '0'), :attempt, '{"positions": 3}');
 \elif :st = 3
-SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
-INSERT INTO "feasibility_results" ("tenant_id", "anfrage_id", "feasible", "reasons", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), true, '[]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "anfrage_id") DO UPDATE SET "feasible" = true, "reasons" = '[]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
+SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."item_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
+INSERT INTO "feasibility_results" ("tenant_id", "item_id", "feasible", "reasons", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), true, '[]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "item_id") DO UPDATE SET "feasible" = true, "reasons" = '[]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
 \else
-SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."anfrage_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
-INSERT INTO "calculation_results" ("tenant_id", "anfrage_id", "total_cents", "lines", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), 28300, '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "anfrage_id") DO UPDATE SET "total_cents" = 28300, "lines" = '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
-INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'anfrage.calculated', lpad((:r)::text, 26, '0'), :attempt, '{"total_cents": 28300}');
+SELECT "anfrage_extraktionen"."position_index", "anfrage_extraktionen"."description", "anfrage_extraktionen"."quantity", "anfrage_extraktionen"."unit" FROM "anfrage_extraktionen" WHERE (("anfrage_extraktionen"."tenant_id" = :tenant) AND ("anfrage_extraktionen"."item_id" = lpad((:a)::text, 26, '0'))) ORDER BY "anfrage_extraktionen"."position_index";
+INSERT INTO "calculation_results" ("tenant_id", "item_id", "total_cents", "lines", "run_id", "attempt") VALUES (:tenant, lpad((:a)::text, 26, '0'), 28300, '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', lpad((:r)::text, 26, '0'), :attempt) ON CONFLICT ("tenant_id", "item_id") DO UPDATE SET "total_cents" = 28300, "lines" = '[{"cents": 1500, "position": 0}, {"cents": 800, "position": 1}, {"cents": 26000, "position": 2}]', "run_id" = lpad((:r)::text, 26, '0'), "attempt" = :attempt;
+INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "attempt", "details") VALUES (lpad((:r4)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 'item.calculated', lpad((:r)::text, 26, '0'), :attempt, '{"total_cents": 28300}');
 \endif
 \if :pipeline
 \startpipeline
@@ -192,7 +192,7 @@ WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    VALUES (lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'anfrage_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
+    VALUES (lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
             CASE WHEN nullif(:none, 0)::int IS NULL THEN NULL
                  ELSE to_timestamp(floor(extract(epoch FROM now()) / nullif(:none, 0)) * nullif(:none, 0)) END,
             :retry_limit, :retry_delay_ms, :retry_backoff, :retry_delay_max_ms, :expire_in_ms, nullif(:none, 0)::text, now() + :start_after_ms * interval '1 millisecond', :tenant)

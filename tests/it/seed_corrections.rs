@@ -8,7 +8,7 @@ use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{
     ClaimOutcome, ClaimRequest, SkipReason, StageName, StagePolicy, TenantId, WorkerId,
 };
-use idemstage_persistence::schema::pipeline_runs;
+use idemstage_persistence::schema::stage_runs;
 use idemstage_persistence::PgRunRepository;
 
 use crate::support::*;
@@ -18,14 +18,14 @@ use crate::support::*;
 async fn seed_claim_with_filter_target(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &str,
-    anfrage: &str,
+    item: &str,
 ) -> Option<(String, i32)> {
-    use pipeline_runs::dsl as pr;
-    diesel::insert_into(pr::pipeline_runs)
+    use stage_runs::dsl as pr;
+    diesel::insert_into(pr::stage_runs)
         .values((
             pr::id.eq(idemstage_domain::RunId::new().to_string()),
             pr::tenant_id.eq(tenant),
-            pr::anfrage_id.eq(anfrage),
+            pr::item_id.eq(item),
             pr::stage.eq("intake"),
             pr::status.eq("running"),
             pr::attempts.eq(1),
@@ -35,7 +35,7 @@ async fn seed_claim_with_filter_target(
             pr::started_at.eq(diesel::dsl::now),
             pr::lease_expires_at.eq(diesel::dsl::now),
         ))
-        .on_conflict((pr::tenant_id, pr::anfrage_id, pr::stage))
+        .on_conflict((pr::tenant_id, pr::item_id, pr::stage))
         .filter_target(pr::status.ne("success"))
         .do_update()
         .set((
@@ -50,10 +50,10 @@ async fn seed_claim_with_filter_target(
         .unwrap()
 }
 
-fn request(tenant: &TenantId, anfrage: idemstage_domain::AnfrageId, hash: &str) -> ClaimRequest {
+fn request(tenant: &TenantId, item: idemstage_domain::ItemId, hash: &str) -> ClaimRequest {
     ClaimRequest {
         tenant: tenant.clone(),
-        anfrage,
+        item,
         stage: StageName::parse("intake").unwrap(),
         input_hash: hash.to_owned(),
         worker: WorkerId::generate(),
@@ -70,12 +70,12 @@ async fn correction_1_a_guard_on_the_conflict_target_filters_nothing() {
     let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t = TenantId::parse("t1").unwrap();
-    let (anfrage, hash) = anfrage(&mut conn, &t, "1 Stk Test").await;
+    let (item, hash) = item(&mut conn, &t, "1 Stk Test").await;
     conn.batch_execute(&format!(
-        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+        "INSERT INTO stage_runs (id, tenant_id, item_id, stage, status, attempts,
              max_attempts, input_hash, worker_id, started_at, lease_expires_at, finished_at,
              success_attempt)
-         VALUES ('{}', 't1', '{anfrage}', 'intake', 'success', 1, 100, '{hash}', 'w',
+         VALUES ('{}', 't1', '{item}', 'intake', 'success', 1, 100, '{hash}', 'w',
              now(), now(), now(), 1)",
         idemstage_domain::RunId::new()
     ))
@@ -84,20 +84,20 @@ async fn correction_1_a_guard_on_the_conflict_target_filters_nothing() {
 
     let repo = PgRunRepository::new(db.pool(2).await);
     assert!(matches!(
-        repo.claim(&request(&t, anfrage, &hash)).await.unwrap(),
+        repo.claim(&request(&t, item, &hash)).await.unwrap(),
         ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
     ));
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs WHERE status = 'success' AND attempts = 1"
+            "SELECT 1 FROM stage_runs WHERE status = 'success' AND attempts = 1"
         )
         .await,
         1
     );
 
     // The seed's form re-claims the finished stage.
-    let seed = seed_claim_with_filter_target(&mut conn, "t1", &anfrage.to_string()).await;
+    let seed = seed_claim_with_filter_target(&mut conn, "t1", &item.to_string()).await;
     assert_eq!(seed, Some(("running".to_owned(), 2)));
 }
 
@@ -108,25 +108,25 @@ async fn correction_2_the_seed_guard_claims_a_running_stage_twice() {
     let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t = TenantId::parse("t1").unwrap();
-    let (anfrage, hash) = anfrage(&mut conn, &t, "1 Stk Test").await;
+    let (item, hash) = item(&mut conn, &t, "1 Stk Test").await;
     let repo = PgRunRepository::new(db.pool(2).await);
     assert!(matches!(
-        repo.claim(&request(&t, anfrage, &hash)).await.unwrap(),
+        repo.claim(&request(&t, item, &hash)).await.unwrap(),
         ClaimOutcome::Claimed { attempt: 1, .. }
     ));
     assert!(matches!(
-        repo.claim(&request(&t, anfrage, &hash)).await.unwrap(),
+        repo.claim(&request(&t, item, &hash)).await.unwrap(),
         ClaimOutcome::Skipped(SkipReason::InFlight { .. })
     ));
     // The seed's statement, with its guard where it belongs, still re-claims.
     let seed_claimed = diesel::sql_query(format!(
-        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+        "INSERT INTO stage_runs (id, tenant_id, item_id, stage, status, attempts,
                  max_attempts, input_hash, worker_id, started_at, lease_expires_at)
-             VALUES ('{}', 't1', '{anfrage}', 'intake', 'running', 1, 100, '{hash}', 'seed',
+             VALUES ('{}', 't1', '{item}', 'intake', 'running', 1, 100, '{hash}', 'seed',
                  now(), now())
-             ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
-                SET status = 'running', attempts = pipeline_runs.attempts + 1
-              WHERE pipeline_runs.status <> 'success'
+             ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
+                SET status = 'running', attempts = stage_runs.attempts + 1
+              WHERE stage_runs.status <> 'success'
              RETURNING id",
         idemstage_domain::RunId::new()
     ))

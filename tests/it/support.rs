@@ -1,15 +1,11 @@
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, TenantId};
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_domain::{ItemId, TenantId};
+use idemstage_persistence::items::register_item;
 
 pub use idemstage_testkit::count;
 
-pub async fn anfrage(
-    conn: &mut AsyncPgConnection,
-    tenant: &TenantId,
-    text: &str,
-) -> (AnfrageId, String) {
-    let id = AnfrageId::new();
-    let registered = register_anfrage(conn, tenant, &id, text).await.unwrap();
+pub async fn item(conn: &mut AsyncPgConnection, tenant: &TenantId, text: &str) -> (ItemId, String) {
+    let id = ItemId::new();
+    let registered = register_item(conn, tenant, &id, text).await.unwrap();
     (id, registered.input_sha256().to_owned())
 }

@@ -432,7 +432,7 @@ fn suite(
             check(
                 "claim_insert.sql",
                 "runs it claimed",
-                "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'running'",
+                "SELECT count(*) FROM stage_runs WHERE worker_id = 'pgbench' AND status = 'running'",
                 n,
             )?;
             ours_on(cpus, "claim", &["--setup-only"])?;
@@ -440,7 +440,7 @@ fn suite(
             check(
                 "claim_skip.sql",
                 "runs changed (a skip changes none)",
-                "SELECT count(*) FROM pipeline_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
+                "SELECT count(*) FROM stage_runs WHERE NOT (stage = 'done' AND status = 'success' AND attempts = 1)",
                 0,
             )?;
             last = ours_on(cpus, "claim", &[])?;
@@ -1019,14 +1019,14 @@ fn check_stage(
     for (what, sql, expected) in [
         (
             "stage executions fenced",
-            "SELECT count(*) FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+            "SELECT count(*) FROM stage_runs WHERE worker_id = 'pgbench' AND status = 'success'",
             n,
         ),
         (
             "audit entries beyond the stages' own",
             "SELECT (SELECT count(*) FROM audit_log) - coalesce(sum(CASE substr(stage, 2, 1) \
              WHEN '1' THEN 2 WHEN '2' THEN 1 WHEN '3' THEN 0 ELSE 1 END), 0) \
-             FROM pipeline_runs WHERE worker_id = 'pgbench' AND status = 'success'",
+             FROM stage_runs WHERE worker_id = 'pgbench' AND status = 'success'",
             0,
         ),
         (

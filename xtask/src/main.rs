@@ -36,7 +36,7 @@ Commands:
                  once per durability mode; writes target/bench/report.json.
                  --durable off|on|both (default both; with DATABASE_URL: the
                  server's own settings, once)
-                 args (passed on): --duration-s S --concurrency N --jobs N --anfragen N
+                 args (passed on): --duration-s S --concurrency N --jobs N --items N
   soak [--minutes N]
                  run the soak test (release): N minutes (default 10) of random
                  faults (SIGKILL, SIGSTOP, terminated connections) against 3
@@ -137,7 +137,7 @@ fn run() -> Result<i32> {
                     cargo()
                         .args(["run", "--release", "-p", "idemstage-dev"])
                         .args(["--bin", "idemstage", "--", cmd])
-                        // `cargo xtask demo -- --anfragen 10` works like without `--`.
+                        // `cargo xtask demo -- --items 10` works like without `--`.
                         .args(rest.strip_prefix(&["--".to_owned()][..]).unwrap_or(&rest))
                         .env("DATABASE_URL", url),
                 )?;

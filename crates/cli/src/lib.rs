@@ -54,7 +54,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "idemstage",
     version,
-    about = "Run pipeline stages on PostgreSQL at most once per (tenant, anfrage, stage)"
+    about = "Run pipeline stages on PostgreSQL at most once per (tenant, item, stage)"
 )]
 struct Cli {
     #[command(flatten)]
@@ -67,7 +67,7 @@ struct Cli {
 enum Command {
     /// Apply the embedded migrations.
     Migrate,
-    /// Register an anfrage (if new) and send the job of the pipeline's first stage.
+    /// Register an item (if new) and send the job of the pipeline's first stage.
     Enqueue(cli::enqueue::Args),
     /// Work the stage queues until SIGINT/SIGTERM.
     Worker(cli::worker::Args),
@@ -81,17 +81,17 @@ enum Command {
     /// Set or show a stage's concurrency cap, rate limit and tenant weights,
     /// enforced by the fetch across all workers.
     Limit(cli::controls::LimitArgs),
-    /// The timeline of one anfrage: every stage's runs and attempts, its jobs.
+    /// The timeline of one item: every stage's runs and attempts, its jobs.
     Inspect(cli::ops::InspectArgs),
-    /// Give a dead stage (or every dead stage of an anfrage) a fresh attempt
+    /// Give a dead stage (or every dead stage of an item) a fresh attempt
     /// budget and a new job.
     Retry(cli::ops::RetryArgs),
-    /// Cancel an anfrage: its live jobs, and its unfinished stages (`cancelled`,
+    /// Cancel an item: its live jobs, and its unfinished stages (`cancelled`,
     /// final; a running attempt is fenced).
     Cancel(cli::ops::CancelArgs),
     /// The dead-letter list: dead stages and failed jobs with their last errors.
     Dead(cli::ops::DeadArgs),
-    /// The web console: overview, anfrage timelines, dead letters, retry, cancel,
+    /// The web console: overview, item timelines, dead letters, retry, cancel,
     /// pause and resume in a browser (token: $IDEMSTAGE_CONSOLE_TOKEN or
     /// --token-file).
     Console(cli::console::Args),

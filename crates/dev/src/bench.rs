@@ -37,7 +37,7 @@ pub enum Scenario {
     Claim,
     /// Enqueue with singleton keys, batch drain, pickup latency
     Queue,
-    /// Anfragen through the four example stages
+    /// Items through the four example stages
     Pipeline,
     /// The noisy neighbour: a tenant's backlog against nine quiet tenants, fair
     /// fetch beside FIFO
@@ -57,9 +57,9 @@ pub struct Args {
     /// Seconds per timed claim phase
     #[arg(long, default_value_t = 10.0)]
     duration_s: f64,
-    /// Anfragen through the pipeline
+    /// Items through the pipeline
     #[arg(long, default_value_t = 2000)]
-    anfragen: u64,
+    items: u64,
     /// Sends in the enqueue test (half of them reuse a queued singleton key) and jobs
     /// in the drain test
     #[arg(long, default_value_t = 20_000)]
@@ -96,9 +96,9 @@ pub struct Args {
     /// caps: active jobs of the first stage at most, per tenant
     #[arg(long, default_value_t = 3)]
     pub tenant_cap: u32,
-    /// caps: anfragen per tenant (three tenants)
+    /// caps: items per tenant (three tenants)
     #[arg(long, default_value_t = 300)]
-    pub caps_anfragen: u64,
+    pub caps_items: u64,
     /// caps: seconds into the run at which one worker is SIGKILLed
     #[arg(long, default_value_t = 2.0)]
     pub kill_after_s: f64,
@@ -125,21 +125,21 @@ pub struct Args {
     /// Print one JSON object instead of the table
     #[arg(long)]
     json: bool,
-    /// claim only: write the fixtures (anfragen, succeeded runs) and stop, so that
+    /// claim only: write the fixtures (items, succeeded runs) and stop, so that
     /// pgbench starts from the same state as the timed run
     #[arg(long)]
     setup_only: bool,
 }
 
-/// The claim scenario's anfragen; the pgbench scripts in bench/pgbench/ draw from
+/// The claim scenario's items; the pgbench scripts in bench/pgbench/ draw from
 /// the same range, so they must change together.
-pub const CLAIM_ANFRAGEN: u64 = 10_000;
+pub const CLAIM_ITEMS: u64 = 10_000;
 const TENANT: &str = "bench";
 const INPUT: &str = "10 Stk Schrauben M8\n2,5 m Kabel NYM 3x1,5\n4 h Montage";
 const SKIP_STAGE: &str = "done";
 
 pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
-    if args.concurrency == 0 || args.jobs == 0 || args.anfragen == 0 || args.latency_sends == 0 {
+    if args.concurrency == 0 || args.jobs == 0 || args.items == 0 || args.latency_sends == 0 {
         return Err(BadInput("counts must be positive".into()).into());
     }
     if !args.kill_after_s.is_finite() || args.kill_after_s < 0.0 {
@@ -259,18 +259,14 @@ where
 async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
-    fixtures::insert_numbered_anfragen(&mut conn, TENANT, CLAIM_ANFRAGEN, INPUT).await?;
+    fixtures::insert_numbered_items(&mut conn, TENANT, CLAIM_ITEMS, INPUT).await?;
     let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
-    fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ANFRAGEN, SKIP_STAGE, &input_hash)
+    fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ITEMS, SKIP_STAGE, &input_hash)
         .await?;
-    fixtures::vacuum_analyze(
-        &mut conn,
-        &["anfragen", "pipeline_runs", "pipeline_run_attempts"],
-    )
-    .await?;
+    fixtures::vacuum_analyze(&mut conn, &["items", "stage_runs", "stage_run_attempts"]).await?;
     drop(conn);
     if args.setup_only {
-        return Ok(json!({ "scenario": "claim", "setup_only": true, "anfragen": CLAIM_ANFRAGEN }));
+        return Ok(json!({ "scenario": "claim", "setup_only": true, "items": CLAIM_ITEMS }));
     }
 
     let pool = idemstage::connect_pool(
@@ -283,10 +279,10 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let unexpected = Arc::new(AtomicU64::new(0));
     let tenant = TenantId::parse(TENANT)?;
     let worker = WorkerId::generate();
-    let request = move |stage: String, anfrage: u64| -> anyhow::Result<ClaimRequest> {
+    let request = move |stage: String, item: u64| -> anyhow::Result<ClaimRequest> {
         Ok(ClaimRequest {
             tenant: tenant.clone(),
-            anfrage: fixtures::numbered_anfrage_id(anfrage),
+            item: fixtures::numbered_item_id(item),
             stage: StageName::parse(&stage)?,
             input_hash: input_hash.clone(),
             worker: worker.clone(),
@@ -296,7 +292,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     };
 
     // Insert path: a fresh stage name per claim (18 random digits, as the pgbench
-    // script), on a random one of the anfragen.
+    // script), on a random one of the items.
     let (inserts, insert_elapsed) = {
         let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
         timed_loop(args.concurrency, duration, move |_| {
@@ -306,7 +302,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
                     "s{}",
                     rand::random_range(100_000_000_000_000_000u64..1_000_000_000_000_000_000)
                 );
-                let req = request(stage, rand::random_range(0..CLAIM_ANFRAGEN))?;
+                let req = request(stage, rand::random_range(0..CLAIM_ITEMS))?;
                 if !matches!(repo.claim(&req).await?, ClaimOutcome::Claimed { .. }) {
                     unexpected.fetch_add(1, Ordering::Relaxed);
                 }
@@ -321,7 +317,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         timed_loop(args.concurrency, duration, move |_| {
             let (repo, unexpected, request) = (repo.clone(), unexpected.clone(), request.clone());
             async move {
-                let req = request(SKIP_STAGE.to_owned(), rand::random_range(0..CLAIM_ANFRAGEN))?;
+                let req = request(SKIP_STAGE.to_owned(), rand::random_range(0..CLAIM_ITEMS))?;
                 if !matches!(
                     repo.claim(&req).await?,
                     ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
@@ -342,7 +338,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "scenario": "claim",
         "clients": args.concurrency,
         "duration_s": args.duration_s,
-        "anfragen": CLAIM_ANFRAGEN,
+        "items": CLAIM_ITEMS,
         "insert_claims": inserts,
         "insert_per_s": per_s(inserts, insert_elapsed),
         "skip_claims": skips,
@@ -777,17 +773,17 @@ fn peak_rss_mb() -> Option<f64> {
 async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
-    // Every anfrage is feasible, so each runs all four stages.
-    fixtures::insert_numbered_anfragen(&mut conn, TENANT, args.anfragen, INPUT).await?;
+    // Every item is feasible, so each runs all four stages.
+    fixtures::insert_numbered_items(&mut conn, TENANT, args.items, INPUT).await?;
     let pipeline = example::pipeline(Chaos::default());
     let tenant = TenantId::parse(TENANT)?;
     let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
-    let jobs: Vec<JobToSend> = (0..args.anfragen)
+    let jobs: Vec<JobToSend> = (0..args.items)
         .map(|i| {
             first_job(
                 &pipeline,
                 tenant.clone(),
-                fixtures::numbered_anfrage_id(i),
+                fixtures::numbered_item_id(i),
                 input_hash.clone(),
             )
         })
@@ -796,9 +792,9 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         queue::send_batch(&mut conn, chunk).await?;
     }
     drop(jobs);
-    fixtures::vacuum_analyze(&mut conn, &["anfragen", "jobs", "pipeline_runs"]).await?;
+    fixtures::vacuum_analyze(&mut conn, &["items", "jobs", "stage_runs"]).await?;
 
-    let expected = args.anfragen * pipeline.stages().len() as u64;
+    let expected = args.items * pipeline.stages().len() as u64;
     let counters = Arc::new(Counters::default());
     // With a prefetch, a free slot's job is in the buffer already; without, a
     // fetch for the free slots, at most `concurrency`.
@@ -850,7 +846,7 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     }
     Ok(json!({
         "scenario": "pipeline",
-        "anfragen": args.anfragen,
+        "items": args.items,
         "concurrency": args.concurrency,
         "wake": format!("{:?}", args.wake),
         "prefetch": args.pipeline_batch.saturating_mul(2),

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use super::fixtures;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
-use idemstage::anfragen::register_anfrage;
 use idemstage::first_job;
+use idemstage::items::register_item;
 use idemstage::{runs::TxError, PoolConfig};
-use idemstage::{AnfrageId, SendResult, TenantId};
 use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
+use idemstage::{ItemId, SendResult, TenantId};
 use idemstage_example::check_example_pipeline;
 use idemstage_example::{self as example, Chaos};
 use rand::seq::SliceRandom;
@@ -26,13 +26,13 @@ use super::BadInput;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Number of anfragen
+    /// Number of items
     #[arg(long, default_value_t = 500)]
-    anfragen: usize,
-    /// Number of tenants the anfragen are spread over
+    items: usize,
+    /// Number of tenants the items are spread over
     #[arg(long, default_value_t = 4)]
     tenants: usize,
-    /// How often each anfrage is sent, from concurrent tasks
+    /// How often each item is sent, from concurrent tasks
     #[arg(long, default_value_t = 3)]
     duplicates: usize,
     /// Worker pools (each with its own connection pool and worker id)
@@ -57,7 +57,7 @@ pub struct Args {
 
 #[derive(Serialize)]
 struct Report {
-    anfragen: i64,
+    items: i64,
     tenants: usize,
     sends: usize,
     stages_succeeded: i64,
@@ -70,7 +70,7 @@ struct Report {
     fenced: i64,
     double_executions: i64,
     lost_stages: i64,
-    anfragen_final: i64,
+    items_final: i64,
     feasible: i64,
     infeasible: i64,
     foreign_writes: i64,
@@ -80,7 +80,7 @@ struct Report {
     violations: Vec<String>,
 }
 
-/// A text per anfrage: mostly priceable positions; every 10th has a problem that
+/// A text per item: mostly priceable positions; every 10th has a problem that
 /// makes it infeasible (a unit without a price, a line without a quantity).
 fn generate_text(rng: &mut impl Rng, i: usize) -> String {
     const ITEMS: &[(&str, &str)] = &[
@@ -109,9 +109,9 @@ fn generate_text(rng: &mut impl Rng, i: usize) -> String {
 }
 
 pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
-    if args.anfragen == 0 || args.tenants == 0 || args.duplicates == 0 || args.workers == 0 {
+    if args.items == 0 || args.tenants == 0 || args.duplicates == 0 || args.workers == 0 {
         return Err(BadInput(
-            "--anfragen, --tenants, --duplicates and --workers must be positive".into(),
+            "--items, --tenants, --duplicates and --workers must be positive".into(),
         )
         .into());
     }
@@ -124,12 +124,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     // demo` on a cluster left running), any other one must be empty already.
     {
         let mut conn = idemstage::connect(url).await?;
-        let stale = check_example_pipeline(&mut conn).await?.anfragen;
+        let stale = check_example_pipeline(&mut conn).await?.items;
         if stale > 0 {
             let db = fixtures::current_database(&mut conn).await?;
             if !(db == "demo" || db.ends_with("_demo")) {
                 return Err(BadInput(format!(
-                    "database {db:?} already holds {stale} anfragen: the demo checks every \
+                    "database {db:?} already holds {stale} items: the demo checks every \
                      row, so it needs an empty database, or one whose name ends in \"_demo\" \
                      (it empties that one; cargo xtask demo uses idemstage_demo)"
                 ))
@@ -143,23 +143,23 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     let tenants: Vec<TenantId> = (0..args.tenants)
         .map(|i| TenantId::parse(&format!("tenant-{i}")))
         .collect::<Result<_, _>>()?;
-    let anfragen: Vec<(TenantId, AnfrageId, String)> = (0..args.anfragen)
+    let items: Vec<(TenantId, ItemId, String)> = (0..args.items)
         .map(|i| {
             (
                 tenants[i % tenants.len()].clone(),
-                AnfrageId::new(),
+                ItemId::new(),
                 generate_text(&mut rng, i),
             )
         })
         .collect();
-    let mut sends: Vec<usize> = (0..args.anfragen)
+    let mut sends: Vec<usize> = (0..args.items)
         .flat_map(|i| std::iter::repeat_n(i, args.duplicates))
         .collect();
     sends.shuffle(&mut rng);
     if !args.json {
         eprintln!(
-            "demo: {} anfragen over {} tenants, each sent {}x; {} worker pools x {}; crash rate {}; seed {seed}",
-            args.anfragen, args.tenants, args.duplicates, args.workers, args.concurrency, args.crash_rate
+            "demo: {} items over {} tenants, each sent {}x; {} worker pools x {}; crash rate {}; seed {seed}",
+            args.items, args.tenants, args.duplicates, args.workers, args.concurrency, args.crash_rate
         );
     }
 
@@ -188,15 +188,15 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         workers.spawn(async move { worker.run(token).await });
     }
 
-    // Duplicate sends from 16 concurrent tasks, each anfrage `duplicates` times.
-    let anfragen = Arc::new(anfragen);
+    // Duplicate sends from 16 concurrent tasks, each item `duplicates` times.
+    let items = Arc::new(items);
     let sends = Arc::new(sends);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut senders = JoinSet::new();
     for _ in 0..16 {
-        let (anfragen, sends, next, refused, pipeline, url) = (
-            anfragen.clone(),
+        let (items, sends, next, refused, pipeline, url) = (
+            items.clone(),
             sends.clone(),
             next.clone(),
             refused.clone(),
@@ -210,16 +210,16 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
                 let Some(&a) = sends.get(i) else {
                     return anyhow::Ok(());
                 };
-                let (tenant, anfrage, text) = &anfragen[a];
+                let (tenant, item, text) = &items[a];
                 let job = first_job(
                     &pipeline,
                     tenant.clone(),
-                    *anfrage,
+                    *item,
                     idemstage::input_hash_of(text.as_bytes()),
                 );
                 let sent = conn
                     .transaction::<_, TxError, _>(async |conn| {
-                        register_anfrage(conn, tenant, anfrage, text).await?;
+                        register_item(conn, tenant, item, text).await?;
                         Ok(idemstage::queue::send_in(conn, &job).await?)
                     })
                     .await
@@ -234,15 +234,15 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         r.context("sender task")??;
     }
 
-    // Wait until the database says every anfrage is final and the queue is idle.
+    // Wait until the database says every item is final and the queue is idle.
     let progress = if args.json {
         indicatif::ProgressBar::hidden()
     } else {
-        indicatif::ProgressBar::new(args.anfragen as u64)
+        indicatif::ProgressBar::new(args.items as u64)
     };
     progress.set_style(
         indicatif::ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {pos}/{len} anfragen final {msg}",
+            "{elapsed_precise} [{bar:40}] {pos}/{len} items final {msg}",
         )
         .expect("valid template")
         .progress_chars("=> "),
@@ -252,12 +252,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     let finished = loop {
         let check = check_example_pipeline(&mut conn).await?;
         let live = idemstage::queue::queue_stats(&mut conn).await?.live();
-        progress.set_position(check.anfragen_final as u64);
+        progress.set_position(check.items_final as u64);
         progress.set_message(format!(
             "({} stage runs succeeded, {live} jobs live)",
             check.stages_succeeded
         ));
-        if check.anfragen_final as usize == args.anfragen && live == 0 {
+        if check.items_final as usize == args.items && live == 0 {
             break true;
         }
         if Instant::now() > deadline {
@@ -293,7 +293,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         ));
     }
     let report = Report {
-        anfragen: check.anfragen,
+        items: check.items,
         tenants: args.tenants,
         sends: sends.len(),
         stages_succeeded: check.stages_succeeded,
@@ -305,7 +305,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         fenced: check.fenced,
         double_executions: check.double_executions + in_memory_doubles as i64,
         lost_stages: check.lost_stages,
-        anfragen_final: check.anfragen_final,
+        items_final: check.items_final,
         feasible: check.feasible,
         infeasible: check.infeasible,
         foreign_writes: check.foreign_writes,
@@ -329,8 +329,8 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
 fn print_report(r: &Report) {
     println!("idemstage demo report");
     println!(
-        "  anfragen                  {:>8}  ({} final, {} feasible, {} infeasible)",
-        r.anfragen, r.anfragen_final, r.feasible, r.infeasible
+        "  items                  {:>8}  ({} final, {} feasible, {} infeasible)",
+        r.items, r.items_final, r.feasible, r.infeasible
     );
     println!(
         "  sends                     {:>8}  over {} tenants",
@@ -375,8 +375,8 @@ async fn extractions_succeeded(conn: &mut diesel_async::AsyncPgConnection) -> an
     use diesel::ExpressionMethods;
     use diesel::QueryDsl;
     use diesel_async::RunQueryDsl;
-    use idemstage::schema::pipeline_runs::dsl as r;
-    Ok(r::pipeline_runs
+    use idemstage::schema::stage_runs::dsl as r;
+    Ok(r::stage_runs
         .filter(r::stage.eq("extract"))
         .filter(r::status.eq("success"))
         .count()

@@ -5,16 +5,16 @@
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::map_diesel_error;
-use idemstage::{AnfrageId, RepoError};
+use idemstage::{ItemId, RepoError};
 
-/// Numbered anfragen have ids `lpad(ANFRAGE_BASE + i, 26, '0')`: all digits and a
+/// Numbered items have ids `lpad(ITEM_BASE + i, 26, '0')`: all digits and a
 /// leading `0`, so valid ULID text, and producible by pgbench scripts, which have
 /// no string functions (`'000000000000000000:a'` with `a` 8 digits long).
-pub const ANFRAGE_BASE: u64 = 10_000_000;
+pub const ITEM_BASE: u64 = 10_000_000;
 
-/// The id of numbered anfrage `i` (`i < 90_000_000`).
-pub fn numbered_anfrage_id(i: u64) -> AnfrageId {
-    AnfrageId::parse(&format!("{:026}", ANFRAGE_BASE + i)).expect("digits are valid ULID text")
+/// The id of numbered item `i` (`i < 90_000_000`).
+pub fn numbered_item_id(i: u64) -> ItemId {
+    ItemId::parse(&format!("{:026}", ITEM_BASE + i)).expect("digits are valid ULID text")
 }
 
 #[derive(diesel::QueryableByName)]
@@ -54,19 +54,19 @@ pub async fn reset(conn: &mut AsyncPgConnection) -> Result<(), RepoError> {
     Ok(())
 }
 
-/// Inserts numbered anfragen `0..n` of `tenant` with the same input text.
-pub async fn insert_numbered_anfragen(
+/// Inserts numbered items `0..n` of `tenant` with the same input text.
+pub async fn insert_numbered_items(
     conn: &mut AsyncPgConnection,
     tenant: &str,
     n: u64,
     input_text: &str,
 ) -> Result<(), RepoError> {
-    insert_numbered_anfragen_from(conn, tenant, 0, n, input_text).await
+    insert_numbered_items_from(conn, tenant, 0, n, input_text).await
 }
 
-/// Inserts numbered anfragen `from..from + n` of `tenant` (ids are unique across
+/// Inserts numbered items `from..from + n` of `tenant` (ids are unique across
 /// tenants, so each tenant takes its own range).
-pub async fn insert_numbered_anfragen_from(
+pub async fn insert_numbered_items_from(
     conn: &mut AsyncPgConnection,
     tenant: &str,
     from: u64,
@@ -74,12 +74,12 @@ pub async fn insert_numbered_anfragen_from(
     input_text: &str,
 ) -> Result<(), RepoError> {
     diesel::sql_query(
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
          SELECT $1, lpad(($2 + g)::text, 26, '0'), $3, $4, 'bench/' || g
            FROM generate_series(0, $5 - 1) AS g",
     )
     .bind::<Text, _>(tenant)
-    .bind::<BigInt, _>((ANFRAGE_BASE + from) as i64)
+    .bind::<BigInt, _>((ITEM_BASE + from) as i64)
     .bind::<Text, _>(input_text)
     .bind::<Text, _>(idemstage::input_hash_of(input_text.as_bytes()))
     .bind::<BigInt, _>(n as i64)
@@ -89,7 +89,7 @@ pub async fn insert_numbered_anfragen_from(
     Ok(())
 }
 
-/// A succeeded run of `stage` for each numbered anfrage `0..n`. Inserted running and
+/// A succeeded run of `stage` for each numbered item `0..n`. Inserted running and
 /// then marked success, so the attempt history (a trigger) looks like a real run's.
 pub async fn insert_succeeded_runs(
     conn: &mut AsyncPgConnection,
@@ -99,7 +99,7 @@ pub async fn insert_succeeded_runs(
     input_hash: &str,
 ) -> Result<(), RepoError> {
     diesel::sql_query(
-        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+        "INSERT INTO stage_runs (id, tenant_id, item_id, stage, status, attempts,
                                     max_attempts, input_hash, worker_id, started_at,
                                     lease_expires_at)
          SELECT '7' || lpad(g::text, 25, '0'), $1, lpad(($2 + g)::text, 26, '0'), $3,
@@ -107,7 +107,7 @@ pub async fn insert_succeeded_runs(
            FROM generate_series(0, $5 - 1) AS g",
     )
     .bind::<Text, _>(tenant)
-    .bind::<BigInt, _>(ANFRAGE_BASE as i64)
+    .bind::<BigInt, _>(ITEM_BASE as i64)
     .bind::<Text, _>(stage)
     .bind::<Text, _>(input_hash)
     .bind::<BigInt, _>(n as i64)
@@ -115,7 +115,7 @@ pub async fn insert_succeeded_runs(
     .await
     .map_err(map_diesel_error)?;
     diesel::sql_query(
-        "UPDATE pipeline_runs SET status = 'success', success_attempt = attempts, finished_at = now()
+        "UPDATE stage_runs SET status = 'success', success_attempt = attempts, finished_at = now()
           WHERE worker_id = 'bench-fixture' AND status = 'running'",
     )
     .execute(conn)
@@ -171,7 +171,7 @@ mod tests {
     use diesel::sql_types::{BigInt, Text};
     use diesel::QueryableByName;
     use diesel_async::RunQueryDsl;
-    use idemstage::{AnfrageId, InputChangePolicy, TenantId};
+    use idemstage::{InputChangePolicy, ItemId, TenantId};
 
     #[derive(QueryableByName)]
     struct Table {
@@ -186,7 +186,7 @@ mod tests {
     }
 
     /// `reset` used to name its tables, and a table added later (the kept inputs
-    /// of 000160, the open anfragen of 000200) made it fail on its foreign key:
+    /// of the baseline migration, the open items of the baseline migration) made it fail on its foreign key:
     /// the second `cargo xtask demo` on a cluster left running, and every bench.
     #[tokio::test]
     async fn reset_empties_every_table_of_the_schema() {
@@ -194,15 +194,15 @@ mod tests {
         let mut conn = db.conn().await;
         let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
         let tenant = TenantId::parse("t1").unwrap();
-        let anfrage = AnfrageId::new();
+        let item = ItemId::new();
         for text in ["10 Stk Schrauben", "20 Stk Schrauben"] {
-            idemstage::anfragen::start_in(
+            idemstage::items::start_in(
                 &mut conn,
                 &tenant,
-                &anfrage,
+                &item,
                 text,
                 InputChangePolicy::Rerun,
-                |hash| idemstage::first_job(&pipeline, tenant.clone(), anfrage, hash.into()),
+                |hash| idemstage::first_job(&pipeline, tenant.clone(), item, hash.into()),
             )
             .await
             .unwrap();
@@ -215,7 +215,7 @@ mod tests {
         .load(&mut conn)
         .await
         .unwrap();
-        assert!(tables.iter().any(|t| t.name == "anfrage_inputs"));
+        assert!(tables.iter().any(|t| t.name == "item_inputs"));
         for t in tables {
             let n: N = diesel::sql_query(format!("SELECT count(*) AS n FROM \"{}\"", t.name))
                 .get_result(&mut conn)

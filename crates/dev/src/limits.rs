@@ -1,5 +1,5 @@
 //! `idemstage bench caps` and `idemstage bench rate`: the limits the fetch enforces
-//! (migration 000070), under the workers users run.
+//! (the baseline migration), under the workers users run.
 //!
 //! - caps: `--workers` `idemstage worker` processes (each at `--concurrency`) work
 //!   the example pipeline for three tenants while the first stage is capped at
@@ -7,7 +7,7 @@
 //!   reads the active jobs per tenant from the database every 2 ms; one worker is
 //!   SIGKILLed `--kill-after-s` into the run (its jobs hold their slots until their
 //!   leases run out). Reported: the maxima before and after the kill, and the
-//!   checker's verdict once every stage of every anfrage succeeded.
+//!   checker's verdict once every stage of every item succeeded.
 //! - rate: one `PipelineWorker` (in this process) works a backlog whose first stage
 //!   is limited to `--rate` per second (working that stage only); the claims of
 //!   that stage per second are
@@ -58,7 +58,7 @@ fn first_stage() -> String {
         .to_owned()
 }
 
-/// Numbered anfragen `0..n` of each tenant, with their first jobs sent, leased
+/// Numbered items `0..n` of each tenant, with their first jobs sent, leased
 /// for `job_lease` once fetched.
 async fn backlog(
     conn: &mut AsyncPgConnection,
@@ -72,14 +72,14 @@ async fn backlog(
     let hash = idemstage::input_hash_of(INPUT.as_bytes());
     for (k, slug) in tenants.iter().enumerate() {
         let from = k as u64 * n;
-        fixtures::insert_numbered_anfragen_from(conn, slug, from, n, INPUT).await?;
+        fixtures::insert_numbered_items_from(conn, slug, from, n, INPUT).await?;
         let tenant = TenantId::parse(slug)?;
         let jobs: Vec<JobToSend> = (from..from + n)
             .map(|i| {
                 first_job(
                     &pipeline,
                     tenant.clone(),
-                    fixtures::numbered_anfrage_id(i),
+                    fixtures::numbered_item_id(i),
                     hash.clone(),
                 )
             })
@@ -88,7 +88,7 @@ async fn backlog(
             queue::send_batch(conn, chunk).await?;
         }
     }
-    fixtures::vacuum_analyze(conn, &["anfragen", "jobs"]).await?;
+    fixtures::vacuum_analyze(conn, &["items", "jobs"]).await?;
     Ok(())
 }
 
@@ -138,7 +138,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let stage = first_stage();
     let mut conn = idemstage::connect(url).await?;
     fixtures::reset(&mut conn).await?;
-    let per_tenant = args.caps_anfragen;
+    let per_tenant = args.caps_items;
     backlog(
         &mut conn,
         &CAPS_TENANTS,
@@ -214,7 +214,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         }
         let done = fixtures::count_rows(
             &mut conn,
-            "SELECT count(*) AS n FROM pipeline_runs WHERE status = 'success'",
+            "SELECT count(*) AS n FROM stage_runs WHERE status = 'success'",
         )
         .await?;
         if done as u64 >= expected || Instant::now() >= deadline {
@@ -260,7 +260,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         "workers": args.workers,
         "concurrency_per_worker": args.concurrency,
         "tenants": CAPS_TENANTS.len(),
-        "anfragen_per_tenant": per_tenant,
+        "items_per_tenant": per_tenant,
         "stage_cap": args.stage_cap,
         "tenant_cap": args.tenant_cap,
         "stage_delay_ms_max": CAPS_STAGE_DELAY_MS,
@@ -373,7 +373,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let first = loop {
         let started = fixtures::count_rows(
             &mut conn,
-            &format!("SELECT count(*) AS n FROM pipeline_runs WHERE stage = '{stage}'"),
+            &format!("SELECT count(*) AS n FROM stage_runs WHERE stage = '{stage}'"),
         )
         .await?;
         if started > 0 {
@@ -387,8 +387,8 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     running.await.context("rate worker")?;
 
     let w: Window = diesel::sql_query(
-        "WITH c AS (SELECT a.started_at FROM pipeline_run_attempts a
-                     JOIN pipeline_runs r ON r.id = a.run_id WHERE r.stage = $1),
+        "WITH c AS (SELECT a.started_at FROM stage_run_attempts a
+                     JOIN stage_runs r ON r.id = a.run_id WHERE r.stage = $1),
               t0 AS (SELECT min(started_at) AS t FROM c)
          SELECT count(*) FILTER (WHERE c.started_at < t0.t + $2 * interval '1 ms') AS warm,
                 count(*) FILTER (WHERE c.started_at >= t0.t + $2 * interval '1 ms'

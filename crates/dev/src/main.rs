@@ -41,7 +41,7 @@ struct ExampleWorker {
     /// Stage lease (claim) in milliseconds, renewed at a third of it [default: 30000]
     #[arg(long)]
     stage_lease_ms: Option<u64>,
-    /// Re-run a finished stage when its anfrage is sent again with another input
+    /// Re-run a finished stage when its item is sent again with another input
     /// (and invalidate the stages after it once the rerun succeeds); default: refuse
     /// another input
     #[arg(long)]

@@ -181,7 +181,7 @@ mod tests {
                 Transient::Timeout,
             ),
             (
-                "could not obtain lock on row in relation \"pipeline_runs\"",
+                "could not obtain lock on row in relation \"stage_runs\"",
                 Transient::Timeout,
             ),
             ("deadlock detected", Transient::Conflict),

@@ -12,11 +12,9 @@ pub enum DomainError {
     /// A tenant id that is not a slug.
     #[error("invalid tenant id {0}: expected a slug [a-z0-9][a-z0-9_-]{{0,62}}")]
     InvalidTenantId(String),
-    /// An anfrage id that is not a canonical ULID.
-    #[error(
-        "invalid anfrage id {0}: expected a ULID (26 characters, Crockford base32, upper case)"
-    )]
-    InvalidAnfrageId(String),
+    /// An item id that is not a canonical ULID.
+    #[error("invalid item id {0}: expected a ULID (26 characters, Crockford base32, upper case)")]
+    InvalidItemId(String),
     /// A run, job or row id that is not a canonical ULID.
     #[error("invalid row id {0}: expected a ULID")]
     InvalidRowId(String),
@@ -26,10 +24,10 @@ pub enum DomainError {
     /// A name (a queue, a stage) that is not a stage of the pipeline.
     #[error("unknown stage {0:?}")]
     UnknownStage(String),
-    /// An anfrage input that is empty or only whitespace.
+    /// An item input that is empty or only whitespace.
     #[error("input is empty")]
     EmptyInput,
-    /// An anfrage input above the limit (1 MiB).
+    /// An item input above the limit (1 MiB).
     #[error("input is {size} bytes, more than the limit of {max} bytes")]
     InputTooLarge {
         /// The input's size in bytes.
@@ -37,7 +35,7 @@ pub enum DomainError {
         /// The limit in bytes.
         max: usize,
     },
-    /// An anfrage input holding a NUL character: valid UTF-8, but not text
+    /// An item input holding a NUL character: valid UTF-8, but not text
     /// PostgreSQL can store.
     #[error("input is not valid text: it holds a NUL byte at byte {at}, which PostgreSQL text cannot store")]
     InputContainsNul {
@@ -186,19 +184,19 @@ pub enum RepoError {
     Conflict(RepoMessage),
     /// The outcome of a COMMIT is unknown and could not be re-checked yet.
     AmbiguousCommit(RepoMessage),
-    /// The anfrage does not exist for this tenant (it may exist for another tenant).
-    AnfrageNotFound {
+    /// The item does not exist for this tenant (it may exist for another tenant).
+    ItemNotFound {
         /// The tenant asked for.
         tenant: String,
-        /// The anfrage id asked for.
-        anfrage: String,
+        /// The item id asked for.
+        item: String,
     },
-    /// The anfrage id is already registered for another tenant.
+    /// The item id is already registered for another tenant.
     TenantMismatch {
         /// The tenant asked for (not the owner).
         tenant: String,
-        /// The anfrage id.
-        anfrage: String,
+        /// The item id.
+        item: String,
     },
     /// A lock or statement timeout, or a cancelled statement (55P03, 57014): the
     /// database is busy, not the request wrong. Retry after a backoff.
@@ -206,26 +204,26 @@ pub enum RepoError {
     /// The server is out of a resource (53xxx: disk, memory, connections). Retry
     /// after a backoff.
     Resources(RepoMessage),
-    /// The anfrage is registered with another input and its first stage's policy
+    /// The item is registered with another input and its first stage's policy
     /// is `Reject`: nothing was changed.
     InputChanged {
-        /// The anfrage's tenant.
+        /// The item's tenant.
         tenant: String,
-        /// The anfrage id.
-        anfrage: String,
+        /// The item id.
+        item: String,
         /// SHA-256 (hex) of the stored input.
         stored_hash: String,
         /// SHA-256 (hex) of the input refused.
         new_hash: String,
     },
-    /// The input a run is bound to (by hash) is stored neither as the anfrage's
+    /// The input a run is bound to (by hash) is stored neither as the item's
     /// input nor among its replaced inputs: written around the library, or older
     /// than the kept inputs. Permanent: no attempt can read it.
     BoundInputMissing {
         /// The tenant.
         tenant: String,
-        /// The anfrage.
-        anfrage: String,
+        /// The item.
+        item: String,
         /// The hash the run is bound to.
         input_hash: String,
     },
@@ -248,35 +246,32 @@ impl fmt::Display for RepoError {
             RepoError::Unavailable(m) => write!(f, "database unavailable: {m}"),
             RepoError::Conflict(m) => write!(f, "transaction conflict, retry: {m}"),
             RepoError::AmbiguousCommit(m) => write!(f, "commit outcome unknown: {m}"),
-            RepoError::AnfrageNotFound { tenant, anfrage } => {
-                write!(f, "anfrage {anfrage} not found for tenant {tenant}")
+            RepoError::ItemNotFound { tenant, item } => {
+                write!(f, "item {item} not found for tenant {tenant}")
             }
-            RepoError::TenantMismatch { tenant, anfrage } => {
-                write!(
-                    f,
-                    "anfrage {anfrage} belongs to another tenant than {tenant}"
-                )
+            RepoError::TenantMismatch { tenant, item } => {
+                write!(f, "item {item} belongs to another tenant than {tenant}")
             }
             RepoError::Timeout(m) => write!(f, "database busy, retry: {m}"),
             RepoError::Resources(m) => write!(f, "database out of resources, retry: {m}"),
             RepoError::InputChanged {
                 tenant,
-                anfrage,
+                item,
                 stored_hash,
                 new_hash,
             } => write!(
                 f,
-                "anfrage {anfrage} of tenant {tenant} is registered with another input \
+                "item {item} of tenant {tenant} is registered with another input \
                  (stored sha256 {stored_hash}, new {new_hash}) and its first stage rejects \
                  input changes"
             ),
             RepoError::BoundInputMissing {
                 tenant,
-                anfrage,
+                item,
                 input_hash,
             } => write!(
                 f,
-                "anfrage {anfrage} of tenant {tenant}: the input its run is bound to \
+                "item {item} of tenant {tenant}: the input its run is bound to \
                  (sha256 {input_hash}) is not stored"
             ),
             RepoError::InsertOrGetExhausted { what, tries } => write!(
@@ -307,13 +302,13 @@ impl From<DomainError> for RepoError {
 }
 
 impl RepoError {
-    /// Errors that say the request itself is wrong (no such anfrage, another
+    /// Errors that say the request itself is wrong (no such item, another
     /// tenant's, invalid ids or options, an input that may not change). Every
     /// other error is about the database, not the request.
     pub fn is_bad_request(&self) -> bool {
         matches!(
             self,
-            RepoError::AnfrageNotFound { .. }
+            RepoError::ItemNotFound { .. }
                 | RepoError::TenantMismatch { .. }
                 | RepoError::InputChanged { .. }
                 | RepoError::Invalid(_)

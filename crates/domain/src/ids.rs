@@ -160,12 +160,12 @@ macro_rules! ulid_id {
 }
 
 ulid_id!(
-    /// An anfrage id: a ULID chosen by the caller.
-    AnfrageId,
-    InvalidAnfrageId
+    /// An item id: a ULID chosen by the caller.
+    ItemId,
+    InvalidItemId
 );
 ulid_id!(
-    /// The id of a `pipeline_runs` row.
+    /// The id of a `stage_runs` row.
     RunId,
     InvalidRowId
 );
@@ -252,9 +252,9 @@ mod tests {
     }
 
     #[test]
-    fn anfrage_ids_are_canonical_ulids() {
-        let id = AnfrageId::new();
-        assert_eq!(AnfrageId::parse(&id.to_string()).unwrap(), id);
+    fn item_ids_are_canonical_ulids() {
+        let id = ItemId::new();
+        assert_eq!(ItemId::parse(&id.to_string()).unwrap(), id);
         for bad in [
             "",
             "not-a-ulid",
@@ -265,7 +265,7 @@ mod tests {
             "01ARZ3NDEKTSV4RRFFQ69G5FAU",  // U is not Crockford base32
         ] {
             assert!(
-                matches!(AnfrageId::parse(bad), Err(DomainError::InvalidAnfrageId(_))),
+                matches!(ItemId::parse(bad), Err(DomainError::InvalidItemId(_))),
                 "{bad}"
             );
         }

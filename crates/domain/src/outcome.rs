@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::{DomainError, RunId};
 
-/// `pipeline_runs.status`. Documented in the first migration.
+/// `stage_runs.status`. Documented in the first migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
@@ -24,7 +24,7 @@ pub enum RunStatus {
     /// Its upstream succeeded again (or its input was replaced): its results are
     /// outdated, and it is claimable again with a fresh budget.
     Stale,
-    /// Final: an operator cancelled the anfrage before the stage was final
+    /// Final: an operator cancelled the item before the stage was final
     /// (`idemstage cancel`); never claimed again, and a running attempt is fenced.
     Cancelled,
 }
@@ -39,7 +39,7 @@ impl RunStatus {
         RunStatus::Stale,
         RunStatus::Cancelled,
     ];
-    /// The status as stored in `pipeline_runs.status`.
+    /// The status as stored in `stage_runs.status`.
     pub fn as_str(self) -> &'static str {
         match self {
             RunStatus::Running => "running",
@@ -122,13 +122,13 @@ pub enum RejectReason {
         /// The hash of the refused input.
         new_hash: String,
     },
-    /// The job's `input_hash` is not the anfrage's stored input hash (a crafted or
+    /// The job's `input_hash` is not the item's stored input hash (a crafted or
     /// outdated job): nothing was bound. The claim binds only hashes the database
     /// computed.
     InputMismatch {
         /// The hash the job carried.
         job_hash: String,
-        /// The anfrage's stored input hash.
+        /// The item's stored input hash.
         stored_hash: String,
     },
 }
@@ -145,7 +145,7 @@ pub enum ClaimOutcome {
         /// When the lease runs out unless renewed (database clock).
         lease_expires_at: DateTime<Utc>,
         /// The input hash this attempt is bound to, as the database has it: the
-        /// anfrage's stored input for the first stage, the upstream's successful
+        /// item's stored input for the first stage, the upstream's successful
         /// attempt's for the others.
         input_hash: String,
         /// The upstream's successful attempt this attempt reads (`None` for the
@@ -171,7 +171,7 @@ pub enum CompleteOutcome {
     /// The lease was taken over (`attempts` moved on): nothing was written.
     Fenced,
     /// The upstream attempt this one read is no longer the upstream's current
-    /// success (or, for the first stage, the anfrage's stored input changed):
+    /// success (or, for the first stage, the item's stored input changed):
     /// nothing of the stage was written, the run is `stale` and runs again on the
     /// new upstream.
     UpstreamChanged,

@@ -178,7 +178,7 @@ pub struct JobToSend {
     pub queue: String,
     /// The tenant it works for: fetches share a queue fairly between tenants
     /// (`None`: no tenant; such jobs share as one). A stage's job carries its
-    /// anfrage's tenant.
+    /// item's tenant.
     pub tenant: Option<TenantId>,
     /// The job's JSON payload, handed to the handler.
     pub payload: serde_json::Value,

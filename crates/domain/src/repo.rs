@@ -5,18 +5,18 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::{AnfrageId, RunId, RunStatus, StageName, StagePolicy, TenantId, WorkerId};
+use crate::{ItemId, RunId, RunStatus, StageName, StagePolicy, TenantId, WorkerId};
 
 /// Everything a claim needs.
 #[derive(Clone, Debug)]
 pub struct ClaimRequest {
     /// The tenant; the claim runs scoped to it.
     pub tenant: TenantId,
-    /// The anfrage.
-    pub anfrage: AnfrageId,
+    /// The item.
+    pub item: ItemId,
     /// The stage to claim.
     pub stage: StageName,
-    /// The job's input hash. For the first stage it must equal the anfrage's
+    /// The job's input hash. For the first stage it must equal the item's
     /// stored input hash (else `Rejected(InputMismatch)`); later stages bind their
     /// upstream's hash and ignore it.
     pub input_hash: String,
@@ -36,8 +36,8 @@ pub struct ClaimToken {
     pub run_id: RunId,
     /// Its tenant.
     pub tenant: TenantId,
-    /// Its anfrage.
-    pub anfrage: AnfrageId,
+    /// Its item.
+    pub item: ItemId,
     /// Its stage.
     pub stage: StageName,
     /// The fencing token: the run's `attempts` at the claim. A write under an
@@ -45,15 +45,15 @@ pub struct ClaimToken {
     pub attempt: i32,
 }
 
-/// A `pipeline_runs` row as the domain sees it.
+/// A `stage_runs` row as the domain sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RunRecord {
     /// The run's id.
     pub run_id: RunId,
     /// Its tenant.
     pub tenant: TenantId,
-    /// Its anfrage.
-    pub anfrage: AnfrageId,
+    /// Its item.
+    pub item: ItemId,
     /// Its stage.
     pub stage: StageName,
     /// Its status.

@@ -1,14 +1,14 @@
-//! The built-in example pipeline (`idemstage-example`) in tests: sending anfragen as `idemstage enqueue` does, in-process stage workers,
+//! The built-in example pipeline (`idemstage-example`) in tests: sending items as `idemstage enqueue` does, in-process stage workers,
 //! and waiting on the database with the example's checker (polling with a
 //! deadline; never a sleep as synchronisation).
 
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage::anfragen::register_anfrage;
 use idemstage::first_job;
+use idemstage::items::register_item;
 use idemstage::runs::TxError;
-use idemstage::{AnfrageId, SendResult, TenantId};
+use idemstage::{ItemId, SendResult, TenantId};
 use idemstage_example::{check_example_pipeline, Chaos, PipelineCheck};
 
 /// A fresh database with the core's and the example pipeline's migrations (from a
@@ -39,23 +39,23 @@ pub fn text(i: usize) -> String {
     format!("{} Stk Schrauben\n{} m Kabel", i + 1, i % 7 + 1)
 }
 
-/// Registers an anfrage (if new) and sends its intake job in one transaction, as
+/// Registers an item (if new) and sends its intake job in one transaction, as
 /// `idemstage enqueue` does.
 pub async fn send(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: AnfrageId,
+    item: ItemId,
     text: &str,
 ) -> SendResult {
     let pipeline = pipeline();
     let job = first_job(
         &pipeline,
         tenant.clone(),
-        anfrage,
+        item,
         idemstage::input_hash_of(text.as_bytes()),
     );
     conn.transaction::<_, TxError, _>(async |conn| {
-        register_anfrage(conn, tenant, &anfrage, text).await?;
+        register_item(conn, tenant, &item, text).await?;
         Ok(idemstage::queue::send_in(conn, &job).await?)
     })
     .await
@@ -94,13 +94,10 @@ pub async fn wait_until(
     }
 }
 
-/// Waits until every anfrage is final and no job is live, then checks every
+/// Waits until every item is final and no job is live, then checks every
 /// invariant and returns the check.
 pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
-    let check = wait_until(url, "every anfrage final, no live job", secs, |c| {
-        c.is_quiet()
-    })
-    .await;
+    let check = wait_until(url, "every item final, no live job", secs, |c| c.is_quiet()).await;
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
     check
 }

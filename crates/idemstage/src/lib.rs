@@ -1,7 +1,7 @@
 //! # idemstage
 //!
 //! Multi-stage, multi-tenant pipelines on PostgreSQL where every stage succeeds
-//! **at most once** per (tenant, anfrage, stage), is **never lost**, and is computed
+//! **at most once** per (tenant, item, stage), is **never lost**, and is computed
 //! from the **current** success of the stage before it, with many workers on many
 //! machines, duplicate sends, crashes, retries, reruns and stale workers.
 //!
@@ -13,7 +13,7 @@
 //! ## A stage, a pipeline, a start and a worker
 //!
 //! A [`Stage`] is typed: it reads the input its run is bound to (the first
-//! stage: the anfrage's input; a later one: its upstream's output), prepares
+//! stage: the item's input; a later one: its upstream's output), prepares
 //! outside any transaction (a paid call, checkpointed so that it is paid once),
 //! and commits the team's own tables through the fenced transaction
 //! ([`FencedTx`]): its writes commit together with the stage's success and its
@@ -24,11 +24,11 @@
 //!
 //! use idemstage::{
 //!     async_trait, diesel, start, CancellationToken, Done, FencedTx, Pipeline, PipelineWorker,
-//!     PrepareContext, Stage, StageError, TenantId, AnfrageId,
+//!     PrepareContext, Stage, StageError, TenantId, ItemId,
 //! };
 //! use idemstage::diesel_async::RunQueryDsl;
 //!
-//! /// Reads the anfrage's input, writes it in upper case, hands on its length.
+//! /// Reads the item's input, writes it in upper case, hands on its length.
 //! struct Ocr;
 //!
 //! #[async_trait]
@@ -49,12 +49,12 @@
 //!         _input: &String,
 //!         text: &String,
 //!     ) -> Result<Done<usize>, StageError> {
-//!         let (tenant, anfrage) = (tx.token().tenant.to_string(), tx.token().anfrage.to_string());
+//!         let (tenant, item) = (tx.token().tenant.to_string(), tx.token().item.to_string());
 //!         // The team's own table, on the tenant-scoped connection of the fenced
 //!         // transaction (its own Diesel schema works the same way).
-//!         diesel::sql_query("INSERT INTO ocr_pages (tenant_id, anfrage_id, text) VALUES ($1, $2, $3)")
+//!         diesel::sql_query("INSERT INTO ocr_pages (tenant_id, item_id, text) VALUES ($1, $2, $3)")
 //!             .bind::<diesel::sql_types::Text, _>(tenant)
-//!             .bind::<diesel::sql_types::Text, _>(anfrage)
+//!             .bind::<diesel::sql_types::Text, _>(item)
 //!             .bind::<diesel::sql_types::Text, _>(text)
 //!             .execute(tx.conn())
 //!             .await?; // a Diesel error is a `StageError` (retryable or not, as the database said)
@@ -69,8 +69,8 @@
 //! let pool = idemstage::connect_pool(url, Default::default()).await?;
 //!
 //! // Register the input and send the first job, in one transaction.
-//! let anfrage = AnfrageId::new();
-//! start(&pool, &pipeline, &TenantId::parse("acme")?, &anfrage, "scan of page 1").await?;
+//! let item = ItemId::new();
+//! start(&pool, &pipeline, &TenantId::parse("acme")?, &item, "scan of page 1").await?;
 //!
 //! // Work the pipeline's queues until told to stop (the builder makes a pool
 //! // of the size 8 executions need; `.pool(..)` gives one, checked).
@@ -122,12 +122,12 @@ macro_rules! embed_migrations {
 }
 
 pub use idemstage_domain::{
-    input_hash_of, AnfrageId, ClaimToken, DomainError, InputChangePolicy, JobId, RejectReason,
+    input_hash_of, ClaimToken, DomainError, InputChangePolicy, ItemId, JobId, RejectReason,
     RepoError, RepoMessage, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason,
     StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
-pub use idemstage_persistence::anfragen::{RegisterOutcome, StartOutcome};
 pub use idemstage_persistence::fenced::insert_or_get;
+pub use idemstage_persistence::items::{RegisterOutcome, StartOutcome};
 pub use idemstage_persistence::tenant::{transaction as tenant_transaction, TenantBody};
 pub use idemstage_persistence::{
     connect, connect_pool, connect_with, get, map_diesel_error, migrate, migrate_with, pinned,
@@ -152,25 +152,25 @@ pub use idemstage_stage::{
 /// the worker, the ids, and `async_trait` for the impls.
 pub mod prelude {
     pub use crate::{
-        async_trait, start, start_in, AnfrageId, CancellationToken, Done, FencedTx,
-        InputChangePolicy, Pipeline, PipelineWorker, PrepareContext, RepoError, Stage, StageError,
-        StageFlow, StagePolicy, TenantId,
+        async_trait, start, start_in, CancellationToken, Done, FencedTx, InputChangePolicy, ItemId,
+        Pipeline, PipelineWorker, PrepareContext, RepoError, Stage, StageError, StageFlow,
+        StagePolicy, TenantId,
     };
 }
 
 /// The operator commands (`idemstage inspect | retry | cancel | dead`): the
-/// timeline of an anfrage, a retry of its dead stages (a [`Pipeline`] is the
+/// timeline of an item, a retry of its dead stages (a [`Pipeline`] is the
 /// [`RetryPlanner`](ops::RetryPlanner)), its cancel, the dead-letter list. Every
 /// write is tenant-scoped and recorded in `audit_log` with its [`Actor`](ops::Actor).
 pub mod ops {
     pub use idemstage_persistence::ops::{
-        cancel, dead, inspect, retry, Actor, AnfrageTimeline, AttemptView, CancelOutcome,
-        CancelledFrom, CancelledJob, CancelledStage, DeadFilter, DeadLetters, DeadStage, FailedJob,
+        cancel, dead, inspect, retry, Actor, AttemptView, CancelOutcome, CancelledFrom,
+        CancelledJob, CancelledStage, DeadFilter, DeadLetters, DeadStage, FailedJob, ItemTimeline,
         JobView, OpsError, RetriedStage, RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
     };
 }
 
-/// The database roles (migration `2026-12-01-000110_roles`; README, "Deploying"):
+/// The database roles (migration `2026-11-30-000000_baseline`; README, "Deploying"):
 /// [`check_worker_role`](roles::check_worker_role) tells whether a connection's
 /// login role is one row-level security restricts, as a worker's must be.
 pub mod roles {
@@ -219,13 +219,13 @@ pub mod runs {
     pub use idemstage_persistence::TxError;
 }
 
-/// The anfragen and their inputs below [`start`]: the input's
-/// validation and limit, the registration of an anfrage's input alone (no job
-/// sent), and [`start_in`](anfragen::start_in), which registers it and sends a job
+/// The items and their inputs below [`start`]: the input's
+/// validation and limit, the registration of an item's input alone (no job
+/// sent), and [`start_in`](items::start_in), which registers it and sends a job
 /// the caller builds, in the caller's transaction.
-pub mod anfragen {
-    pub use idemstage_persistence::anfragen::{
-        register_anfrage, register_input, start_in, validate_input, RegisterOutcome, StartOutcome,
+pub mod items {
+    pub use idemstage_persistence::items::{
+        register_input, register_item, start_in, validate_input, RegisterOutcome, StartOutcome,
         MAX_INPUT_BYTES,
     };
 }
@@ -238,7 +238,7 @@ pub mod report {
     };
 }
 
-/// The core's Diesel tables (`pipeline_runs`, `anfragen`, `jobs`, …), for reading
+/// The core's Diesel tables (`stage_runs`, `items`, `jobs`, …), for reading
 /// them in a team's reports and tests; every write goes through the functions of
 /// this crate.
 pub mod schema {

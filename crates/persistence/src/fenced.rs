@@ -84,7 +84,7 @@ impl<'c> FencedTx<'c> {
         self.to_wake
     }
 
-    /// The claim this transaction commits for: run, tenant, anfrage, stage, attempt.
+    /// The claim this transaction commits for: run, tenant, item, stage, attempt.
     pub fn token(&self) -> &ClaimToken {
         &self.token
     }
@@ -375,11 +375,11 @@ impl<'c> FencedTx<'c> {
     }
 
     /// Reads the input this run is bound to (same transaction, same tenant): the
-    /// text whose hash the claim bound (`pipeline_runs.input_hash`; for a later
-    /// stage, the hash its upstream's success read). That is the anfrage's stored
+    /// text whose hash the claim bound (`stage_runs.input_hash`; for a later
+    /// stage, the hash its upstream's success read). That is the item's stored
     /// input while it is current, else the replaced input kept for it: a stage
     /// computed after the input was replaced still reads what its lineage names.
-    pub async fn anfrage_text(&mut self) -> Result<String, RepoError> {
+    pub async fn item_text(&mut self) -> Result<String, RepoError> {
         crate::runs::bound_input_text(self.conn, &self.token).await
     }
 }

@@ -1,11 +1,11 @@
-//! The reconciler's statements (migration `000200`): which anfragen may have an
-//! expected stage without a live job (`anfragen_open`), the plan for a batch of
-//! one tenant's anfragen (which stage jobs to send again, which anfragen are
+//! The reconciler's statements (the baseline migration): which items may have an
+//! expected stage without a live job (`items_open`), the plan for a batch of
+//! one tenant's items (which stage jobs to send again, which items are
 //! settled), settling them, and the mark of a success whose body ended the
-//! anfrage (`StageFlow::Stop`), after which the next stage is not expected.
+//! item (`StageFlow::Stop`), after which the next stage is not expected.
 //!
-//! A stage is *expected* when it is the first (while the anfrage exists) or its
-//! upstream has a current success that did not stop the anfrage; it is *final*
+//! A stage is *expected* when it is the first (while the item exists) or its
+//! upstream has a current success that did not stop the item; it is *final*
 //! when its run is `success`, `dead` or `cancelled`. The plan sends again the job
 //! of every expected stage that is not final (no run, `failed`, `stale`, or
 //! `running` with an expired lease) and has no live job under its singleton key;
@@ -14,46 +14,46 @@
 
 use diesel::sql_types::{Array, Bool, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, RepoError, StageName, TenantId};
+use idemstage_domain::{ItemId, RepoError, StageName, TenantId};
 
 use crate::error::map_diesel_error;
 use crate::FencedTx;
 
-/// The class of the transaction-level advisory locks on an anfrage (`'idmo'`):
+/// The class of the transaction-level advisory locks on an item (`'idmo'`):
 /// shared by every writer of a stage job (the trigger of `jobs`), exclusive for
-/// the reconciler's last check before it settles the anfrage.
+/// the reconciler's last check before it settles the item.
 pub const OPEN_LOCK_CLASS: i32 = 0x6964_6d6f;
 
-/// An anfrage that may have an expected stage without a live job.
+/// An item that may have an expected stage without a live job.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct OpenAnfrage {
+pub struct OpenItem {
     /// Its tenant.
     pub tenant: TenantId,
-    /// The anfrage.
-    pub anfrage: AnfrageId,
+    /// The item.
+    pub item: ItemId,
 }
 
 /// An expected stage that is not final and has no live job: its job is to be
 /// sent again.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LostStage {
-    /// The anfrage.
-    pub anfrage: AnfrageId,
+    /// The item.
+    pub item: ItemId,
     /// The stage (its queue).
     pub stage: StageName,
-    /// The anfrage's stored input hash, for the job's payload.
+    /// The item's stored input hash, for the job's payload.
     pub input_hash: String,
 }
 
-/// What [`plan`] found for a batch of one tenant's anfragen.
+/// What [`plan`] found for a batch of one tenant's items.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TenantPlan {
     /// The stages whose job is to be sent again.
     pub lost: Vec<LostStage>,
-    /// The anfragen with every expected stage final and no live job (or no
-    /// anfrage of this tenant at all): nothing to look at until a job is written
+    /// The items with every expected stage final and no live job (or no
+    /// item of this tenant at all): nothing to look at until a job is written
     /// for them again.
-    pub settled: Vec<AnfrageId>,
+    pub settled: Vec<ItemId>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -61,13 +61,13 @@ struct OpenRow {
     #[diesel(sql_type = Text)]
     tenant_id: String,
     #[diesel(sql_type = Text)]
-    anfrage_id: String,
+    item_id: String,
 }
 
 #[derive(diesel::QueryableByName)]
 struct StageRow {
     #[diesel(sql_type = Text)]
-    anfrage_id: String,
+    item_id: String,
     #[diesel(sql_type = Text)]
     stage: String,
     #[diesel(sql_type = Text)]
@@ -81,7 +81,7 @@ struct StageRow {
 #[derive(diesel::QueryableByName)]
 struct Locked {
     #[diesel(sql_type = Text)]
-    anfrage_id: String,
+    item_id: String,
 }
 
 /// What the reconciler's plan knows of a pipeline.
@@ -93,26 +93,26 @@ pub struct ReconciledStages {
     pub first_reruns: bool,
 }
 
-/// `$1`, `$2` the last anfrage of the previous batch (tenant, anfrage; `''` to
-/// start), `$3` the batch's size: the next open anfragen in key order (the primary key).
+/// `$1`, `$2` the last item of the previous batch (tenant, item; `''` to
+/// start), `$3` the batch's size: the next open items in key order (the primary key).
 const OPEN_SQL: &str = "\
-SELECT tenant_id, anfrage_id FROM anfragen_open
- WHERE (tenant_id, anfrage_id) > ($1::text, $2::text)
- ORDER BY tenant_id, anfrage_id
+SELECT tenant_id, item_id FROM items_open
+ WHERE (tenant_id, item_id) > ($1::text, $2::text)
+ ORDER BY tenant_id, item_id
  LIMIT $3";
 
-/// `$1` the stages in pipeline order, `$2` the tenant, `$3` its anfragen, `$4`
-/// whether the first stage re-runs on new input: one row per (anfrage, stage) of
-/// the anfragen that exist for the tenant. Under `Rerun` a first stage that
-/// succeeded on another input than the anfrage's stored one has a rerun due (its
+/// `$1` the stages in pipeline order, `$2` the tenant, `$3` its items, `$4`
+/// whether the first stage re-runs on new input: one row per (item, stage) of
+/// the items that exist for the tenant. Under `Rerun` a first stage that
+/// succeeded on another input than the item's stored one has a rerun due (its
 /// job may have been lost before its claim): not final. Index probes
-/// only: the anfrage's primary key, `pipeline_runs_tenant_anfrage_stage_uq` for the
+/// only: the item's primary key, `stage_runs_tenant_item_stage_uq` for the
 /// run and its upstream's, `jobs_singleton_live_uq` for a live job.
 const PLAN_SQL: &str = "\
 WITH stages AS (
     SELECT s.stage, s.pos FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
 ), stage_state AS (
-    SELECT a.id AS anfrage_id, a.input_sha256, s.stage, r.status,
+    SELECT a.id AS item_id, a.input_sha256, s.stage, r.status,
            r.status = 'running' AND r.lease_expires_at < clock_timestamp() AS lease_over,
            s.pos = 1 OR (u.success_attempt IS NOT NULL
                          AND u.stopped_attempt IS DISTINCT FROM u.success_attempt) AS expected,
@@ -122,16 +122,16 @@ WITH stages AS (
                     WHERE j.queue = s.stage
                       AND j.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
                       AND j.state IN ('created', 'retry', 'active')) AS live_job
-      FROM anfragen a
+      FROM items a
      CROSS JOIN stages s
-      LEFT JOIN pipeline_runs r
-             ON r.tenant_id = a.tenant_id AND r.anfrage_id = a.id AND r.stage = s.stage
+      LEFT JOIN stage_runs r
+             ON r.tenant_id = a.tenant_id AND r.item_id = a.id AND r.stage = s.stage
       LEFT JOIN stages us ON us.pos = s.pos - 1
-      LEFT JOIN pipeline_runs u
-             ON u.tenant_id = a.tenant_id AND u.anfrage_id = a.id AND u.stage = us.stage
+      LEFT JOIN stage_runs u
+             ON u.tenant_id = a.tenant_id AND u.item_id = a.id AND u.stage = us.stage
      WHERE a.tenant_id = $2 AND a.id = ANY($3::text[])
 )
-SELECT anfrage_id, stage, input_sha256 AS input_hash,
+SELECT item_id, stage, input_sha256 AS input_hash,
        coalesce(expected AND NOT live_job
                 AND (status IS NULL OR status IN ('failed', 'stale') OR lease_over
                      OR rerun_due), false)
@@ -141,56 +141,56 @@ SELECT anfrage_id, stage, input_sha256 AS input_hash,
                 true) AS keeps_open
   FROM stage_state";
 
-/// `$1` the anfragen, `$2` [`OPEN_LOCK_CLASS`]: those whose lock this transaction got (no writer of one of
+/// `$1` the items, `$2` [`OPEN_LOCK_CLASS`]: those whose lock this transaction got (no writer of one of
 /// their jobs is in a transaction right now, and none can commit one before this
 /// transaction ends).
 const LOCK_SQL: &str = "\
-SELECT a AS anfrage_id FROM unnest($1::text[]) AS a
+SELECT a AS item_id FROM unnest($1::text[]) AS a
  WHERE pg_try_advisory_xact_lock($2, hashtext(a))";
 
 /// `$1` run, `$2` its successful attempt.
 const STOP_SQL: &str = "\
-UPDATE pipeline_runs SET stopped_attempt = $2 WHERE id = $1 AND success_attempt = $2";
+UPDATE stage_runs SET stopped_attempt = $2 WHERE id = $1 AND success_attempt = $2";
 
-/// The next `limit` open anfragen after `after` (from the start if `None`), in key
+/// The next `limit` open items after `after` (from the start if `None`), in key
 /// order, across tenants (as the connecting user: the worker may read this
 /// table). Fewer than `limit` means the end was reached.
-pub async fn open_anfragen(
+pub async fn open_items(
     conn: &mut AsyncPgConnection,
-    after: Option<&OpenAnfrage>,
+    after: Option<&OpenItem>,
     limit: u32,
-) -> Result<Vec<OpenAnfrage>, RepoError> {
-    let (tenant, anfrage) = after.map_or((String::new(), String::new()), |a| {
-        (a.tenant.to_string(), a.anfrage.to_string())
+) -> Result<Vec<OpenItem>, RepoError> {
+    let (tenant, item) = after.map_or((String::new(), String::new()), |a| {
+        (a.tenant.to_string(), a.item.to_string())
     });
     let query = diesel::sql_query(OPEN_SQL)
         .bind::<Text, _>(tenant)
-        .bind::<Text, _>(anfrage)
+        .bind::<Text, _>(item)
         .bind::<Integer, _>(i32::try_from(limit.max(1)).unwrap_or(i32::MAX));
     let rows: Vec<OpenRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await
         .map_err(map_diesel_error)?;
     rows.into_iter()
         .map(|r| {
-            Ok(OpenAnfrage {
+            Ok(OpenItem {
                 tenant: TenantId::parse(&r.tenant_id)?,
-                anfrage: AnfrageId::parse(&r.anfrage_id)?,
+                item: ItemId::parse(&r.item_id)?,
             })
         })
         .collect()
 }
 
-/// The plan for `anfragen` of `tenant`, whose stages are `stages` in pipeline
+/// The plan for `items` of `tenant`, whose stages are `stages` in pipeline
 /// order. Run it inside a transaction scoped to `tenant` (`tenant::transaction`):
 /// it reads only what the scope shows.
 pub async fn plan(
     conn: &mut AsyncPgConnection,
     stages: &ReconciledStages,
     tenant: &TenantId,
-    anfragen: &[AnfrageId],
+    items: &[ItemId],
 ) -> Result<TenantPlan, RepoError> {
     let stage_names: Vec<&str> = stages.stages.iter().map(StageName::as_str).collect();
-    let ids: Vec<String> = anfragen.iter().map(ToString::to_string).collect();
+    let ids: Vec<String> = items.iter().map(ToString::to_string).collect();
     let rows: Vec<StageRow> = diesel::sql_query(PLAN_SQL)
         .bind::<Array<Text>, _>(&stage_names)
         .bind::<Text, _>(tenant.as_str())
@@ -203,17 +203,17 @@ pub async fn plan(
     let mut lost = Vec::new();
     for row in rows {
         if row.keeps_open {
-            open.insert(row.anfrage_id.clone());
+            open.insert(row.item_id.clone());
         }
         if row.resend {
             lost.push(LostStage {
-                anfrage: AnfrageId::parse(&row.anfrage_id)?,
+                item: ItemId::parse(&row.item_id)?,
                 stage: StageName::parse(&row.stage)?,
                 input_hash: row.input_hash,
             });
         }
     }
-    let settled = anfragen
+    let settled = items
         .iter()
         .filter(|a| !open.contains(&a.to_string()))
         .copied()
@@ -221,9 +221,9 @@ pub async fn plan(
     Ok(TenantPlan { lost, settled })
 }
 
-/// Settles those of `anfragen` (found settled by a [`plan`] a moment ago) that
+/// Settles those of `items` (found settled by a [`plan`] a moment ago) that
 /// still are: takes their locks (skipping any a writer holds), plans them again
-/// in a snapshot taken after the locks, and deletes their `anfragen_open` rows.
+/// in a snapshot taken after the locks, and deletes their `items_open` rows.
 /// Run it in a transaction of its own scoped to `tenant`, with nothing else in
 /// it, so that it never waits for a lock while holding one. Returns how many it
 /// settled.
@@ -231,18 +231,18 @@ pub async fn settle(
     conn: &mut AsyncPgConnection,
     stages: &ReconciledStages,
     tenant: &TenantId,
-    anfragen: &[AnfrageId],
+    items: &[ItemId],
 ) -> Result<usize, RepoError> {
-    let ids: Vec<String> = anfragen.iter().map(ToString::to_string).collect();
+    let ids: Vec<String> = items.iter().map(ToString::to_string).collect();
     let locked: Vec<Locked> = diesel::sql_query(LOCK_SQL)
         .bind::<Array<Text>, _>(&ids)
         .bind::<Integer, _>(OPEN_LOCK_CLASS)
         .load(conn)
         .await
         .map_err(map_diesel_error)?;
-    let locked: Vec<AnfrageId> = locked
+    let locked: Vec<ItemId> = locked
         .iter()
-        .map(|l| AnfrageId::parse(&l.anfrage_id))
+        .map(|l| ItemId::parse(&l.item_id))
         .collect::<Result<_, _>>()?;
     if locked.is_empty() {
         return Ok(0);
@@ -253,7 +253,7 @@ pub async fn settle(
         .iter()
         .map(ToString::to_string)
         .collect();
-    diesel::sql_query("DELETE FROM anfragen_open WHERE tenant_id = $1 AND anfrage_id = ANY($2)")
+    diesel::sql_query("DELETE FROM items_open WHERE tenant_id = $1 AND item_id = ANY($2)")
         .bind::<Text, _>(tenant.as_str())
         .bind::<Array<Text>, _>(&settled)
         .execute(conn)
@@ -261,7 +261,7 @@ pub async fn settle(
         .map_err(map_diesel_error)
 }
 
-/// Marks the success this fenced transaction commits as the anfrage's end
+/// Marks the success this fenced transaction commits as the item's end
 /// (`StageFlow::Stop`): the stage after it is not expected while this attempt
 /// is the run's current success, so the reconciler sends nothing for it.
 pub async fn record_stop(tx: &mut FencedTx<'_>) -> Result<(), RepoError> {

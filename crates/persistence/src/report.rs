@@ -7,7 +7,7 @@ use idemstage_domain::{RepoError, TenantId};
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
-use crate::schema::pipeline_runs;
+use crate::schema::stage_runs;
 
 /// One row of [`stage_status_counts`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -21,15 +21,15 @@ pub struct StageStatusCount {
     pub count: i64,
 }
 
-/// `pipeline_runs` counted by stage and status, optionally for one tenant; ordered
+/// `stage_runs` counted by stage and status, optionally for one tenant; ordered
 /// by stage, then status. Not scoped: it runs as the connecting user, so without
 /// `tenant` it counts every tenant's runs (those that user can see).
 pub async fn stage_status_counts(
     conn: &mut AsyncPgConnection,
     tenant: Option<&TenantId>,
 ) -> Result<Vec<StageStatusCount>, RepoError> {
-    use pipeline_runs::dsl as pr;
-    let mut query = pr::pipeline_runs
+    use stage_runs::dsl as pr;
+    let mut query = pr::stage_runs
         .group_by((pr::stage, pr::status))
         .select((pr::stage, pr::status, diesel::dsl::count_star()))
         .order_by((pr::stage, pr::status))
@@ -74,12 +74,12 @@ pub struct TenantStageRow {
 const TENANT_STAGE_OVERVIEW_SQL: &str = "\
 WITH counts AS (
     SELECT tenant_id, stage, status, count(*) AS n
-      FROM pipeline_runs
+      FROM stage_runs
      GROUP BY tenant_id, stage, status
 ), recent AS (
     SELECT r.tenant_id, r.stage, count(*) AS n
-      FROM pipeline_run_attempts a
-      JOIN pipeline_runs r ON r.id = a.run_id
+      FROM stage_run_attempts a
+      JOIN stage_runs r ON r.id = a.run_id
      WHERE a.outcome = 'success'
        AND a.finished_at > now() - make_interval(secs => $1::float8 / 1000)
      GROUP BY r.tenant_id, r.stage
@@ -104,7 +104,7 @@ struct OverviewRow {
     recent_successes: i64,
 }
 
-/// `pipeline_runs` counted by tenant, stage and status, with the successful
+/// `stage_runs` counted by tenant, stage and status, with the successful
 /// attempts of the last `window` (throughput), in one statement: the console's
 /// overview. Not scoped, like [`stage_status_counts`]: it reads every tenant's
 /// runs as the connecting user (an operator's read). Ordered by tenant, stage,
@@ -131,16 +131,16 @@ pub async fn tenant_stage_overview(
         .collect())
 }
 
-/// Whether `tenant` has registered any anfrage (as the connecting user sees
-/// `anfragen`, across tenants): the console's check of a tenant it is asked
+/// Whether `tenant` has registered any item (as the connecting user sees
+/// `items`, across tenants): the console's check of a tenant it is asked
 /// about.
 pub async fn tenant_exists(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
 ) -> Result<bool, RepoError> {
-    use crate::schema::anfragen::dsl as a;
+    use crate::schema::items::dsl as a;
     let query = diesel::select(diesel::dsl::exists(
-        a::anfragen.filter(a::tenant_id.eq(tenant.as_str().to_owned())),
+        a::items.filter(a::tenant_id.eq(tenant.as_str().to_owned())),
     ));
     crate::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await

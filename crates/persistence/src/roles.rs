@@ -1,4 +1,4 @@
-//! The roles of migration `2026-12-01-000110_roles` and the check a worker makes
+//! The roles of migration `2026-11-30-000000_baseline` and the check a worker makes
 //! before it starts ([`check_worker_role`]).
 //!
 //! * the migration owner (whoever runs `migrate`) owns every table;
@@ -31,9 +31,9 @@ pub const OPERATOR_ROLE: &str = "idemstage_operator";
 
 /// The core's tables, whose owner a worker must not be.
 pub const CORE_TABLES: [&str; 8] = [
-    "anfragen",
-    "pipeline_runs",
-    "pipeline_run_attempts",
+    "items",
+    "stage_runs",
+    "stage_run_attempts",
     "audit_log",
     "jobs",
     "queue_controls",

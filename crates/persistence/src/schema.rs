@@ -1,9 +1,9 @@
 // @generated automatically by Diesel CLI.
 
 diesel::table! {
-    anfrage_inputs (tenant_id, anfrage_id, input_sha256) {
+    item_inputs (tenant_id, item_id, input_sha256) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         input_sha256 -> Text,
         input_text -> Text,
         replaced_at -> Timestamptz,
@@ -11,7 +11,7 @@ diesel::table! {
 }
 
 diesel::table! {
-    anfragen (id) {
+    items (id) {
         tenant_id -> Text,
         id -> Text,
         input_text -> Text,
@@ -22,9 +22,9 @@ diesel::table! {
 }
 
 diesel::table! {
-    anfragen_open (tenant_id, anfrage_id) {
+    items_open (tenant_id, item_id) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         opened_at -> Timestamptz,
     }
 }
@@ -71,7 +71,7 @@ diesel::table! {
 }
 
 diesel::table! {
-    pipeline_run_attempts (run_id, attempt) {
+    stage_run_attempts (run_id, attempt) {
         run_id -> Text,
         attempt -> Int4,
         tenant_id -> Text,
@@ -86,10 +86,10 @@ diesel::table! {
 }
 
 diesel::table! {
-    pipeline_runs (id) {
+    stage_runs (id) {
         id -> Text,
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         stage -> Text,
         status -> Text,
         attempts -> Int4,
@@ -167,13 +167,13 @@ diesel::table! {
 }
 
 diesel::allow_tables_to_appear_in_same_query!(
-    anfrage_inputs,
-    anfragen,
-    anfragen_open,
+    item_inputs,
+    items,
+    items_open,
     audit_log,
     jobs,
-    pipeline_run_attempts,
-    pipeline_runs,
+    stage_run_attempts,
+    stage_runs,
     queue_buckets,
     queue_control_changes,
     queue_controls,

@@ -1,5 +1,5 @@
 //! The tenant scope of a transaction, for row-level security (migration
-//! `2026-11-30-000010_rls`): `SET LOCAL ROLE idemstage_app` (NOBYPASSRLS, owns
+//! `2026-11-30-000000_baseline`): `SET LOCAL ROLE idemstage_app` (NOBYPASSRLS, owns
 //! nothing) and `app.tenant_id`, both transaction-local, sent with the BEGIN
 //! ([`transaction`]) or, in a transaction already open, as one statement
 //! ([`scope`]). Every
@@ -62,7 +62,7 @@ pub async fn scope(
 /// use idemstage::{tenant_transaction, TenantId};
 /// let tenant = TenantId::parse("acme").unwrap();
 /// let visible: i64 = tenant_transaction(conn, &tenant, async |conn| {
-///     diesel::sql_query("SELECT count(*) AS n FROM anfragen")
+///     diesel::sql_query("SELECT count(*) AS n FROM items")
 ///         .get_result::<Count>(conn)
 ///         .await
 ///         .map(|c| c.n)

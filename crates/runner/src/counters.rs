@@ -33,7 +33,7 @@ pub struct Counters {
     pub dead: AtomicU64,
     /// Claims refused because the stage's `max_attempts` was used up already.
     pub exhausted: AtomicU64,
-    /// Successes per (tenant, anfrage, stage) as reported to workers: more than one
+    /// Successes per (tenant, item, stage) as reported to workers: more than one
     /// for a key would be a double execution seen from the outside. Only kept when
     /// asked for (demo, tests): a long-running worker would grow it without end.
     pub(crate) successes: Option<Mutex<HashMap<String, u32>>>,

@@ -46,7 +46,7 @@ pub struct PipelineWorkerConfig {
     /// reconciler must run then). Several workers reconciling at once is
     /// harmless: a second send is a `Duplicate`.
     pub reconcile_interval: Option<Duration>,
-    /// The most open anfragen one reconciler pass looks at (default 1000).
+    /// The most open items one reconciler pass looks at (default 1000).
     pub reconcile_batch_limit: u32,
 }
 
@@ -75,7 +75,7 @@ impl PipelineWorkerConfig {
         self
     }
 
-    /// The same, looking at most at `limit` open anfragen per reconciler pass.
+    /// The same, looking at most at `limit` open items per reconciler pass.
     pub fn with_reconcile_batch_limit(mut self, limit: u32) -> Self {
         self.reconcile_batch_limit = limit;
         self
@@ -143,7 +143,7 @@ impl JobHandler for PipelineHandler {
             .await
         {
             Ok(outcome) => outcome,
-            // Nothing was claimed for a job that names no such anfrage, another
+            // Nothing was claimed for a job that names no such item, another
             // tenant's, or bad ids: the job is wrong, and fails for good.
             Err(e) if e.is_bad_request() => return Err(HandlerError::permanent(e)),
             // Anything else is the database's: the stage may be claimed and not
@@ -164,7 +164,7 @@ impl JobHandler for PipelineHandler {
                         "{}:{}:{}",
                         stage.name(),
                         stage_job.tenant_id,
-                        stage_job.anfrage_id
+                        stage_job.item_id
                     );
                     *successes.lock().unwrap().entry(key).or_default() += 1;
                 }

@@ -4,7 +4,7 @@
 //! stage executions' metrics are [`idemstage_stage::telemetry`]'s.
 //!
 //! Labels are low-cardinality: the queue (a stage's queue is its name), an
-//! outcome, a state. Never a tenant or an anfrage: a label per tenant would make a
+//! outcome, a state. Never a tenant or an item: a label per tenant would make a
 //! series per tenant and queue, without bound, in every worker.
 
 use idemstage_persistence::queue::QueueDepth;

@@ -126,7 +126,7 @@ impl PipelineWorkerBuilder {
         self
     }
 
-    /// The most open anfragen one reconciler pass looks at (default 1000).
+    /// The most open items one reconciler pass looks at (default 1000).
     pub fn reconcile_batch_limit(mut self, limit: u32) -> Self {
         self.config.reconcile_batch_limit = limit;
         self

@@ -5,7 +5,7 @@ use std::future::Future;
 
 use async_trait::async_trait;
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, RunId, StageError, StageName, StagePolicy, TenantId};
+use idemstage_domain::{ItemId, RunId, StageError, StageName, StagePolicy, TenantId};
 use idemstage_persistence::tenant::TenantBody;
 use idemstage_persistence::{FencedTx, PgRunRepository};
 use serde::de::DeserializeOwned;
@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use crate::StageFlow;
 
 /// What a stage reads, prepares or hands on: any serde type that may cross
-/// threads. JSON is what is stored (`pipeline_runs.output`, `stage_checkpoints`).
+/// threads. JSON is what is stored (`stage_runs.output`, `stage_checkpoints`).
 pub trait StageData: Serialize + DeserializeOwned + Send + Sync + 'static {}
 
 impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> StageData for T {}
@@ -26,7 +26,7 @@ impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> StageData for T {}
 /// [`Output`](Stage::Output).
 ///
 /// An execution claims the stage, reads exactly what its run is bound to (the
-/// first stage: the anfrage's input whose hash the claim bound; a later stage:
+/// first stage: the item's input whose hash the claim bound; a later stage:
 /// its upstream's output at the attempt the claim bound), calls
 /// [`prepare`](Stage::prepare) outside any transaction while the lease is renewed,
 /// then [`commit`](Stage::commit) inside the fenced transaction. What `commit`
@@ -49,13 +49,13 @@ impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> StageData for T {}
 /// #[derive(Serialize, Deserialize)]
 /// struct Words(Vec<String>);
 ///
-/// /// Splits the anfrage's input into words.
+/// /// Splits the item's input into words.
 /// struct Split;
 ///
 /// #[async_trait]
 /// impl Stage for Split {
 ///     const NAME: &'static str = "split";
-///     type Input = String; // the first stage reads the anfrage's input text
+///     type Input = String; // the first stage reads the item's input text
 ///     type Prepared = Words;
 ///     type Output = usize;
 ///
@@ -85,7 +85,7 @@ pub trait Stage: Send + Sync + 'static {
     /// runs a stage under another name.)
     const NAME: &'static str;
 
-    /// What the stage reads. The first stage: the anfrage's input text (`String`
+    /// What the stage reads. The first stage: the item's input text (`String`
     /// takes it as it is; any other type is parsed from it as JSON). A later
     /// stage: its upstream's `Output`.
     type Input: StageData;
@@ -144,7 +144,7 @@ impl<O> Done<O> {
         }
     }
 
-    /// Succeeded with `output`; the anfrage ends here (no further stage runs).
+    /// Succeeded with `output`; the item ends here (no further stage runs).
     pub fn stop(output: O) -> Self {
         Self {
             output,
@@ -156,12 +156,12 @@ impl<O> Done<O> {
 /// Which claimed attempt a [`PrepareContext`] belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AttemptInfo {
-    /// The run (`pipeline_runs` row) of (tenant, anfrage, stage).
+    /// The run (`stage_runs` row) of (tenant, item, stage).
     pub run_id: RunId,
     /// The tenant; every read and write of the attempt is scoped to it.
     pub tenant: TenantId,
-    /// The anfrage the stage runs for.
-    pub anfrage: AnfrageId,
+    /// The item the stage runs for.
+    pub item: ItemId,
     /// The stage.
     pub stage: StageName,
     /// The attempt, 1 for the first.
@@ -181,26 +181,26 @@ pub struct PrepareContext<'a, I> {
 }
 
 impl<I> PrepareContext<'_, I> {
-    /// What the run is bound to: the anfrage's input (first stage) or the
+    /// What the run is bound to: the item's input (first stage) or the
     /// upstream's output at the attempt the claim bound. Never a newer one.
     pub fn input(&self) -> &I {
         self.input
     }
 
-    /// The attempt: run, tenant, anfrage, stage, number, input hash.
+    /// The attempt: run, tenant, item, stage, number, input hash.
     pub fn attempt(&self) -> &AttemptInfo {
         self.attempt
     }
 
-    /// The text of the anfrage's input this run is bound to, for any stage (a
+    /// The text of the item's input this run is bound to, for any stage (a
     /// later stage's run is bound to the input its upstream's success read): the
     /// stored input while it is current, else the replaced one kept for it; never
     /// a newer one. One read; the first stage has it as its `input` already.
-    pub async fn anfrage_text(&self) -> Result<String, StageError> {
+    pub async fn item_text(&self) -> Result<String, StageError> {
         let token = idemstage_domain::ClaimToken {
             run_id: self.attempt.run_id,
             tenant: self.attempt.tenant.clone(),
-            anfrage: self.attempt.anfrage,
+            item: self.attempt.item,
             stage: self.attempt.stage.clone(),
             attempt: self.attempt.attempt,
         };

@@ -196,20 +196,21 @@ fn decode_input<I: serde::de::DeserializeOwned>(
     input: BoundInput,
 ) -> Result<I, StageError> {
     use serde::de::IntoDeserializer;
-    let decoded =
-        match input {
-            BoundInput::Text(text) => {
-                let as_text: Result<I, serde::de::value::Error> =
-                    I::deserialize(text.as_str().into_deserializer());
-                // Not a string type: the input is the type's JSON.
-                as_text.or_else(|_| serde_json::from_str(&text)).map_err(|e| {
-                format!("stage {stage}: the anfrage's input does not parse as its Input type: {e}")
-            })
-            }
-            BoundInput::UpstreamOutput(value) => serde_json::from_value(value).map_err(|e| {
-                format!("stage {stage}: its upstream's output does not fit its Input type: {e}")
-            }),
-        };
+    let decoded = match input {
+        BoundInput::Text(text) => {
+            let as_text: Result<I, serde::de::value::Error> =
+                I::deserialize(text.as_str().into_deserializer());
+            // Not a string type: the input is the type's JSON.
+            as_text
+                .or_else(|_| serde_json::from_str(&text))
+                .map_err(|e| {
+                    format!("stage {stage}: the item's input does not parse as its Input type: {e}")
+                })
+        }
+        BoundInput::UpstreamOutput(value) => serde_json::from_value(value).map_err(|e| {
+            format!("stage {stage}: its upstream's output does not fit its Input type: {e}")
+        }),
+    };
     decoded.or_else(|message| {
         let unit: Result<I, serde::de::value::Error> = I::deserialize(().into_deserializer());
         unit.map_err(|_| StageError::Permanent(message.into()))

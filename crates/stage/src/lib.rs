@@ -28,6 +28,6 @@ pub use start::{start, start_in};
 pub enum StageFlow {
     /// Send the next stage's job (in the same transaction), if there is one.
     Continue,
-    /// The anfrage ends here (e.g. infeasible): no further stage.
+    /// The item ends here (e.g. infeasible): no further stage.
     Stop,
 }

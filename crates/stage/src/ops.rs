@@ -1,7 +1,7 @@
 //! The pipeline's side of the operator commands: what a retry needs to know of
 //! it (`idemstage_persistence::ops::RetryPlanner`).
 
-use idemstage_domain::{AnfrageId, JobToSend, StageName, TenantId};
+use idemstage_domain::{ItemId, JobToSend, StageName, TenantId};
 use idemstage_persistence::ops::RetryPlanner;
 
 use crate::{Pipeline, StageJob};
@@ -20,14 +20,14 @@ impl RetryPlanner for Pipeline {
         &self,
         stage: &StageName,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         input_hash: &str,
     ) -> JobToSend {
         self.job_for(
             stage,
             &StageJob {
                 tenant_id: tenant.clone(),
-                anfrage_id: *anfrage,
+                item_id: *item,
                 input_hash: input_hash.to_owned(),
             },
         )

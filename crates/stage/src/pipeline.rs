@@ -1,7 +1,7 @@
 //! A pipeline: stages in order, the jobs between them, and their payload.
 
 use idemstage_domain::queue::stage_singleton_key;
-use idemstage_domain::{AnfrageId, DomainError, JobToSend, SendOptions, StageName, TenantId};
+use idemstage_domain::{DomainError, ItemId, JobToSend, SendOptions, StageName, TenantId};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -12,11 +12,11 @@ use crate::{Stage, StageRef};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageJob {
-    /// The tenant the anfrage belongs to; every write of the stage is scoped to it.
+    /// The tenant the item belongs to; every write of the stage is scoped to it.
     pub tenant_id: TenantId,
-    /// The anfrage the stage runs for.
-    pub anfrage_id: AnfrageId,
-    /// The hash the claim binds to: the SHA-256 of the anfrage's input.
+    /// The item the stage runs for.
+    pub item_id: ItemId,
+    /// The hash the claim binds to: the SHA-256 of the item's input.
     pub input_hash: String,
 }
 
@@ -110,7 +110,7 @@ impl Pipeline {
     /// }
     ///
     /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// // `ocr` runs on the anfrage's input, `translate` on `ocr`'s current success.
+    /// // `ocr` runs on the item's input, `translate` on `ocr`'s current success.
     /// let pipeline = Pipeline::new(vec![StageRef::named("ocr", Step)?, StageRef::named("translate", Step)?])?;
     /// assert_eq!(pipeline.first_stage().name().as_str(), "ocr");
     ///
@@ -214,7 +214,7 @@ impl Pipeline {
     }
 
     /// The stage that [`start`](crate::start) sends the first job for; its
-    /// `on_input_change` policy decides about an anfrage's new input.
+    /// `on_input_change` policy decides about an item's new input.
     pub fn first_stage(&self) -> &StageRef {
         &self.stages[0]
     }
@@ -230,7 +230,7 @@ impl Pipeline {
     }
 
     /// The stage before `stage`, whose current success `stage` runs on (`None` for
-    /// the first stage, which runs on the anfrage's stored input).
+    /// the first stage, which runs on the item's stored input).
     pub fn upstream_of(&self, stage: &StageName) -> Option<&StageRef> {
         match self.index.get(stage) {
             Some(&i) if i > 0 => Some(&self.stages[i - 1]),
@@ -256,10 +256,10 @@ impl Pipeline {
         }
     }
 
-    /// The job that starts `stage` for an anfrage, with the seed's singleton key.
+    /// The job that starts `stage` for an item, with the seed's singleton key.
     pub fn job_for(&self, stage: &StageName, job: &StageJob) -> JobToSend {
         let mut options = self.send_options.clone();
-        options.singleton_key = Some(stage_singleton_key(stage, &job.tenant_id, &job.anfrage_id));
+        options.singleton_key = Some(stage_singleton_key(stage, &job.tenant_id, &job.item_id));
         JobToSend {
             queue: stage.as_str().to_owned(),
             tenant: Some(job.tenant_id.clone()),
@@ -273,14 +273,14 @@ impl Pipeline {
 pub fn first_job(
     pipeline: &Pipeline,
     tenant: TenantId,
-    anfrage: AnfrageId,
+    item: ItemId,
     input_hash: String,
 ) -> JobToSend {
     pipeline.job_for(
         pipeline.first_stage().name(),
         &StageJob {
             tenant_id: tenant,
-            anfrage_id: anfrage,
+            item_id: item,
             input_hash,
         },
     )

@@ -5,17 +5,17 @@
 //! decides, as for any job (a duplicate send is harmless, so is a second
 //! reconciler).
 //!
-//! Its cost is bounded: it looks only at the anfragen in `anfragen_open` (those
+//! Its cost is bounded: it looks only at the items in `items_open` (those
 //! registered, or written a stage job for, since they were last found settled),
 //! at most `batch_limit` per pass, in key order, continuing where the previous
 //! pass stopped; per tenant of the batch it runs one scoped transaction of index
-//! probes (the plan, and the sends), and one to settle the anfragen it found
+//! probes (the plan, and the sends), and one to settle the items it found
 //! finished. A `dead` stage is final and never sent again (an operator's retry
-//! revives it, and its job reopens the anfrage).
+//! revives it, and its job reopens the item).
 
 use diesel_async::AsyncPgConnection;
-use idemstage_domain::{AnfrageId, InputChangePolicy, JobToSend, RepoError, SendResult, TenantId};
-use idemstage_persistence::reconcile::{self, OpenAnfrage, ReconciledStages, TenantPlan};
+use idemstage_domain::{InputChangePolicy, ItemId, JobToSend, RepoError, SendResult, TenantId};
+use idemstage_persistence::reconcile::{self, OpenItem, ReconciledStages, TenantPlan};
 use idemstage_persistence::{queue, tenant, PgPool, TxError};
 
 use crate::{Pipeline, StageJob};
@@ -23,35 +23,35 @@ use crate::{Pipeline, StageJob};
 /// What one [`Reconciler::pass`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReconcileReport {
-    /// Open anfragen looked at.
+    /// Open items looked at.
     pub examined: usize,
     /// Stage jobs sent again.
     pub resent: usize,
     /// Stage jobs found lost whose send was `Duplicate` (another reconciler, or a
     /// worker, sent one meanwhile).
     pub duplicates: usize,
-    /// Anfragen found finished (every expected stage final, no live job): not
+    /// Items found finished (every expected stage final, no live job): not
     /// looked at again until a job is written for them.
     pub settled: usize,
 }
 
-/// Sends again the jobs of a pipeline's lost stages, one batch of open anfragen
+/// Sends again the jobs of a pipeline's lost stages, one batch of open items
 /// per [`pass`](Reconciler::pass). The `PipelineWorker` runs one (its
 /// `reconcile_interval`); any number may run at once.
 pub struct Reconciler {
     pipeline: Pipeline,
     stages: ReconciledStages,
     batch_limit: u32,
-    /// The last anfrage of the previous batch; `None`: start from the first.
-    cursor: Option<OpenAnfrage>,
+    /// The last item of the previous batch; `None`: start from the first.
+    cursor: Option<OpenItem>,
 }
 
 impl Reconciler {
-    /// The default number of open anfragen a pass looks at.
+    /// The default number of open items a pass looks at.
     pub const DEFAULT_BATCH_LIMIT: u32 = 1000;
 
     /// A reconciler of `pipeline`'s stages, looking at
-    /// [`DEFAULT_BATCH_LIMIT`](Self::DEFAULT_BATCH_LIMIT) anfragen per pass.
+    /// [`DEFAULT_BATCH_LIMIT`](Self::DEFAULT_BATCH_LIMIT) items per pass.
     pub fn new(pipeline: Pipeline) -> Self {
         let stages = ReconciledStages {
             stages: pipeline.stages().iter().map(|s| s.name().clone()).collect(),
@@ -66,20 +66,20 @@ impl Reconciler {
         }
     }
 
-    /// The same, looking at `limit` open anfragen per pass (0 counts as 1).
+    /// The same, looking at `limit` open items per pass (0 counts as 1).
     pub fn with_batch_limit(mut self, limit: u32) -> Self {
         self.batch_limit = limit.max(1);
         self
     }
 
-    /// One pass on a connection of `pool`: the next batch of open anfragen (from
+    /// One pass on a connection of `pool`: the next batch of open items (from
     /// the first again once the last was reached), their lost stages' jobs sent,
     /// the finished ones settled. An error ends the pass; the next one goes on
     /// from the batch after it.
     pub async fn pass(&mut self, pool: &PgPool) -> Result<ReconcileReport, RepoError> {
         let mut conn = idemstage_persistence::get(pool).await?;
         let batch =
-            reconcile::open_anfragen(&mut conn, self.cursor.as_ref(), self.batch_limit).await?;
+            reconcile::open_items(&mut conn, self.cursor.as_ref(), self.batch_limit).await?;
         self.cursor = if batch.len() < self.batch_limit as usize {
             None
         } else {
@@ -89,11 +89,11 @@ impl Reconciler {
             examined: batch.len(),
             ..ReconcileReport::default()
         };
-        // The batch is in key order: each tenant's anfragen are together.
+        // The batch is in key order: each tenant's items are together.
         for group in batch.chunk_by(|a, b| a.tenant == b.tenant) {
             let tenant = &group[0].tenant;
-            let anfragen: Vec<AnfrageId> = group.iter().map(|a| a.anfrage).collect();
-            let (settled, sent) = self.resend(&mut conn, tenant, &anfragen).await?;
+            let items: Vec<ItemId> = group.iter().map(|a| a.item).collect();
+            let (settled, sent) = self.resend(&mut conn, tenant, &items).await?;
             for result in sent {
                 match result {
                     SendResult::Sent(_) => report.resent += 1,
@@ -115,30 +115,30 @@ impl Reconciler {
         Ok(report)
     }
 
-    /// In one transaction scoped to `tenant`: the plan for `anfragen`, and the
-    /// jobs of their lost stages sent. Returns the anfragen found settled and the
+    /// In one transaction scoped to `tenant`: the plan for `items`, and the
+    /// jobs of their lost stages sent. Returns the items found settled and the
     /// sends' results.
     async fn resend(
         &self,
         conn: &mut AsyncPgConnection,
         tenant: &TenantId,
-        anfragen: &[AnfrageId],
-    ) -> Result<(Vec<AnfrageId>, Vec<SendResult>), RepoError> {
+        items: &[ItemId],
+    ) -> Result<(Vec<ItemId>, Vec<SendResult>), RepoError> {
         tenant::transaction(conn, tenant, async |conn| {
             let TenantPlan { lost, settled } =
-                reconcile::plan(conn, &self.stages, tenant, anfragen).await?;
+                reconcile::plan(conn, &self.stages, tenant, items).await?;
             let jobs: Vec<JobToSend> = lost
                 .into_iter()
                 .map(|lost| {
                     tracing::info!(
-                        %tenant, anfrage = %lost.anfrage, stage = %lost.stage,
+                        %tenant, item = %lost.item, stage = %lost.stage,
                         "reconciler: the stage is not final and has no live job; sending it again"
                     );
                     self.pipeline.job_for(
                         &lost.stage,
                         &StageJob {
                             tenant_id: tenant.clone(),
-                            anfrage_id: lost.anfrage,
+                            item_id: lost.item,
                             input_hash: lost.input_hash,
                         },
                     )

@@ -1,17 +1,17 @@
-//! Starting a pipeline for an anfrage: its input registered and its first stage's
+//! Starting a pipeline for an item: its input registered and its first stage's
 //! job sent, in one transaction.
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage_domain::{AnfrageId, RepoError, TenantId};
-use idemstage_persistence::anfragen::{self, StartOutcome};
+use idemstage_domain::{ItemId, RepoError, TenantId};
+use idemstage_persistence::items::{self, StartOutcome};
 use idemstage_persistence::{PgPool, TxError};
 
 use crate::{first_job, Pipeline};
 
-/// Registers `input` for the anfrage and sends the pipeline's first job, inside
+/// Registers `input` for the item and sends the pipeline's first job, inside
 /// the caller's open transaction on `conn`: the caller's own writes and the start
 /// commit together, or not at all. The first stage's input policy decides about an
-/// anfrage registered with another input (`Reject`: `RepoError::InputChanged`,
+/// item registered with another input (`Reject`: `RepoError::InputChanged`,
 /// nothing changes; `Rerun`: the input is replaced). Sending again is normal: the
 /// outcome says `Duplicate` while a job is live, and a finished first stage skips
 /// at the claim.
@@ -19,34 +19,34 @@ pub async fn start_in(
     conn: &mut AsyncPgConnection,
     pipeline: &Pipeline,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     input: &str,
 ) -> Result<StartOutcome, RepoError> {
     let policy = pipeline.first_stage().policy().on_input_change;
-    anfragen::start_in(conn, tenant, anfrage, input, policy, |hash| {
-        first_job(pipeline, tenant.clone(), *anfrage, hash.to_owned())
+    items::start_in(conn, tenant, item, input, policy, |hash| {
+        first_job(pipeline, tenant.clone(), *item, hash.to_owned())
     })
     .await
 }
 
 /// [`start_in`] in a transaction of its own, on a pooled connection: the usual
-/// way to hand an anfrage to a pipeline. Safe to call again for the same anfrage
+/// way to hand an item to a pipeline. Safe to call again for the same item
 /// and input (a duplicate send is an outcome, not an error). A
 /// `RepoError::is_retryable` error may be retried as is; `is_bad_request` ones
-/// (another input under `Reject`, another tenant's anfrage, an empty or too
+/// (another input under `Reject`, another tenant's item, an empty or too
 /// large input, one holding a NUL character) will fail again.
 ///
 /// ```no_run
-/// use idemstage::{start, AnfrageId, Pipeline, PgPool, SendResult, TenantId};
+/// use idemstage::{start, ItemId, Pipeline, PgPool, SendResult, TenantId};
 ///
 /// # async fn demo(pool: PgPool, pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
 /// let tenant = TenantId::parse("acme")?;
-/// let anfrage = AnfrageId::new();
-/// let outcome = start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben M8").await?;
+/// let item = ItemId::new();
+/// let outcome = start(&pool, &pipeline, &tenant, &item, "10 Stk Schrauben M8").await?;
 /// assert!(matches!(outcome.sent, SendResult::Sent(_)));
 ///
 /// // The same start again: registered already, its first job still live.
-/// let again = start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben M8").await?;
+/// let again = start(&pool, &pipeline, &tenant, &item, "10 Stk Schrauben M8").await?;
 /// assert_eq!(again.sent, SendResult::Duplicate);
 /// # Ok(())
 /// # }
@@ -55,13 +55,13 @@ pub async fn start(
     pool: &PgPool,
     pipeline: &Pipeline,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     input: &str,
 ) -> Result<StartOutcome, RepoError> {
-    anfragen::validate_input(input)?;
+    items::validate_input(input)?;
     let mut conn = idemstage_persistence::get(pool).await?;
     conn.transaction::<_, TxError, _>(async |conn| {
-        Ok(start_in(conn, pipeline, tenant, anfrage, input).await?)
+        Ok(start_in(conn, pipeline, tenant, item, input).await?)
     })
     .await
     .map_err(TxError::into_repo)

@@ -1,7 +1,7 @@
 //! The executor's metrics, recorded through the [`metrics`] facade (a no-op until
 //! the binary installs a recorder, e.g. `idemstage worker --metrics-listen`).
 //! Labels are the stage's name, the outcome and a reason: never a tenant or an
-//! anfrage, so that the number of series stays bounded by the pipeline's shape.
+//! item, so that the number of series stays bounded by the pipeline's shape.
 
 use std::time::Duration;
 

@@ -16,11 +16,11 @@ use idemstage_stage::Pipeline;
 /// What the database says about the runs of a pipeline, read after the fact.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Invariants {
-    /// Anfragen registered.
-    pub anfragen: i64,
-    /// Anfragen whose every expected stage is final (success, dead or cancelled).
-    pub anfragen_final: i64,
-    /// `pipeline_runs` counted by status.
+    /// Items registered.
+    pub items: i64,
+    /// Items whose every expected stage is final (success, dead or cancelled).
+    pub items_final: i64,
+    /// `stage_runs` counted by status.
     pub runs_by_status: BTreeMap<String, i64>,
     /// Runs with status `success`.
     pub stages_succeeded: i64,
@@ -32,12 +32,12 @@ pub struct Invariants {
     /// previous success: the same input hash and upstream attempt (must be 0).
     pub double_executions: i64,
     /// Successful runs not computed from their upstream's current successful
-    /// attempt (the first stage: from the anfrage's stored input), or from another
+    /// attempt (the first stage: from the item's stored input), or from another
     /// stage than the one before them in the pipeline (must be 0).
     pub stale_lineage: i64,
     /// Expected stages that are not final (must be 0 at the end): the first stage
-    /// of every anfrage, and each later stage whose upstream has a current success
-    /// that did not stop the anfrage.
+    /// of every item, and each later stage whose upstream has a current success
+    /// that did not stop the item.
     pub lost_stages: i64,
     /// Runs whose attempt history does not match the run: a missing attempt row, an
     /// attempt still `running` that is not the run's live attempt, or a `success`
@@ -62,61 +62,61 @@ WITH stage_order AS (
       FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
 ),
 expected AS (
-    SELECT a.tenant_id, a.id AS anfrage_id, o.stage
-      FROM anfragen a JOIN stage_order o ON o.pos = 1
+    SELECT a.tenant_id, a.id AS item_id, o.stage
+      FROM items a JOIN stage_order o ON o.pos = 1
     UNION ALL
-    SELECT u.tenant_id, u.anfrage_id, o.stage
-      FROM pipeline_runs u JOIN stage_order o ON o.upstream = u.stage
+    SELECT u.tenant_id, u.item_id, o.stage
+      FROM stage_runs u JOIN stage_order o ON o.upstream = u.stage
      WHERE u.success_attempt IS NOT NULL
        AND u.stopped_attempt IS DISTINCT FROM u.success_attempt
 ),
 open_stages AS (
     SELECT e.* FROM expected e
-      LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
+      LEFT JOIN stage_runs r USING (tenant_id, item_id, stage)
      WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
 )
-SELECT 'anfragen' AS k, (SELECT count(*) FROM anfragen) AS v
-UNION ALL SELECT 'anfragen_final',
-    (SELECT count(*) FROM anfragen a WHERE NOT EXISTS (
-        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.anfrage_id = a.id))
+SELECT 'items' AS k, (SELECT count(*) FROM items) AS v
+UNION ALL SELECT 'items_final',
+    (SELECT count(*) FROM items a WHERE NOT EXISTS (
+        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.item_id = a.id))
 UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
 UNION ALL SELECT 'retries',
-    (SELECT count(*) FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+    (SELECT count(*) FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
       WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
-UNION ALL SELECT 'fenced', (SELECT count(*) FROM pipeline_run_attempts WHERE outcome = 'fenced')
+UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
         SELECT input_hash, upstream_attempt,
                lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
                row_number() OVER w AS n
-          FROM pipeline_run_attempts WHERE outcome = 'success'
+          FROM stage_run_attempts WHERE outcome = 'success'
         WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
       WHERE n > 1 AND prev_hash = input_hash
         AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
 UNION ALL SELECT 'stale_lineage',
-    (SELECT count(*) FROM pipeline_runs d JOIN stage_order o ON o.stage = d.stage
+    (SELECT count(*) FROM stage_runs d JOIN stage_order o ON o.stage = d.stage
       WHERE d.status = 'success'
         AND (d.upstream_stage IS DISTINCT FROM o.upstream
              OR (d.upstream_stage IS NULL AND NOT EXISTS (
-                    SELECT 1 FROM anfragen a
-                     WHERE a.tenant_id = d.tenant_id AND a.id = d.anfrage_id
+                    SELECT 1 FROM items a
+                     WHERE a.tenant_id = d.tenant_id AND a.id = d.item_id
                        AND a.input_sha256 = d.input_hash))
              OR (d.upstream_stage IS NOT NULL AND NOT EXISTS (
-                    SELECT 1 FROM pipeline_runs u
-                     WHERE u.tenant_id = d.tenant_id AND u.anfrage_id = d.anfrage_id
+                    SELECT 1 FROM stage_runs u
+                     WHERE u.tenant_id = d.tenant_id AND u.item_id = d.item_id
                        AND u.stage = d.upstream_stage AND u.success_attempt = d.upstream_attempt))))
 UNION ALL SELECT 'attempt_history_errors',
-    (SELECT count(*) FROM pipeline_runs r
-      WHERE (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id) <> r.attempts
-         OR EXISTS (SELECT 1 FROM pipeline_run_attempts a
+    (SELECT count(*) FROM stage_runs r
+      WHERE (SELECT count(*) FROM stage_run_attempts a WHERE a.run_id = r.id) <> r.attempts
+         OR EXISTS (SELECT 1 FROM stage_run_attempts a
                      WHERE a.run_id = r.id AND a.outcome = 'running'
                        AND (a.attempt <> r.attempts OR r.status <> 'running'))
          OR (r.status = 'success' AND NOT EXISTS (
-                SELECT 1 FROM pipeline_run_attempts a
+                SELECT 1 FROM stage_run_attempts a
                  WHERE a.run_id = r.id AND a.attempt = r.success_attempt
                    AND a.outcome = 'success')))
 UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
-UNION ALL SELECT 'status:' || status, count(*) FROM pipeline_runs GROUP BY status
+UNION ALL SELECT 'status:' || status, count(*) FROM stage_runs GROUP BY status
 ";
 
 /// Reads the core's invariants for `pipeline`'s runs (one statement) on `conn`,
@@ -140,8 +140,8 @@ pub async fn check_pipeline(
     for Kv { k, v } in rows {
         let v = v.unwrap_or(0);
         match k.as_str() {
-            "anfragen" => check.anfragen = v,
-            "anfragen_final" => check.anfragen_final = v,
+            "items" => check.items = v,
+            "items_final" => check.items_final = v,
             "lost_stages" => check.lost_stages = v,
             "retries" => check.retries = v,
             "fenced" => check.fenced = v,
@@ -160,7 +160,7 @@ pub async fn check_pipeline(
 }
 
 impl Invariants {
-    /// The invariants that must hold once every anfrage is final (empty: all hold).
+    /// The invariants that must hold once every item is final (empty: all hold).
     pub fn violations(&self) -> Vec<String> {
         let mut v = Vec::new();
         let counts = [
@@ -180,19 +180,19 @@ impl Invariants {
                 v.push(format!("{n} {what}"));
             }
         }
-        if self.anfragen_final != self.anfragen {
+        if self.items_final != self.items {
             v.push(format!(
-                "{} of {} anfragen did not reach a final state",
-                self.anfragen - self.anfragen_final,
-                self.anfragen
+                "{} of {} items did not reach a final state",
+                self.items - self.items_final,
+                self.items
             ));
         }
         v
     }
 
-    /// Every anfrage final and no job left queued, retrying or active: the state
+    /// Every item final and no job left queued, retrying or active: the state
     /// in which a fault test checks [`violations`](Self::violations).
     pub fn is_quiet(&self) -> bool {
-        self.anfragen_final == self.anfragen && self.live_jobs == 0
+        self.items_final == self.items && self.live_jobs == 0
     }
 }

@@ -18,7 +18,7 @@ pub mod schema;
 mod stage;
 
 pub use check::{check_pipeline, Invariants};
-pub use stage::{anfrage_job, run_stage};
+pub use stage::{item_job, run_stage};
 
 use std::time::Duration;
 

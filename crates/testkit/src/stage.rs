@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use idemstage::{
-    AnfrageId, ExecutionOutcome, Executor, PgRunRepository, Pipeline, RepoError, StageJob,
-    TenantId, WorkerId,
+    ExecutionOutcome, Executor, ItemId, PgRunRepository, Pipeline, RepoError, StageJob, TenantId,
+    WorkerId,
 };
 
 use crate::TestDb;
@@ -17,7 +17,7 @@ use crate::TestDb;
 /// ```no_run
 /// # async fn demo(pipeline: idemstage::Pipeline, db: idemstage_testkit::TestDb) {
 /// let tenant = idemstage::TenantId::parse("acme").unwrap();
-/// let job = idemstage_testkit::anfrage_job(&db, &pipeline, &tenant, "scan of page 1").await;
+/// let job = idemstage_testkit::item_job(&db, &pipeline, &tenant, "scan of page 1").await;
 /// let outcome = idemstage_testkit::run_stage(&db, &pipeline, "ocr", &job).await.unwrap();
 /// assert!(matches!(outcome, idemstage::ExecutionOutcome::Succeeded { .. }));
 /// # }
@@ -37,24 +37,24 @@ pub async fn run_stage(
         .await
 }
 
-/// Registers a new anfrage of `tenant` with `input` in `db` (no job sent) and
+/// Registers a new item of `tenant` with `input` in `db` (no job sent) and
 /// returns the job of `pipeline`'s first stage for it, for [`run_stage`] (a later
-/// stage's job for the same anfrage is the same).
-pub async fn anfrage_job(
+/// stage's job for the same item is the same).
+pub async fn item_job(
     db: &TestDb,
     pipeline: &Pipeline,
     tenant: &TenantId,
     input: &str,
 ) -> StageJob {
-    let anfrage = AnfrageId::new();
+    let item = ItemId::new();
     let mut conn = db.conn().await;
-    let registered = idemstage::anfragen::register_anfrage(&mut conn, tenant, &anfrage, input)
+    let registered = idemstage::items::register_item(&mut conn, tenant, &item, input)
         .await
-        .expect("register the anfrage");
+        .expect("register the item");
     let _ = pipeline;
     StageJob {
         tenant_id: tenant.clone(),
-        anfrage_id: anfrage,
+        item_id: item,
         input_hash: registered.input_sha256().to_owned(),
     }
 }

@@ -3,7 +3,7 @@
 //! A team's invoice pipeline on idemstage, `parse → vendor → book`, each stage
 //! handing a typed value to the next:
 //!
-//! - [`Parse`] reads the anfrage's input text (an invoice as `key: value` lines,
+//! - [`Parse`] reads the item's input text (an invoice as `key: value` lines,
 //!   see [`parse_invoice`]) and hands on the [`ParsedInvoice`].
 //! - [`Vendor`] reads that invoice, asks the [`VendorDirectory`] (a stand-in for
 //!   a paid service) about its vendor in `prepare`, finds or creates the vendor's
@@ -46,9 +46,9 @@ pub mod schema {
     }
 
     diesel::table! {
-        invoices (tenant_id, anfrage_id) {
+        invoices (tenant_id, item_id) {
             tenant_id -> Text,
-            anfrage_id -> Text,
+            item_id -> Text,
             vendor_id -> Int8,
             number -> Text,
             total_cents -> Int8,
@@ -57,9 +57,9 @@ pub mod schema {
     }
 
     diesel::table! {
-        invoice_lines (tenant_id, anfrage_id, position) {
+        invoice_lines (tenant_id, item_id, position) {
             tenant_id -> Text,
-            anfrage_id -> Text,
+            item_id -> Text,
             position -> Int4,
             description -> Text,
             quantity -> Int8,
@@ -107,7 +107,7 @@ impl ParsedInvoice {
 /// What `vendor` hands on: the vendor's id (found or created), with the invoice.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Vendored {
-    /// The `vendors.id` of the invoice's vendor, in the anfrage's tenant.
+    /// The `vendors.id` of the invoice's vendor, in the item's tenant.
     pub vendor_id: i64,
     /// The invoice `parse` read.
     pub invoice: ParsedInvoice,
@@ -189,7 +189,7 @@ impl Stage for Parse {
     type Prepared = ParsedInvoice;
     type Output = ParsedInvoice;
 
-    /// A new text for the same anfrage is parsed again, and what follows runs
+    /// A new text for the same item is parsed again, and what follows runs
     /// again on it.
     fn policy(&self) -> StagePolicy {
         StagePolicy::default().with_on_input_change(InputChangePolicy::Rerun)
@@ -205,9 +205,9 @@ impl Stage for Parse {
         _text: &String,
         invoice: &ParsedInvoice,
     ) -> Result<Done<ParsedInvoice>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
+        let item = tx.token().item.to_string();
         tx.audit(
-            &anfrage,
+            &item,
             "invoice.parsed",
             json!({ "number": invoice.number, "lines": invoice.lines.len() }),
         )
@@ -340,21 +340,18 @@ impl Stage for Book {
         input: &Vendored,
         _: &(),
     ) -> Result<Done<Booked>, StageError> {
-        let (tenant, anfrage) = (
-            tx.token().tenant.to_string(),
-            tx.token().anfrage.to_string(),
-        );
+        let (tenant, item) = (tx.token().tenant.to_string(), tx.token().item.to_string());
         let total_cents = input.invoice.total_cents();
         // Written idempotently: a rerun (new input) books over the old invoice.
         diesel::insert_into(invoices::table)
             .values((
                 invoices::tenant_id.eq(&tenant),
-                invoices::anfrage_id.eq(&anfrage),
+                invoices::item_id.eq(&item),
                 invoices::vendor_id.eq(input.vendor_id),
                 invoices::number.eq(&input.invoice.number),
                 invoices::total_cents.eq(total_cents),
             ))
-            .on_conflict((invoices::tenant_id, invoices::anfrage_id))
+            .on_conflict((invoices::tenant_id, invoices::item_id))
             .do_update()
             .set((
                 invoices::vendor_id.eq(input.vendor_id),
@@ -372,7 +369,7 @@ impl Stage for Book {
             .map(|(line, position): (&Line, i32)| {
                 (
                     invoice_lines::tenant_id.eq(&tenant),
-                    invoice_lines::anfrage_id.eq(&anfrage),
+                    invoice_lines::item_id.eq(&item),
                     invoice_lines::position.eq(position),
                     invoice_lines::description.eq(&line.description),
                     invoice_lines::quantity.eq(line.quantity),
@@ -384,7 +381,7 @@ impl Stage for Book {
             diesel::delete(
                 invoice_lines::table
                     .filter(invoice_lines::tenant_id.eq(&tenant))
-                    .filter(invoice_lines::anfrage_id.eq(&anfrage)),
+                    .filter(invoice_lines::item_id.eq(&item)),
             ),
             diesel::insert_into(invoice_lines::table).values(lines),
         )

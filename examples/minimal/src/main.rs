@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run -p minimal-pipeline -- migrate
-//! cargo run -p minimal-pipeline -- enqueue --tenant acme --anfrage 01JDQ3W5AAAAAAAAAAAAAAAAAA --text world
+//! cargo run -p minimal-pipeline -- enqueue --tenant acme --item 01JDQ3W5AAAAAAAAAAAAAAAAAA --text world
 //! cargo run -p minimal-pipeline -- worker --allow-owner   # Ctrl-C to stop
 //! cargo run -p minimal-pipeline -- status
 //! ```
@@ -18,21 +18,21 @@ pub const MIGRATIONS: EmbeddedMigrations = idemstage::embed_migrations!("migrati
 
 // The Diesel schema of the table in `migrations/` (as `diesel print-schema` writes it).
 diesel::table! {
-    greetings (tenant_id, anfrage_id) {
+    greetings (tenant_id, item_id) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         greeting -> Text,
         created_at -> Timestamptz,
     }
 }
 
-/// The one stage: greets the anfrage's input and writes the greeting.
+/// The one stage: greets the item's input and writes the greeting.
 pub struct Greet;
 
 #[async_trait]
 impl Stage for Greet {
     const NAME: &'static str = "greet";
-    /// The first stage reads the anfrage's input text.
+    /// The first stage reads the item's input text.
     type Input = String;
     /// What `prepare` computes and `commit` writes.
     type Prepared = String;
@@ -57,14 +57,11 @@ impl Stage for Greet {
         _input: &String,
         greeting: &String,
     ) -> Result<Done<String>, StageError> {
-        let (tenant, anfrage) = (
-            tx.token().tenant.to_string(),
-            tx.token().anfrage.to_string(),
-        );
+        let (tenant, item) = (tx.token().tenant.to_string(), tx.token().item.to_string());
         diesel::insert_into(greetings::table)
             .values((
                 greetings::tenant_id.eq(tenant),
-                greetings::anfrage_id.eq(anfrage),
+                greetings::item_id.eq(item),
                 greetings::greeting.eq(greeting),
             ))
             .execute(tx.conn())

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use idemstage::diesel::{ExpressionMethods, QueryDsl};
 use idemstage::diesel_async::RunQueryDsl;
 use idemstage::{
-    start, AnfrageId, ExecutionOutcome, Executor, PgRunRepository, SkipReason, StageJob, TenantId,
+    start, ExecutionOutcome, Executor, ItemId, PgRunRepository, SkipReason, StageJob, TenantId,
     WorkerId,
 };
 use idemstage_testkit::TestDb;
@@ -23,15 +23,15 @@ async fn greet_writes_its_row_once() {
     let db = TestDb::with_migrations(vec![minimal::MIGRATIONS]).await;
     let pool = db.pool(4).await;
     let pipeline = minimal::pipeline();
-    let (tenant, anfrage) = (TenantId::parse("acme").unwrap(), AnfrageId::new());
+    let (tenant, item) = (TenantId::parse("acme").unwrap(), ItemId::new());
 
     // Register the input and send the first job, as `enqueue` does.
-    let started = start(&pool, &pipeline, &tenant, &anfrage, "world")
+    let started = start(&pool, &pipeline, &tenant, &item, "world")
         .await
         .unwrap();
     let job = StageJob {
         tenant_id: tenant.clone(),
-        anfrage_id: anfrage,
+        item_id: item,
         input_hash: started.registered.input_sha256().to_owned(),
     };
 
@@ -61,7 +61,7 @@ async fn greet_writes_its_row_once() {
     // superuser, which row-level security does not restrict).
     let mut conn = db.conn().await;
     let rows: Vec<(String, String)> = greetings::table
-        .filter(greetings::anfrage_id.eq(anfrage.to_string()))
+        .filter(greetings::item_id.eq(item.to_string()))
         .select((greetings::tenant_id, greetings::greeting))
         .load(&mut conn)
         .await

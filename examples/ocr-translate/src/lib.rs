@@ -5,15 +5,15 @@
 //! own tables ([`MIGRATIONS`]), its own Diesel schema ([`schema`]) and its own
 //! stages.
 //!
-//! - [`Ocr`] splits the anfrage's input text into pages (on blank lines and form
-//!   feeds), replaces the anfrage's `ocr_pages` with them, and hands the pages on
-//!   (its `Output`). Its policy is `Rerun`: the anfrage started again with another
+//! - [`Ocr`] splits the item's input text into pages (on blank lines and form
+//!   feeds), replaces the item's `ocr_pages` with them, and hands the pages on
+//!   (its `Output`). Its policy is `Rerun`: the item started again with another
 //!   text is OCRed again, and `translate` runs again once that succeeded.
 //! - [`Translate`] reads those pages as its `Input` (the output of the ocr
 //!   attempt its run is bound to, never a newer one) and writes one row of
 //!   `translations` per page (a deterministic stand-in for a translation:
 //!   [`translate_text`]). Which ocr attempt it read is the core's record
-//!   (`pipeline_runs.upstream_attempt`), not a column of the team's.
+//!   (`stage_runs.upstream_attempt`), not a column of the team's.
 //!
 //! Both write through the fenced transaction ([`idemstage::FencedTx`]): a page or
 //! translation exists only if the attempt that wrote it succeeded, and only the
@@ -28,8 +28,8 @@
 //! let pool = idemstage::connect_pool(url, Default::default()).await?;
 //! let pipeline = ocr_translate::pipeline();
 //! let tenant = idemstage::TenantId::parse("acme")?;
-//! let anfrage = idemstage::AnfrageId::new();
-//! idemstage::start(&pool, &pipeline, &tenant, &anfrage, "page one\n\npage two").await?;
+//! let item = idemstage::ItemId::new();
+//! idemstage::start(&pool, &pipeline, &tenant, &item, "page one\n\npage two").await?;
 //! // ... and a `PipelineWorker` over `pipeline` works it.
 //! # Ok(())
 //! # }
@@ -170,7 +170,7 @@ pub fn ocr_policy() -> StagePolicy {
     StagePolicy::default().with_on_input_change(InputChangePolicy::Rerun)
 }
 
-/// Stage 1: the anfrage's input text into `ocr_pages`.
+/// Stage 1: the item's input text into `ocr_pages`.
 pub struct Ocr {
     policy: StagePolicy,
     fault: Option<Fault>,
@@ -218,10 +218,10 @@ impl Stage for Ocr {
         _text: &String,
         pages: &Vec<String>,
     ) -> Result<Done<Vec<String>>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
+        let item = tx.token().item.to_string();
         let replaced = tx.replace_ocr_pages(pages).await?;
         tx.audit(
-            &anfrage,
+            &item,
             "ocr.pages",
             json!({ "pages": replaced.written, "replaced": replaced.deleted }),
         )
@@ -283,10 +283,10 @@ impl Stage for Translate {
         _pages: &Vec<String>,
         texts: &Vec<String>,
     ) -> Result<Done<usize>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
+        let item = tx.token().item.to_string();
         let replaced = tx.upsert_translations(texts).await?;
         tx.audit(
-            &anfrage,
+            &item,
             "translate.pages",
             json!({ "pages": replaced.written, "dropped": replaced.deleted }),
         )

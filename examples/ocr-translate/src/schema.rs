@@ -6,7 +6,7 @@ diesel::table! {
     ocr_pages (id) {
         id -> Text,
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         page -> Int4,
         text -> Text,
         created_at -> Timestamptz,
@@ -14,9 +14,9 @@ diesel::table! {
 }
 
 diesel::table! {
-    translations (tenant_id, anfrage_id, page) {
+    translations (tenant_id, item_id, page) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         page -> Int4,
         text -> Text,
         created_at -> Timestamptz,

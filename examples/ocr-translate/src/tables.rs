@@ -37,7 +37,7 @@ pub struct Translation {
 struct NewPage<'a> {
     id: String,
     tenant_id: &'a str,
-    anfrage_id: String,
+    item_id: String,
     page: i32,
     text: &'a str,
 }
@@ -46,7 +46,7 @@ struct NewPage<'a> {
 #[diesel(table_name = translations)]
 struct NewTranslation<'a> {
     tenant_id: &'a str,
-    anfrage_id: String,
+    item_id: String,
     page: i32,
     text: &'a str,
 }
@@ -54,19 +54,19 @@ struct NewTranslation<'a> {
 /// The ocr-translate tables, on the fenced transaction of one of its stages.
 #[async_trait]
 pub trait OcrTables {
-    /// DELETE-before-INSERT of the anfrage's `ocr_pages`: afterwards it has exactly
+    /// DELETE-before-INSERT of the item's `ocr_pages`: afterwards it has exactly
     /// `pages` (numbered from 1).
     async fn replace_ocr_pages(&mut self, pages: &[String]) -> Result<Replaced, RepoError>;
 
-    /// The anfrage's current ocr pages, in page order.
+    /// The item's current ocr pages, in page order.
     async fn ocr_pages(&mut self) -> Result<Vec<OcrPage>, RepoError>;
 
-    /// Per-row upsert of the anfrage's `translations` (`texts`, one per page,
+    /// Per-row upsert of the item's `translations` (`texts`, one per page,
     /// numbered from 1), then a delete of those past the new set: afterwards it
     /// has exactly these pages.
     async fn upsert_translations(&mut self, texts: &[String]) -> Result<Replaced, RepoError>;
 
-    /// The anfrage's translations, in page order.
+    /// The item's translations, in page order.
     async fn translations(&mut self) -> Result<Vec<Translation>, RepoError>;
 }
 
@@ -81,7 +81,7 @@ impl OcrTables for FencedTx<'_> {
             .map(|(text, page)| NewPage {
                 id: RowId::new().to_string(),
                 tenant_id: token.tenant.as_str(),
-                anfrage_id: token.anfrage.to_string(),
+                item_id: token.item.to_string(),
                 page,
                 text,
             })
@@ -89,7 +89,7 @@ impl OcrTables for FencedTx<'_> {
         let delete = diesel::delete(
             p::ocr_pages
                 .filter(p::tenant_id.eq(token.tenant.as_str()))
-                .filter(p::anfrage_id.eq(token.anfrage.to_string())),
+                .filter(p::item_id.eq(token.item.to_string())),
         );
         let insert = diesel::insert_into(p::ocr_pages).values(rows);
         self.replace_children(delete, insert).await
@@ -100,7 +100,7 @@ impl OcrTables for FencedTx<'_> {
         let token = self.token().clone();
         p::ocr_pages
             .filter(p::tenant_id.eq(token.tenant.as_str()))
-            .filter(p::anfrage_id.eq(token.anfrage.to_string()))
+            .filter(p::item_id.eq(token.item.to_string()))
             .order(p::page)
             .select(OcrPage::as_select())
             .load(self.conn())
@@ -115,7 +115,7 @@ impl OcrTables for FencedTx<'_> {
         let delete_rest = diesel::delete(
             t::translations
                 .filter(t::tenant_id.eq(token.tenant.as_str()))
-                .filter(t::anfrage_id.eq(token.anfrage.to_string()))
+                .filter(t::item_id.eq(token.item.to_string()))
                 .filter(diesel::dsl::not(t::page.eq_any(keep))),
         );
         if texts.is_empty() {
@@ -134,14 +134,14 @@ impl OcrTables for FencedTx<'_> {
             .zip(1..)
             .map(|(text, page)| NewTranslation {
                 tenant_id: token.tenant.as_str(),
-                anfrage_id: token.anfrage.to_string(),
+                item_id: token.item.to_string(),
                 page,
                 text,
             })
             .collect();
         let upsert = diesel::insert_into(t::translations)
             .values(rows)
-            .on_conflict((t::tenant_id, t::anfrage_id, t::page))
+            .on_conflict((t::tenant_id, t::item_id, t::page))
             .do_update()
             .set((
                 t::text.eq(excluded(t::text)),
@@ -155,7 +155,7 @@ impl OcrTables for FencedTx<'_> {
         let token = self.token().clone();
         t::translations
             .filter(t::tenant_id.eq(token.tenant.as_str()))
-            .filter(t::anfrage_id.eq(token.anfrage.to_string()))
+            .filter(t::item_id.eq(token.item.to_string()))
             .order(t::page)
             .select(Translation::as_select())
             .load(self.conn())

@@ -14,15 +14,15 @@ mod bound;
 /// What the database says about a run of the example pipeline, read after the fact.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PipelineCheck {
-    /// Anfragen registered.
-    pub anfragen: i64,
-    /// Anfragen whose every expected stage is final (success, dead or cancelled).
-    pub anfragen_final: i64,
+    /// Items registered.
+    pub items: i64,
+    /// Items whose every expected stage is final (success, dead or cancelled).
+    pub items_final: i64,
     /// `feasibility_results` rows that say feasible.
     pub feasible: i64,
     /// `feasibility_results` rows that say infeasible.
     pub infeasible: i64,
-    /// `pipeline_runs` counted by status.
+    /// `stage_runs` counted by status.
     pub runs_by_status: BTreeMap<String, i64>,
     /// Runs with status `success`.
     pub stages_succeeded: i64,
@@ -35,7 +35,7 @@ pub struct PipelineCheck {
     /// rerun on new input, or on a new upstream success, is not a double execution.
     pub double_executions: i64,
     /// Successful runs not computed from their upstream's current successful attempt
-    /// (or, for the first stage, from the anfrage's stored input), or from another
+    /// (or, for the first stage, from the item's stored input), or from another
     /// stage than the one before them (must be 0).
     pub stale_lineage: i64,
     /// Current results of extract, feasibility and calculate that differ from what
@@ -88,21 +88,21 @@ WITH stage_order(stage, upstream) AS (
            ('calculate', 'feasibility')
 ),
 expected AS (
-    SELECT a.tenant_id, a.id AS anfrage_id, 'intake' AS stage FROM anfragen a
+    SELECT a.tenant_id, a.id AS item_id, 'intake' AS stage FROM items a
     UNION ALL
-    SELECT u.tenant_id, u.anfrage_id, o.stage
-      FROM pipeline_runs u JOIN stage_order o ON o.upstream = u.stage
+    SELECT u.tenant_id, u.item_id, o.stage
+      FROM stage_runs u JOIN stage_order o ON o.upstream = u.stage
      WHERE u.success_attempt IS NOT NULL AND o.stage <> 'calculate'
     UNION ALL
-    SELECT f.tenant_id, f.anfrage_id, 'calculate'
+    SELECT f.tenant_id, f.item_id, 'calculate'
       FROM feasibility_results f
-      JOIN pipeline_runs r ON r.tenant_id = f.tenant_id AND r.anfrage_id = f.anfrage_id
+      JOIN stage_runs r ON r.tenant_id = f.tenant_id AND r.item_id = f.item_id
                           AND r.stage = 'feasibility' AND r.success_attempt = f.attempt
      WHERE f.feasible
 ),
 open_stages AS (
     SELECT e.* FROM expected e
-      LEFT JOIN pipeline_runs r USING (tenant_id, anfrage_id, stage)
+      LEFT JOIN stage_runs r USING (tenant_id, item_id, stage)
      WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
 ),
 -- The attempt whose writes stand: the current success, or for a run invalidated
@@ -110,46 +110,46 @@ open_stages AS (
 success_attempt AS (
     SELECT r.id AS run_id,
            coalesce(r.success_attempt,
-                    (SELECT max(a.attempt) FROM pipeline_run_attempts a
+                    (SELECT max(a.attempt) FROM stage_run_attempts a
                       WHERE a.run_id = r.id AND a.outcome = 'success')) AS attempt
-      FROM pipeline_runs r
+      FROM stage_runs r
 ),
 -- Every attempt that succeeded: the audit log is append-only, so the entries (and
 -- files) of an earlier lineage's success stay, and are no foreign writes.
 succeeded AS (
-    SELECT run_id, attempt FROM pipeline_run_attempts WHERE outcome = 'success'
+    SELECT run_id, attempt FROM stage_run_attempts WHERE outcome = 'success'
 )
-SELECT 'anfragen' AS k, (SELECT count(*) FROM anfragen) AS v
-UNION ALL SELECT 'anfragen_final',
-    (SELECT count(*) FROM anfragen a WHERE NOT EXISTS (
-        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.anfrage_id = a.id))
+SELECT 'items' AS k, (SELECT count(*) FROM items) AS v
+UNION ALL SELECT 'items_final',
+    (SELECT count(*) FROM items a WHERE NOT EXISTS (
+        SELECT 1 FROM open_stages o WHERE o.tenant_id = a.tenant_id AND o.item_id = a.id))
 UNION ALL SELECT 'feasible', (SELECT count(*) FROM feasibility_results WHERE feasible)
 UNION ALL SELECT 'infeasible', (SELECT count(*) FROM feasibility_results WHERE NOT feasible)
 UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
 UNION ALL SELECT 'retries',
-    (SELECT count(*) FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
+    (SELECT count(*) FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
       WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
-UNION ALL SELECT 'fenced', (SELECT count(*) FROM pipeline_run_attempts WHERE outcome = 'fenced')
+UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
         SELECT input_hash, upstream_attempt,
                lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
                row_number() OVER w AS n
-          FROM pipeline_run_attempts WHERE outcome = 'success'
+          FROM stage_run_attempts WHERE outcome = 'success'
         WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
       WHERE n > 1 AND prev_hash = input_hash
         AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
 UNION ALL SELECT 'stale_lineage',
-    (SELECT count(*) FROM pipeline_runs d JOIN stage_order o ON o.stage = d.stage
+    (SELECT count(*) FROM stage_runs d JOIN stage_order o ON o.stage = d.stage
       WHERE d.status = 'success'
         AND (d.upstream_stage IS DISTINCT FROM o.upstream
              OR (d.upstream_stage IS NULL AND NOT EXISTS (
-                    SELECT 1 FROM anfragen a
-                     WHERE a.tenant_id = d.tenant_id AND a.id = d.anfrage_id
+                    SELECT 1 FROM items a
+                     WHERE a.tenant_id = d.tenant_id AND a.id = d.item_id
                        AND a.input_sha256 = d.input_hash))
              OR (d.upstream_stage IS NOT NULL AND NOT EXISTS (
-                    SELECT 1 FROM pipeline_runs u
-                     WHERE u.tenant_id = d.tenant_id AND u.anfrage_id = d.anfrage_id
+                    SELECT 1 FROM stage_runs u
+                     WHERE u.tenant_id = d.tenant_id AND u.item_id = d.item_id
                        AND u.stage = d.upstream_stage AND u.success_attempt = d.upstream_attempt))))
 UNION ALL SELECT 'foreign_writes',
     (SELECT count(*) FROM anfrage_extraktionen x
@@ -168,28 +168,28 @@ UNION ALL SELECT 'orphan_files',
         SELECT 1 FROM audit_log l JOIN succeeded s ON s.run_id = l.run_id AND s.attempt = l.attempt
          WHERE l.entity_id = d.id AND l.action IN ('datei.created', 'datei.reused')))
 UNION ALL SELECT 'missing_audit',
-    (SELECT count(*) FROM pipeline_runs r
+    (SELECT count(*) FROM stage_runs r
       WHERE r.status = 'success' AND r.stage IN ('intake', 'extract', 'calculate')
         AND NOT EXISTS (SELECT 1 FROM audit_log l
                          WHERE l.run_id = r.id AND l.attempt = r.success_attempt
-                           AND l.action = CASE r.stage WHEN 'intake' THEN 'anfrage.intake'
-                                                       WHEN 'extract' THEN 'anfrage.extracted'
-                                                       ELSE 'anfrage.calculated' END))
+                           AND l.action = CASE r.stage WHEN 'intake' THEN 'item.intake'
+                                                       WHEN 'extract' THEN 'item.extracted'
+                                                       ELSE 'item.calculated' END))
 UNION ALL SELECT 'attempt_history_errors',
-    (SELECT count(*) FROM pipeline_runs r
-      WHERE (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id) <> r.attempts
-         OR EXISTS (SELECT 1 FROM pipeline_run_attempts a
+    (SELECT count(*) FROM stage_runs r
+      WHERE (SELECT count(*) FROM stage_run_attempts a WHERE a.run_id = r.id) <> r.attempts
+         OR EXISTS (SELECT 1 FROM stage_run_attempts a
                      WHERE a.run_id = r.id AND a.outcome = 'running'
                        AND (a.attempt <> r.attempts OR r.status <> 'running'))
          OR (r.status = 'success' AND NOT EXISTS (
-                SELECT 1 FROM pipeline_run_attempts a
+                SELECT 1 FROM stage_run_attempts a
                  WHERE a.run_id = r.id AND a.attempt = r.success_attempt
                    AND a.outcome = 'success')))
 UNION ALL SELECT 'abandoned',
-    (SELECT count(*) FROM pipeline_run_attempts WHERE outcome IN ('fenced', 'abandoned'))
+    (SELECT count(*) FROM stage_run_attempts WHERE outcome IN ('fenced', 'abandoned'))
 UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
 UNION ALL SELECT 'failed_jobs', (SELECT count(*) FROM jobs WHERE state = 'failed')
-UNION ALL SELECT 'status:' || status, count(*) FROM pipeline_runs GROUP BY status
+UNION ALL SELECT 'status:' || status, count(*) FROM stage_runs GROUP BY status
 ";
 
 /// Runs the checker (one statement) on `conn`, which must see every tenant's rows
@@ -205,8 +205,8 @@ pub async fn check_example_pipeline(
     for Kv { k, v } in rows {
         let v = v.unwrap_or(0);
         match k.as_str() {
-            "anfragen" => check.anfragen = v,
-            "anfragen_final" => check.anfragen_final = v,
+            "items" => check.items = v,
+            "items_final" => check.items_final = v,
             "feasible" => check.feasible = v,
             "infeasible" => check.infeasible = v,
             "lost_stages" => check.lost_stages = v,
@@ -234,7 +234,7 @@ pub async fn check_example_pipeline(
 }
 
 impl PipelineCheck {
-    /// The invariants that must hold once every anfrage is final.
+    /// The invariants that must hold once every item is final.
     pub fn violations(&self) -> Vec<String> {
         let mut v = Vec::new();
         if self.double_executions != 0 {
@@ -261,11 +261,11 @@ impl PipelineCheck {
         if self.lost_stages != 0 {
             v.push(format!("{} lost stages", self.lost_stages));
         }
-        if self.anfragen_final != self.anfragen {
+        if self.items_final != self.items {
             v.push(format!(
-                "{} of {} anfragen did not reach a final state",
-                self.anfragen - self.anfragen_final,
-                self.anfragen
+                "{} of {} items did not reach a final state",
+                self.items - self.items_final,
+                self.items
             ));
         }
         if self.dangling_audit != 0 {
@@ -295,9 +295,9 @@ impl PipelineCheck {
         v
     }
 
-    /// Every anfrage final and no job left queued, retrying or active: the state in
+    /// Every item final and no job left queued, retrying or active: the state in
     /// which fault tests check `violations()`.
     pub fn is_quiet(&self) -> bool {
-        self.anfragen_final == self.anfragen && self.live_jobs == 0
+        self.items_final == self.items && self.live_jobs == 0
     }
 }

@@ -3,14 +3,17 @@
 //! The seed's example pipeline, `intake → extract → feasibility → calculate`: the
 //! library's first user, written the way a team outside our crates writes a
 //! pipeline, on nothing of ours but the facade `idemstage`. Deterministic and
-//! offline: the "LLM" is a line parser over the anfrage's text.
+//! offline: the "LLM" is a line parser over the item's text.
+//! The seed calls an item an *Anfrage* (a customer's request); its German words
+//! (`dateien`, `anfrage_extraktionen`, Stk) stay in this crate, the core's are
+//! generic (`ItemId`, `items`, `stage_runs`).
 //!
-//! - [`Intake`] stores the anfrage's input as a `dateien` row (insert-or-get) and
+//! - [`Intake`] stores the item's input as a `dateien` row (insert-or-get) and
 //!   audits it.
-//! - [`Extract`] replaces the anfrage's `anfrage_extraktionen`
+//! - [`Extract`] replaces the item's `anfrage_extraktionen`
 //!   ([`extract_positions`]).
 //! - [`Feasibility`] records whether every position can be priced
-//!   ([`feasibility_reasons`]) and stops the anfrage if not.
+//!   ([`feasibility_reasons`]) and stops the item if not.
 //! - [`Calculate`] prices the positions ([`price_positions`]).
 //!
 //! Its tables are written through [`ExampleTables`], an extension trait on the
@@ -27,8 +30,8 @@
 //! let pool = idemstage::connect_pool(url, Default::default()).await?;
 //! let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
 //! let tenant = idemstage::TenantId::parse("acme")?;
-//! let anfrage = idemstage::AnfrageId::new();
-//! idemstage::start(&pool, &pipeline, &tenant, &anfrage, "10 Stk Schrauben").await?;
+//! let item = idemstage::ItemId::new();
+//! idemstage::start(&pool, &pipeline, &tenant, &item, "10 Stk Schrauben").await?;
 //! // ... and a `PipelineWorker` over `pipeline` works it.
 //! # Ok(())
 //! # }

@@ -8,7 +8,7 @@ diesel::table! {
     anfrage_extraktionen (id) {
         id -> Text,
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         position_index -> Int4,
         description -> Text,
         quantity -> Nullable<Float8>,
@@ -20,9 +20,9 @@ diesel::table! {
 }
 
 diesel::table! {
-    calculation_results (tenant_id, anfrage_id) {
+    calculation_results (tenant_id, item_id) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         total_cents -> Int8,
         currency -> Text,
         lines -> Jsonb,
@@ -36,7 +36,7 @@ diesel::table! {
     dateien (id) {
         id -> Text,
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         sha256 -> Text,
         s3_key -> Text,
         size_bytes -> Int8,
@@ -45,9 +45,9 @@ diesel::table! {
 }
 
 diesel::table! {
-    feasibility_results (tenant_id, anfrage_id) {
+    feasibility_results (tenant_id, item_id) {
         tenant_id -> Text,
-        anfrage_id -> Text,
+        item_id -> Text,
         feasible -> Bool,
         reasons -> Jsonb,
         run_id -> Text,

@@ -61,7 +61,7 @@ impl Chaos {
     }
 }
 
-/// Cents per unit; a unit not listed here makes an anfrage infeasible.
+/// Cents per unit; a unit not listed here makes an item infeasible.
 pub const PRICES: &[(&str, i64)] = &[
     ("stk", 150),
     ("m", 320),
@@ -139,11 +139,11 @@ impl Named {
     }
 }
 
-/// Stage 1: stores the anfrage's input as a `dateien` row (insert-or-get) and audits it.
+/// Stage 1: stores the item's input as a `dateien` row (insert-or-get) and audits it.
 pub struct Intake(Named);
-/// Stage 2: replaces the anfrage's extracted positions (`extract_positions`).
+/// Stage 2: replaces the item's extracted positions (`extract_positions`).
 pub struct Extract(Named);
-/// Stage 3: records whether every position can be priced; stops the anfrage if not.
+/// Stage 3: records whether every position can be priced; stops the item if not.
 pub struct Feasibility(Named);
 /// Stage 4: prices the positions (`price_positions`); an overflow fails permanently.
 pub struct Calculate(Named);
@@ -180,7 +180,7 @@ named_stage!(Calculate);
 #[async_trait]
 impl Stage for Intake {
     const NAME: &'static str = "intake";
-    // Reads its input inside the fenced transaction (`tx.anfrage_text()`, the
+    // Reads its input inside the fenced transaction (`tx.item_text()`, the
     // bound text), where it writes: one statement there, instead of a read of
     // its own before `prepare`, which has nothing to do with it.
     type Input = ();
@@ -191,10 +191,10 @@ impl Stage for Intake {
         self.0.chaos.prepare_delay().await
     }
     async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
-        let text = tx.anfrage_text().await?;
+        let item = tx.token().item.to_string();
+        let text = tx.item_text().await?;
         let sha = idemstage::input_hash_of(text.as_bytes());
-        let s3_key = format!("anfragen/{}/{anfrage}/input.txt", tx.token().tenant);
+        let s3_key = format!("items/{}/{item}/input.txt", tx.token().tenant);
         // Insert-or-get; its audit entry names the id that exists.
         let datei = tx
             .insert_or_get_datei(&sha, &s3_key, text.len() as i64)
@@ -202,8 +202,8 @@ impl Stage for Intake {
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("intake")?;
         tx.audit(
-            &anfrage,
-            "anfrage.intake",
+            &item,
+            "item.intake",
             json!({ "datei_id": datei.id.to_string() }),
         )
         .await?;
@@ -240,9 +240,9 @@ impl Stage for Extract {
         let Some(llm) = &self.0.llm else {
             return Ok(None);
         };
-        let text = ctx.anfrage_text().await?;
+        let text = ctx.item_text().await?;
         let at = ctx.attempt();
-        Ok(Some(llm.extract(&at.tenant, &at.anfrage, &text).await?))
+        Ok(Some(llm.extract(&at.tenant, &at.item, &text).await?))
     }
     async fn commit(
         &self,
@@ -250,12 +250,12 @@ impl Stage for Extract {
         _: &(),
         answer: &Option<Vec<Extraktion>>,
     ) -> Result<Done<()>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
+        let item = tx.token().item.to_string();
         let parsed;
         let positions = match answer {
             Some(positions) => positions,
             None => {
-                parsed = extract_positions(&tx.anfrage_text().await?);
+                parsed = extract_positions(&tx.item_text().await?);
                 &parsed
             }
         };
@@ -264,8 +264,8 @@ impl Stage for Extract {
         // A crash after the paid call: the next attempt reuses its answer.
         self.0.chaos.maybe_crash("extract")?;
         tx.audit(
-            &anfrage,
-            "anfrage.extracted",
+            &item,
+            "item.extracted",
             json!({ "positions": positions.len() }),
         )
         .await?;
@@ -282,7 +282,7 @@ fn show_quantity(q: f64) -> String {
     }
 }
 
-/// Why an anfrage cannot be priced, one reason per problem.
+/// Why an item cannot be priced, one reason per problem.
 pub fn feasibility_reasons(positions: &[Extraktion]) -> Vec<String> {
     if positions.is_empty() {
         return vec!["no positions found".into()];
@@ -344,7 +344,7 @@ impl Stage for Calculate {
         self.0.chaos.prepare_delay().await
     }
     async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
+        let item = tx.token().item.to_string();
         let positions = tx.extraktionen().await?;
         // The same input fails the same way on every attempt: permanent.
         let (total, lines) =
@@ -352,12 +352,8 @@ impl Stage for Calculate {
         tx.put_calculation(total, json!(lines)).await?;
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("calculate")?;
-        tx.audit(
-            &anfrage,
-            "anfrage.calculated",
-            json!({ "total_cents": total }),
-        )
-        .await?;
+        tx.audit(&item, "item.calculated", json!({ "total_cents": total }))
+            .await?;
         Ok(Done::next(()))
     }
 }

@@ -14,7 +14,7 @@ use idemstage::{
 
 use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibility_results};
 
-/// One extracted position (a child row of an anfrage). Serialized as the LLM
+/// One extracted position (a child row of an item). Serialized as the LLM
 /// service sends it (the quantity as a string, so that any f64 survives).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(
@@ -22,7 +22,7 @@ use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibil
     try_from = "crate::llm::WirePosition"
 )]
 pub struct Extraktion {
-    /// The position's number in the anfrage, from 0.
+    /// The position's number in the item, from 0.
     pub position_index: i32,
     /// What is asked for (at most 500 characters).
     pub description: String,
@@ -46,7 +46,7 @@ pub struct DateiRef {
 struct NewExtraktion<'a> {
     id: String,
     tenant_id: &'a str,
-    anfrage_id: String,
+    item_id: String,
     position_index: i32,
     description: &'a str,
     quantity: Option<f64>,
@@ -64,7 +64,7 @@ fn extraktion_rows<'a>(token: &'a ClaimToken, rows: &'a [Extraktion]) -> Vec<New
         .map(|r| NewExtraktion {
             id: RowId::new().to_string(),
             tenant_id: token.tenant.as_str(),
-            anfrage_id: token.anfrage.to_string(),
+            item_id: token.item.to_string(),
             position_index: r.position_index,
             description: &r.description,
             quantity: r.quantity,
@@ -80,7 +80,7 @@ fn extraktion_rows<'a>(token: &'a ClaimToken, rows: &'a [Extraktion]) -> Vec<New
 pub async fn insert_or_get_datei(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage_id: &str,
+    item_id: &str,
     sha256: &str,
     s3_key: &str,
     size_bytes: i64,
@@ -88,7 +88,7 @@ pub async fn insert_or_get_datei(
     let found = insert_or_get(
         conn,
         &format!("dateien ({tenant}, {sha256}, {s3_key})"),
-        || insert_datei(tenant, anfrage_id, sha256, s3_key, size_bytes),
+        || insert_datei(tenant, item_id, sha256, s3_key, size_bytes),
         || select_datei(tenant, sha256, s3_key),
     )
     .await?;
@@ -97,7 +97,7 @@ pub async fn insert_or_get_datei(
 
 fn insert_datei<'a>(
     tenant: &'a TenantId,
-    anfrage_id: &'a str,
+    item_id: &'a str,
     sha256: &'a str,
     s3_key: &'a str,
     size_bytes: i64,
@@ -107,7 +107,7 @@ fn insert_datei<'a>(
         .values((
             d::id.eq(RowId::new().to_string()),
             d::tenant_id.eq(tenant.as_str()),
-            d::anfrage_id.eq(anfrage_id),
+            d::item_id.eq(item_id),
             d::sha256.eq(sha256),
             d::s3_key.eq(s3_key),
             d::size_bytes.eq(size_bytes),
@@ -141,13 +141,13 @@ fn datei_ref(found: InsertOrGet<String>) -> Result<DateiRef, RepoError> {
 /// The example's writes, on the fenced transaction of one of its stages.
 #[async_trait]
 pub trait ExampleTables {
-    /// DELETE-before-INSERT of the anfrage's `anfrage_extraktionen`.
+    /// DELETE-before-INSERT of the item's `anfrage_extraktionen`.
     async fn replace_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError>;
 
     /// The per-row upsert variant: same end state as `replace_extraktionen`.
     async fn upsert_extraktionen(&mut self, rows: &[Extraktion]) -> Result<Replaced, RepoError>;
 
-    /// Insert-or-get of the anfrage's input file, with an audit entry naming the id
+    /// Insert-or-get of the item's input file, with an audit entry naming the id
     /// that exists (`datei.created` or `datei.reused`).
     async fn insert_or_get_datei(
         &mut self,
@@ -156,21 +156,21 @@ pub trait ExampleTables {
         size_bytes: i64,
     ) -> Result<DateiRef, RepoError>;
 
-    /// Upserts the anfrage's `feasibility_results` row.
+    /// Upserts the item's `feasibility_results` row.
     async fn put_feasibility(
         &mut self,
         feasible: bool,
         reasons: serde_json::Value,
     ) -> Result<(), RepoError>;
 
-    /// Upserts the anfrage's `calculation_results` row.
+    /// Upserts the item's `calculation_results` row.
     async fn put_calculation(
         &mut self,
         total_cents: i64,
         lines: serde_json::Value,
     ) -> Result<(), RepoError>;
 
-    /// The anfrage's extracted positions, in order.
+    /// The item's extracted positions, in order.
     async fn extraktionen(&mut self) -> Result<Vec<Extraktion>, RepoError>;
 }
 
@@ -182,7 +182,7 @@ impl ExampleTables for FencedTx<'_> {
         let delete = diesel::delete(
             ae::anfrage_extraktionen
                 .filter(ae::tenant_id.eq(token.tenant.as_str()))
-                .filter(ae::anfrage_id.eq(token.anfrage.to_string())),
+                .filter(ae::item_id.eq(token.item.to_string())),
         );
         // In chunks: one INSERT of an input's every line broke the protocol's
         // 65,535 bind parameters from 7,282 lines on (issue 29).
@@ -200,7 +200,7 @@ impl ExampleTables for FencedTx<'_> {
         let delete_rest = diesel::delete(
             ae::anfrage_extraktionen
                 .filter(ae::tenant_id.eq(token.tenant.as_str()))
-                .filter(ae::anfrage_id.eq(token.anfrage.to_string()))
+                .filter(ae::item_id.eq(token.item.to_string()))
                 .filter(diesel::dsl::not(ae::position_index.eq_any(keep))),
         );
         // No rows: no upsert statement, only the delete.
@@ -210,7 +210,7 @@ impl ExampleTables for FencedTx<'_> {
             |chunk| {
                 diesel::insert_into(ae::anfrage_extraktionen)
                     .values(extraktion_rows(&token, chunk))
-                    .on_conflict((ae::tenant_id, ae::anfrage_id, ae::position_index))
+                    .on_conflict((ae::tenant_id, ae::item_id, ae::position_index))
                     .do_update()
                     .set((
                         ae::description.eq(excluded(ae::description)),
@@ -232,13 +232,13 @@ impl ExampleTables for FencedTx<'_> {
         size_bytes: i64,
     ) -> Result<DateiRef, RepoError> {
         let token = self.token().clone();
-        let anfrage_id = token.anfrage.to_string();
+        let item_id = token.item.to_string();
         let found = self
             .insert_or_get_audited(
                 &format!("dateien ({}, {sha256}, {s3_key})", token.tenant),
                 ("datei.created", "datei.reused"),
                 serde_json::json!({ "sha256": sha256, "s3_key": s3_key }),
-                || insert_datei(&token.tenant, &anfrage_id, sha256, s3_key, size_bytes),
+                || insert_datei(&token.tenant, &item_id, sha256, s3_key, size_bytes),
                 || select_datei(&token.tenant, sha256, s3_key),
             )
             .await?;
@@ -255,13 +255,13 @@ impl ExampleTables for FencedTx<'_> {
         diesel::insert_into(f::feasibility_results)
             .values((
                 f::tenant_id.eq(token.tenant.as_str()),
-                f::anfrage_id.eq(token.anfrage.to_string()),
+                f::item_id.eq(token.item.to_string()),
                 f::feasible.eq(feasible),
                 f::reasons.eq(&reasons),
                 f::run_id.eq(token.run_id.to_string()),
                 f::attempt.eq(token.attempt),
             ))
-            .on_conflict((f::tenant_id, f::anfrage_id))
+            .on_conflict((f::tenant_id, f::item_id))
             .do_update()
             .set((
                 f::feasible.eq(feasible),
@@ -285,13 +285,13 @@ impl ExampleTables for FencedTx<'_> {
         diesel::insert_into(c::calculation_results)
             .values((
                 c::tenant_id.eq(token.tenant.as_str()),
-                c::anfrage_id.eq(token.anfrage.to_string()),
+                c::item_id.eq(token.item.to_string()),
                 c::total_cents.eq(total_cents),
                 c::lines.eq(&lines),
                 c::run_id.eq(token.run_id.to_string()),
                 c::attempt.eq(token.attempt),
             ))
-            .on_conflict((c::tenant_id, c::anfrage_id))
+            .on_conflict((c::tenant_id, c::item_id))
             .do_update()
             .set((
                 c::total_cents.eq(total_cents),
@@ -310,7 +310,7 @@ impl ExampleTables for FencedTx<'_> {
         let token = self.token().clone();
         let rows: Vec<(i32, String, Option<f64>, Option<String>)> = ae::anfrage_extraktionen
             .filter(ae::tenant_id.eq(token.tenant.as_str()))
-            .filter(ae::anfrage_id.eq(token.anfrage.to_string()))
+            .filter(ae::item_id.eq(token.item.to_string()))
             .order(ae::position_index)
             .select((ae::position_index, ae::description, ae::quantity, ae::unit))
             .load(self.conn())

@@ -17,7 +17,7 @@ pub struct PauseArgs {
     /// The stage (its queue)
     #[arg(long)]
     stage: String,
-    /// Only this tenant's jobs of the stage (a tenant with an anfrage)
+    /// Only this tenant's jobs of the stage (a tenant with an item)
     #[arg(long)]
     tenant: Option<String>,
     /// Who is pausing or resuming, for the record of control changes (default:
@@ -34,7 +34,7 @@ pub struct LimitArgs {
     /// The stage (its queue)
     #[arg(long)]
     stage: String,
-    /// The limits of one tenant with an anfrage (else of the whole stage)
+    /// The limits of one tenant with an item (else of the whole stage)
     #[arg(long, conflicts_with = "every_tenant")]
     tenant: Option<String>,
     /// The limits each tenant has unless it has its own

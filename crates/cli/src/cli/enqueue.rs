@@ -1,4 +1,4 @@
-//! `idemstage enqueue`: register an anfrage and send the job of its pipeline's first stage, atomically.
+//! `idemstage enqueue`: register an item and send the job of its pipeline's first stage, atomically.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -6,10 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use diesel_async::AsyncConnection;
-use idemstage::anfragen::{validate_input, MAX_INPUT_BYTES};
+use idemstage::items::{validate_input, MAX_INPUT_BYTES};
 use idemstage::runs::TxError;
 use idemstage::{first_job, start_in, Pipeline};
-use idemstage::{AnfrageId, SendResult, TenantId};
+use idemstage::{ItemId, SendResult, TenantId};
 
 use super::BadInput;
 
@@ -19,13 +19,13 @@ pub struct Args {
     /// Tenant slug, e.g. acme-gmbh
     #[arg(long)]
     tenant: String,
-    /// Anfrage id: a ULID chosen by the caller
+    /// Item id: a ULID chosen by the caller
     #[arg(long)]
-    anfrage: String,
-    /// The anfrage's text
+    item: String,
+    /// The item's text
     #[arg(long)]
     text: Option<String>,
-    /// Read the anfrage's text from this file (UTF-8)
+    /// Read the item's text from this file (UTF-8)
     #[arg(long)]
     file: Option<PathBuf>,
 }
@@ -56,18 +56,18 @@ fn read_input(args: &Args) -> anyhow::Result<String> {
 pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Result<ExitCode> {
     // Everything is validated before the first connection: bad input writes nothing.
     let tenant = TenantId::parse(&args.tenant)?;
-    let anfrage = AnfrageId::parse(&args.anfrage)?;
+    let item = ItemId::parse(&args.item)?;
     let text = read_input(&args)?;
     validate_input(&text)?;
     let mut conn = db.connect().await?;
-    // The same input again for an anfrage whose first stage already succeeded on
+    // The same input again for an item whose first stage already succeeded on
     // it: a send would make a job that only finds the stage done. Nothing is sent.
     let hash = idemstage::input_hash_of(text.as_bytes());
-    let first_stage = first_job(&pipeline, tenant.clone(), anfrage, hash.clone()).queue;
-    if first_stage_succeeded(&mut conn, &tenant, &anfrage, &first_stage, &hash).await? {
+    let first_stage = first_job(&pipeline, tenant.clone(), item, hash.clone()).queue;
+    if first_stage_succeeded(&mut conn, &tenant, &item, &first_stage, &hash).await? {
         println!("finished");
         eprintln!(
-            "anfrage {anfrage} of tenant {tenant}: stage {first_stage} already succeeded on this \
+            "item {item} of tenant {tenant}: stage {first_stage} already succeeded on this \
              input; nothing was sent"
         );
         return Ok(ExitCode::SUCCESS);
@@ -76,7 +76,7 @@ pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Resu
         .transaction::<_, TxError, _>(async |conn| {
             // Another input than the stored one is refused under `Reject` (the
             // default) and replaces it under `Rerun`, with the send, atomically.
-            Ok(start_in(conn, &pipeline, &tenant, &anfrage, &text).await?)
+            Ok(start_in(conn, &pipeline, &tenant, &item, &text).await?)
         })
         .await
         .map_err(|e| e.into_repo())
@@ -86,7 +86,7 @@ pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Resu
         SendResult::Duplicate => {
             println!("duplicate");
             eprintln!(
-                "anfrage {anfrage} of tenant {tenant}: a job for stage {first_stage} is live \
+                "item {item} of tenant {tenant}: a job for stage {first_stage} is live \
                  already; no job was sent"
             );
         }
@@ -94,23 +94,23 @@ pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Resu
     Ok(ExitCode::SUCCESS)
 }
 
-/// Whether `stage` of the anfrage succeeded on the input `input_hash` (read in the
+/// Whether `stage` of the item succeeded on the input `input_hash` (read in the
 /// tenant's scope, as any role may).
 async fn first_stage_succeeded(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     stage: &str,
     input_hash: &str,
 ) -> anyhow::Result<bool> {
     use diesel::prelude::*;
     use diesel_async::RunQueryDsl;
-    use idemstage::schema::pipeline_runs::dsl as r;
-    let anfrage_id = anfrage.to_string();
+    use idemstage::schema::stage_runs::dsl as r;
+    let item_id = item.to_string();
     let found = idemstage::tenant_transaction(conn, tenant, async |conn| {
-        r::pipeline_runs
+        r::stage_runs
             .filter(r::tenant_id.eq(tenant.as_str()))
-            .filter(r::anfrage_id.eq(&anfrage_id))
+            .filter(r::item_id.eq(&item_id))
             .filter(r::stage.eq(stage))
             .filter(r::input_hash.eq(input_hash))
             .filter(r::status.eq(idemstage::RunStatus::Success.as_str()))

@@ -1,6 +1,6 @@
 //! What a command checks about a stage or a tenant it names before it writes (or
 //! filters) anything: the stage is one of the pipeline's, the tenant has
-//! registered an anfrage. The console decides the same way (404), so a typo
+//! registered an item. The console decides the same way (404), so a typo
 //! changes nothing on either: a control row for `extrakt`, or for a tenant that
 //! does not exist, would be written and pause nobody.
 
@@ -19,9 +19,9 @@ pub enum Unknown {
         /// The pipeline's stages, in order, for the message.
         stages: String,
     },
-    /// No anfrage of this tenant is registered.
+    /// No item of this tenant is registered.
     #[error(
-        "unknown tenant {0}: it has no anfragen (a tenant is known from its first anfrage on); \
+        "unknown tenant {0}: it has no items (a tenant is known from its first item on); \
          nothing was changed"
     )]
     Tenant(TenantId),
@@ -45,8 +45,8 @@ pub(crate) fn stage(pipeline: &Pipeline, name: &str) -> anyhow::Result<StageName
     Ok(stage)
 }
 
-/// Refuses a tenant without anfragen. Checked before the write, in a statement of
-/// its own: anfragen are never deleted, so a tenant known here stays known.
+/// Refuses a tenant without items. Checked before the write, in a statement of
+/// its own: items are never deleted, so a tenant known here stays known.
 pub(crate) async fn tenant(conn: &mut AsyncPgConnection, tenant: &TenantId) -> anyhow::Result<()> {
     if idemstage::report::tenant_exists(conn, tenant).await? {
         Ok(())

@@ -102,7 +102,7 @@ pub fn exit_code_for(e: &anyhow::Error) -> ExitCode {
         if let Some(repo) = cause.downcast_ref::<RepoError>() {
             return match repo {
                 RepoError::Invalid(_)
-                | RepoError::AnfrageNotFound { .. }
+                | RepoError::ItemNotFound { .. }
                 | RepoError::TenantMismatch { .. }
                 | RepoError::InputChanged { .. } => ExitCode::from(2),
                 RepoError::Unavailable(_) => ExitCode::from(3),

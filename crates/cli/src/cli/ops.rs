@@ -6,19 +6,19 @@ use std::process::ExitCode;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::ops::{
-    self, Actor, AnfrageTimeline, CancelOutcome, CancelledFrom, DeadFilter, RetryOutcome,
+    self, Actor, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RetryOutcome,
 };
 use idemstage::Pipeline;
-use idemstage::{AnfrageId, SendResult, StageName, TenantId};
+use idemstage::{ItemId, SendResult, StageName, TenantId};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
     /// Tenant slug
     #[arg(long)]
     tenant: String,
-    /// Anfrage id (ULID)
+    /// Item id (ULID)
     #[arg(long)]
-    anfrage: String,
+    item: String,
     /// One JSON object instead of text
     #[arg(long)]
     json: bool,
@@ -29,10 +29,10 @@ pub struct RetryArgs {
     /// Tenant slug
     #[arg(long)]
     tenant: String,
-    /// Anfrage id (ULID)
+    /// Item id (ULID)
     #[arg(long)]
-    anfrage: String,
-    /// Only this stage (default: every dead stage of the anfrage)
+    item: String,
+    /// Only this stage (default: every dead stage of the item)
     #[arg(long)]
     stage: Option<String>,
     /// Who is retrying, for the audit log (default: $USER, else the database user)
@@ -48,9 +48,9 @@ pub struct CancelArgs {
     /// Tenant slug
     #[arg(long)]
     tenant: String,
-    /// Anfrage id (ULID)
+    /// Item id (ULID)
     #[arg(long)]
-    anfrage: String,
+    item: String,
     /// Who is cancelling, for the audit log (default: $USER, else the database user)
     #[arg(long)]
     actor: Option<String>,
@@ -77,8 +77,8 @@ pub struct DeadArgs {
 
 /// The ids of a command, checked before the first connection: bad input writes
 /// nothing.
-fn ids(tenant: &str, anfrage: &str) -> anyhow::Result<(TenantId, AnfrageId)> {
-    Ok((TenantId::parse(tenant)?, AnfrageId::parse(anfrage)?))
+fn ids(tenant: &str, item: &str) -> anyhow::Result<(TenantId, ItemId)> {
+    Ok((TenantId::parse(tenant)?, ItemId::parse(item)?))
 }
 
 /// `--actor`, else `$USER`, else the database's `current_user`.
@@ -111,10 +111,10 @@ pub async fn inspect(
     args: InspectArgs,
     team: Pipeline,
 ) -> anyhow::Result<ExitCode> {
-    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let (tenant, item) = ids(&args.tenant, &args.item)?;
     let pipeline = team;
     let mut conn = db.connect().await?;
-    let mut timeline = ops::inspect(&mut conn, &tenant, &anfrage).await?;
+    let mut timeline = ops::inspect(&mut conn, &tenant, &item).await?;
     // In the pipeline's order; a stage the pipeline does not know last.
     let order = |s: &StageName| {
         pipeline
@@ -140,10 +140,10 @@ pub async fn inspect(
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
+fn print_timeline(t: &ItemTimeline, pipeline: &Pipeline) {
     println!(
-        "anfrage {} of tenant {} (input sha256 {}, registered {})",
-        t.anfrage, t.tenant, t.input_sha256, t.created_at
+        "item {} of tenant {} (input sha256 {}, registered {})",
+        t.item, t.tenant, t.input_sha256, t.created_at
     );
     for run in &t.stages {
         let upstream = match (&run.upstream_stage, run.upstream_attempt) {
@@ -210,7 +210,7 @@ fn print_timeline(t: &AnfrageTimeline, pipeline: &Pipeline) {
 }
 
 pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
-    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let (tenant, item) = ids(&args.tenant, &args.item)?;
     let pipeline = team;
     let stage = args
         .stage
@@ -220,19 +220,11 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
-    let outcome = ops::retry(
-        &mut conn,
-        &tenant,
-        &anfrage,
-        stage.as_ref(),
-        &actor,
-        &pipeline,
-    )
-    .await?;
+    let outcome = ops::retry(&mut conn, &tenant, &item, stage.as_ref(), &actor, &pipeline).await?;
     if args.json {
         let mut value = serde_json::to_value(&outcome)?;
         value["tenant"] = serde_json::json!(tenant);
-        value["anfrage"] = serde_json::json!(anfrage);
+        value["item"] = serde_json::json!(item);
         value["actor"] = serde_json::json!(actor);
         println!("{value}");
     } else {
@@ -244,7 +236,7 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
                         SendResult::Duplicate => "its live job".into(),
                     };
                     println!(
-                        "retried {} of anfrage {anfrage}: attempts {}/{}, {job}",
+                        "retried {} of item {item}: attempts {}/{}, {job}",
                         s.stage, s.attempts, s.max_attempts
                     );
                 }
@@ -257,7 +249,7 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
                 status.map_or("-".into(), |s| s.to_string())
             ),
             RetryOutcome::NothingToRetry { stage: None, .. } => {
-                println!("nothing to retry: anfrage {anfrage} has no dead stage")
+                println!("nothing to retry: item {item} has no dead stage")
             }
         }
     }
@@ -265,15 +257,15 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
 }
 
 pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode> {
-    let (tenant, anfrage) = ids(&args.tenant, &args.anfrage)?;
+    let (tenant, item) = ids(&args.tenant, &args.item)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
     let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
-    let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &actor).await?;
+    let outcome = ops::cancel(&mut conn, &tenant, &item, &actor).await?;
     if args.json {
         let mut value = serde_json::to_value(&outcome)?;
         value["tenant"] = serde_json::json!(tenant);
-        value["anfrage"] = serde_json::json!(anfrage);
+        value["item"] = serde_json::json!(item);
         value["actor"] = serde_json::json!(actor);
         println!("{value}");
     } else {
@@ -300,7 +292,7 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
                 }
             }
             CancelOutcome::NothingToCancel => {
-                println!("nothing to cancel: every stage of anfrage {anfrage} is final")
+                println!("nothing to cancel: every stage of item {item} is final")
             }
         }
     }
@@ -330,13 +322,13 @@ pub async fn dead(db: &super::Db, args: DeadArgs, team: Pipeline) -> anyhow::Res
     } else {
         println!(
             "{:<16} {:<26} {:<14} {:>8}  last error",
-            "tenant", "anfrage", "stage", "attempts"
+            "tenant", "item", "stage", "attempts"
         );
         for d in &letters.stages {
             println!(
                 "{:<16} {:<26} {:<14} {:>8}  {}",
                 d.tenant.as_str(),
-                d.anfrage.to_string(),
+                d.item.to_string(),
                 d.stage.as_str(),
                 format!("{}/{}", d.attempts, d.max_attempts),
                 d.last_error.as_deref().unwrap_or("-")
@@ -346,11 +338,11 @@ pub async fn dead(db: &super::Db, args: DeadArgs, team: Pipeline) -> anyhow::Res
             println!("\nfailed jobs:");
             for j in &letters.jobs {
                 println!(
-                    "{} {:<14} tenant {} anfrage {} retries {}: {}",
+                    "{} {:<14} tenant {} item {} retries {}: {}",
                     j.id,
                     j.queue,
                     j.tenant.as_deref().unwrap_or("-"),
-                    j.anfrage.as_deref().unwrap_or("-"),
+                    j.item.as_deref().unwrap_or("-"),
                     j.retry_count,
                     j.last_error.as_deref().unwrap_or("-")
                 );

@@ -11,10 +11,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::anfragen::register_anfrage;
+use idemstage::items::register_item;
 use idemstage::Counters;
 use idemstage::{first_job, Done, Pipeline, PrepareContext, Stage};
-use idemstage::{input_hash_of, AnfrageId, JobId, SendOptions, StageError, StagePolicy, TenantId};
+use idemstage::{input_hash_of, ItemId, JobId, SendOptions, StageError, StagePolicy, TenantId};
 use serde_json::{json, Value};
 
 use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
@@ -30,7 +30,7 @@ struct JobRow {
 }
 
 /// Labelled with the tenant its payload names, if that is a slug: the database
-/// refuses a job labelled otherwise (migration `000200`).
+/// refuses a job labelled otherwise (the baseline migration).
 async fn insert_job(conn: &mut AsyncPgConnection, queue: &str, payload: Value) -> JobId {
     let id = JobId::new();
     diesel::sql_query(
@@ -78,13 +78,13 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
     let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let t1 = TenantId::parse("t1").unwrap();
-    // Another tenant's anfrage, that a crafted payload names.
-    let foreign = AnfrageId::new();
-    register_anfrage(&mut conn, &t1, &foreign, "1 Stk Foreign")
+    // Another tenant's item, that a crafted payload names.
+    let foreign = ItemId::new();
+    register_item(&mut conn, &t1, &foreign, "1 Stk Foreign")
         .await
         .unwrap();
     let hash = input_hash_of(b"1 Stk Foreign");
-    let good = |tenant: Value, anfrage: Value, hash: Value| json!({ "tenant_id": tenant, "anfrage_id": anfrage, "input_hash": hash });
+    let good = |tenant: Value, item: Value, hash: Value| json!({ "tenant_id": tenant, "item_id": item, "input_hash": hash });
     let mut nested = json!("t1");
     for _ in 0..300 {
         nested = json!([nested]);
@@ -97,18 +97,18 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
         ("empty object", json!({}), "missing field"),
         (
             "unknown field",
-            json!({ "tenant_id": "t1", "anfrage_id": foreign.to_string(), "input_hash": hash, "stage": "calculate" }),
+            json!({ "tenant_id": "t1", "item_id": foreign.to_string(), "input_hash": hash, "stage": "calculate" }),
             "unknown field",
         ),
         (
             "id not a ULID",
             good(json!("t1"), json!("not-a-ulid"), json!(hash)),
-            "invalid anfrage id",
+            "invalid item id",
         ),
         (
-            "SQL in the anfrage id",
+            "SQL in the item id",
             good(json!("t1"), json!("'; DROP TABLE jobs;--"), json!(hash)),
-            "invalid anfrage id",
+            "invalid item id",
         ),
         (
             "SQL in the tenant id",
@@ -125,9 +125,9 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
             "invalid tenant id",
         ),
         (
-            "very long anfrage id",
+            "very long item id",
             good(json!("t1"), json!(long), json!(hash)),
-            "invalid anfrage id",
+            "invalid item id",
         ),
         (
             "oversized payload (2 MiB hash)",
@@ -144,16 +144,12 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
             "job payload cannot be decoded",
         ),
         (
-            "unknown anfrage",
-            good(
-                json!("t1"),
-                json!(AnfrageId::new().to_string()),
-                json!(hash),
-            ),
+            "unknown item",
+            good(json!("t1"), json!(ItemId::new().to_string()), json!(hash)),
             "not found for tenant t1",
         ),
         (
-            "another tenant's anfrage",
+            "another tenant's item",
             good(json!("t2"), json!(foreign.to_string()), json!(hash)),
             "not found for tenant t2",
         ),
@@ -197,17 +193,17 @@ async fn malformed_and_hostile_job_payloads_fail_clearly_and_harm_nothing() {
     .await;
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
     assert_eq!(job(&mut conn, stray).await.state, "created");
-    // No run exists for anything but the good anfragen: no crafted job got as far
+    // No run exists for anything but the good items: no crafted job got as far
     // as a claim.
-    assert_eq!(count(&mut conn, "SELECT 1 FROM pipeline_runs").await, 16);
+    assert_eq!(count(&mut conn, "SELECT 1 FROM stage_runs").await, 16);
     assert_eq!(check.failed_jobs, cases.len() as i64);
-    for (tenant, anfrage) in &keys {
+    for (tenant, item) in &keys {
         assert_eq!(
             count(
                 &mut conn,
                 &format!(
-                    "SELECT 1 FROM pipeline_runs WHERE tenant_id = '{tenant}' \
-                     AND anfrage_id = '{anfrage}' AND status = 'success'"
+                    "SELECT 1 FROM stage_runs WHERE tenant_id = '{tenant}' \
+                     AND item_id = '{item}' AND status = 'success'"
                 )
             )
             .await,
@@ -222,21 +218,21 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
     let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
+    let item = ItemId::new();
     let text = "1 Stk x\n".repeat(200_000); // 1.6 MB, past the 1 MiB limit
     let hash = input_hash_of(text.as_bytes());
     diesel::sql_query(
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
          VALUES ($1, $2, $3, $4, 'by-hand')",
     )
     .bind::<Text, _>(tenant.as_str())
-    .bind::<Text, _>(anfrage.to_string())
+    .bind::<Text, _>(item.to_string())
     .bind::<Text, _>(&text)
     .bind::<Text, _>(&hash)
     .execute(&mut conn)
     .await
     .unwrap();
-    let job = first_job(&support::pipeline(), tenant.clone(), anfrage, hash);
+    let job = first_job(&support::pipeline(), tenant.clone(), item, hash);
     idemstage::queue::send_in(&mut conn, &job).await.unwrap();
     let worker = start_pipeline_worker(
         db.pool(10).await,
@@ -260,7 +256,7 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
         #[diesel(sql_type = Nullable<Text>)]
         last_error: Option<String>,
     }
-    let run: Run = diesel::sql_query("SELECT status, last_error FROM pipeline_runs")
+    let run: Run = diesel::sql_query("SELECT status, last_error FROM stage_runs")
         .get_result(&mut conn)
         .await
         .unwrap();
@@ -274,14 +270,11 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
     assert_eq!(count(&mut conn, "SELECT 1 FROM dateien").await, 0);
     // Good work still goes through.
     support::enqueue(db.url(), 1).await;
-    support::wait_until(db.url(), "good anfrage done", 60, |c| {
-        c.stages_succeeded == 4
-    })
-    .await;
+    support::wait_until(db.url(), "good item done", 60, |c| c.stages_succeeded == 4).await;
     stop_pipeline_worker(worker).await;
 }
 
-/// A stage whose body misbehaves depending on the anfrage's text: `boom` panics
+/// A stage whose body misbehaves depending on the item's text: `boom` panics
 /// (inside the fenced transaction, after a write), `hang` never returns from
 /// `prepare`, `hangtx` never returns inside the fenced transaction after a write;
 /// anything else succeeds with an audit entry.
@@ -310,14 +303,14 @@ impl Stage for Probe {
         text: &String,
         _: &(),
     ) -> Result<Done<()>, StageError> {
-        let anfrage = tx.token().anfrage.to_string();
-        tx.audit(&anfrage, "probe.started", json!({})).await?;
+        let item = tx.token().item.to_string();
+        tx.audit(&item, "probe.started", json!({})).await?;
         match text.as_str() {
             "boom" => panic!("probe body exploded"),
             "hangtx" => std::future::pending::<()>().await,
             _ => {}
         }
-        tx.audit(&anfrage, "probe.done", json!({})).await?;
+        tx.audit(&item, "probe.done", json!({})).await?;
         Ok(Done::next(()))
     }
 }
@@ -342,20 +335,20 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         )
         .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
-    let mut anfragen = Vec::new();
+    let mut items = Vec::new();
     for text in ["boom", "hang", "hangtx", "fine"] {
-        let anfrage = AnfrageId::new();
-        register_anfrage(&mut conn, &tenant, &anfrage, text)
+        let item = ItemId::new();
+        register_item(&mut conn, &tenant, &item, text)
             .await
             .unwrap();
         let job = first_job(
             &pipeline,
             tenant.clone(),
-            anfrage,
+            item,
             input_hash_of(text.as_bytes()),
         );
         idemstage::queue::send_in(&mut conn, &job).await.unwrap();
-        anfragen.push((text, anfrage));
+        items.push((text, item));
     }
     let worker = start_pipeline_worker(
         db.pool(6).await,
@@ -374,13 +367,13 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         last_error: Option<String>,
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    for (text, anfrage) in &anfragen {
+    for (text, item) in &items {
         let want = if *text == "fine" { "success" } else { "dead" };
         let run = loop {
             let run: Option<Run> = diesel::sql_query(
-                "SELECT status, attempts, last_error FROM pipeline_runs WHERE anfrage_id = $1",
+                "SELECT status, attempts, last_error FROM stage_runs WHERE item_id = $1",
             )
-            .bind::<Text, _>(anfrage.to_string())
+            .bind::<Text, _>(item.to_string())
             .get_result(&mut conn)
             .await
             .ok();
@@ -403,7 +396,7 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
             assert_eq!(run.attempts, 2, "{text}: {run:?}");
         }
     }
-    // The failed attempts wrote nothing: only the fine anfrage's two entries exist.
+    // The failed attempts wrote nothing: only the fine item's two entries exist.
     assert_eq!(count(&mut conn, "SELECT 1 FROM audit_log").await, 2);
     // The dead runs' jobs failed for good; the worker still works.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -419,23 +412,21 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
         .get_result(&mut conn)
         .await
         .unwrap();
-    let anfrage = AnfrageId::new();
-    register_anfrage(&mut conn, &tenant, &anfrage, "fine again")
+    let item = ItemId::new();
+    register_item(&mut conn, &tenant, &item, "fine again")
         .await
         .unwrap();
     let job = first_job(
         &pipeline,
         tenant.clone(),
-        anfrage,
+        item,
         input_hash_of(b"fine again"),
     );
     idemstage::queue::send_in(&mut conn, &job).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while count(
         &mut conn,
-        &format!(
-            "SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{anfrage}' AND status = 'success'"
-        ),
+        &format!("SELECT 1 FROM stage_runs WHERE item_id = '{item}' AND status = 'success'"),
     )
     .await
         == 0
@@ -589,7 +580,7 @@ async fn a_worker_on_a_role_that_can_make_itself_the_owner_refuses_to_start() {
     use diesel_async::SimpleAsyncConnection;
     let db = idemstage_harness::example::db().await;
     let mut admin = db.conn().await;
-    let suffix = idemstage::AnfrageId::new().to_string().to_lowercase();
+    let suffix = idemstage::ItemId::new().to_string().to_lowercase();
     let (createrole, db_owner) = (
         format!("idemstage_t_cr_{suffix}"),
         format!("idemstage_t_do_{suffix}"),

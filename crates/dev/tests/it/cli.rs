@@ -22,27 +22,21 @@ async fn rows(db: &TestDb) -> i64 {
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    diesel::sql_query("SELECT (SELECT count(*) FROM anfragen) + (SELECT count(*) FROM jobs) AS n")
+    diesel::sql_query("SELECT (SELECT count(*) FROM items) + (SELECT count(*) FROM jobs) AS n")
         .get_result::<N>(&mut db.conn().await)
         .await
         .unwrap()
         .n
 }
 
-const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
+const ITEM: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
-/// `idemstage enqueue` of anfrage `ANFRAGE` with a one-line input for `tenant`.
+/// `idemstage enqueue` of item `ITEM` with a one-line input for `tenant`.
 fn enqueue(db: &TestDb, tenant: &str) -> Output {
     idemstage(
         db,
         &[
-            "enqueue",
-            "--tenant",
-            tenant,
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
+            "enqueue", "--tenant", tenant, "--item", ITEM, "--text", "1 Stk",
         ],
     )
 }
@@ -67,56 +61,49 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
         nul.to_str().unwrap().to_owned(),
         missing.to_str().unwrap().to_owned(),
     );
-    let lowercase = ANFRAGE.to_lowercase();
+    let lowercase = ITEM.to_lowercase();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
+            vec!["--tenant", "Acme GmbH", "--item", ITEM, "--text", "1 Stk"],
+            "invalid tenant id",
+        ),
+        (
             vec![
                 "--tenant",
-                "Acme GmbH",
-                "--anfrage",
-                ANFRAGE,
+                "t1'; DROP TABLE items;--",
+                "--item",
+                ITEM,
                 "--text",
                 "1 Stk",
             ],
             "invalid tenant id",
         ),
         (
-            vec![
-                "--tenant",
-                "t1'; DROP TABLE anfragen;--",
-                "--anfrage",
-                ANFRAGE,
-                "--text",
-                "1 Stk",
-            ],
-            "invalid tenant id",
+            vec!["--tenant", "t1", "--item", "12345", "--text", "1 Stk"],
+            "invalid item id",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", "12345", "--text", "1 Stk"],
-            "invalid anfrage id",
+            vec!["--tenant", "t1", "--item", &lowercase, "--text", "1 Stk"],
+            "invalid item id",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", &lowercase, "--text", "1 Stk"],
-            "invalid anfrage id",
-        ),
-        (
-            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &missing],
+            vec!["--tenant", "t1", "--item", ITEM, "--file", &missing],
             "cannot read",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--text", "  \n "],
+            vec!["--tenant", "t1", "--item", ITEM, "--text", "  \n "],
             "input is empty",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &big],
+            vec!["--tenant", "t1", "--item", ITEM, "--file", &big],
             "larger than the limit",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &binary],
+            vec!["--tenant", "t1", "--item", ITEM, "--file", &binary],
             "not UTF-8",
         ),
         (
-            vec!["--tenant", "t1", "--anfrage", ANFRAGE, "--file", &nul],
+            vec!["--tenant", "t1", "--item", ITEM, "--file", &nul],
             "NUL byte",
         ),
     ];
@@ -135,7 +122,7 @@ async fn bad_input_gets_a_clear_error_a_nonzero_exit_and_writes_nothing() {
     }
     assert_eq!(rows(&db).await, 0, "bad input wrote something");
 
-    // An anfrage id of another tenant: refused, and the first tenant's data stays.
+    // An item id of another tenant: refused, and the first tenant's data stays.
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
     assert_eq!(rows(&db).await, 2);
@@ -181,17 +168,17 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
     assert_eq!(rows(&db).await, 2);
 }
 
-/// The demo's verdict covers every row, so on a database with other anfragen (and
+/// The demo's verdict covers every row, so on a database with other items (and
 /// no "demo" in its name, which it would empty) it refuses to start.
 #[tokio::test]
-async fn demo_refuses_a_database_that_holds_other_anfragen() {
+async fn demo_refuses_a_database_that_holds_other_items() {
     let db = idemstage_harness::example::db().await;
     let ok = enqueue(&db, "t1");
     assert!(ok.status.success());
-    let out = idemstage(&db, &["demo", "--anfragen", "1"]);
+    let out = idemstage(&db, &["demo", "--items", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("already holds 1 anfragen"), "{stderr}");
+    assert!(stderr.contains("already holds 1 items"), "{stderr}");
     assert_eq!(rows(&db).await, 2, "the demo touched the database");
 }
 
@@ -260,11 +247,11 @@ fn ulid_like() -> String {
     )
 }
 
-/// Item 8: `enqueue` of a registered anfrage with *other* text used to exit 0 and
+/// Item 8: `enqueue` of a registered item with *other* text used to exit 0 and
 /// send a job carrying the new hash while the stored text stayed the old one. The
 /// example's first stage rejects input changes: exit 2, and nothing changes.
 #[tokio::test]
-async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
+async fn enqueue_with_other_text_for_a_registered_item_is_refused() {
     let db = idemstage_harness::example::db().await;
     let first = enqueue(&db, "t1");
     assert!(first.status.success(), "{first:?}");
@@ -277,13 +264,7 @@ async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
     let changed = idemstage(
         &db,
         &[
-            "enqueue",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "2 Stk",
+            "enqueue", "--tenant", "t1", "--item", ITEM, "--text", "2 Stk",
         ],
     );
     assert_eq!(changed.status.code(), Some(2), "{changed:?}");
@@ -295,7 +276,7 @@ async fn enqueue_with_other_text_for_a_registered_anfrage_is_refused() {
         #[diesel(sql_type = diesel::sql_types::Text)]
         input_text: String,
     }
-    let stored: Text = diesel::sql_query("SELECT input_text FROM anfragen")
+    let stored: Text = diesel::sql_query("SELECT input_text FROM items")
         .get_result(&mut db.conn().await)
         .await
         .unwrap();
@@ -316,17 +297,11 @@ fn json_of(out: &Output) -> serde_json::Value {
 #[tokio::test]
 async fn pause_resume_and_limit_set_the_stage_controls() {
     let db = TestDb::new().await;
-    // A tenant is known (may be paused) once it has an anfrage.
+    // A tenant is known (may be paused) once it has an item.
     let acme = idemstage(
         &db,
         &[
-            "enqueue",
-            "--tenant",
-            "acme",
-            "--anfrage",
-            ANFRAGE,
-            "--text",
-            "1 Stk",
+            "enqueue", "--tenant", "acme", "--item", ITEM, "--text", "1 Stk",
         ],
     );
     assert!(acme.status.success(), "{acme:?}");
@@ -420,11 +395,11 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
     );
 }
 
-/// `enqueue` of an anfrage whose first stage already succeeded on the same input
+/// `enqueue` of an item whose first stage already succeeded on the same input
 /// printed a fresh job id (of a job that only found the stage done). It says
 /// `finished` now, and sends nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn enqueue_of_a_finished_anfrage_says_it_is_finished_not_a_job_id() {
+async fn enqueue_of_a_finished_item_says_it_is_finished_not_a_job_id() {
     use std::sync::Arc;
     let db = idemstage_harness::example::db().await;
     let first = enqueue(&db, "t1");

@@ -20,7 +20,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use idemstage::PgRunRepository;
 use idemstage::{
     runs::{ClaimOutcome, ClaimRequest},
-    AnfrageId, ClaimToken, StageName, StagePolicy, TenantId, WorkerId,
+    ClaimToken, ItemId, StageName, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_testkit::{count, TestDb};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -141,7 +141,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
         s: String,
     }
     diesel::sql_query(
-        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM pipeline_runs r), '')
+        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
              || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              || coalesce((SELECT string_agg(c::text, '|' ORDER BY queue, scope) FROM queue_controls c), '')
@@ -153,24 +153,24 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     .s
 }
 
-/// Done anfragen of t1 (two) and t2 (one), worked to success by an in-process
+/// Done items of t1 (two) and t2 (one), worked to success by an in-process
 /// worker, and one of t2 whose intake died (one attempt, failed for good).
 /// Returns the dead one's id.
-async fn small_pipeline_run(db: &TestDb) -> AnfrageId {
+async fn small_pipeline_run(db: &TestDb) -> ItemId {
     let mut conn = db.conn().await;
     let (t1, t2) = (
         TenantId::parse("t1").unwrap(),
         TenantId::parse("t2").unwrap(),
     );
     for (i, tenant) in [&t1, &t1, &t2].into_iter().enumerate() {
-        send(&mut conn, tenant, AnfrageId::new(), &text(i)).await;
+        send(&mut conn, tenant, ItemId::new(), &text(i)).await;
     }
-    let dying = AnfrageId::new();
+    let dying = ItemId::new();
     send(&mut conn, &t2, dying, &text(7)).await;
     let repo = PgRunRepository::new(db.pool(2).await);
     let req = ClaimRequest {
         tenant: t2.clone(),
-        anfrage: dying,
+        item: dying,
         stage: StageName::parse("intake").unwrap(),
         input_hash: idemstage::input_hash_of(text(7).as_bytes()),
         worker: WorkerId::generate(),
@@ -186,7 +186,7 @@ async fn small_pipeline_run(db: &TestDb) -> AnfrageId {
     let token = ClaimToken {
         run_id,
         tenant: t2,
-        anfrage: dying,
+        item: dying,
         stage: req.stage.clone(),
         attempt,
     };
@@ -259,7 +259,7 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
     )
     .await;
     assert_eq!(status, 401);
-    let retry_body = format!("tenant=t2&anfrage={dying_s}&stage=intake");
+    let retry_body = format!("tenant=t2&item={dying_s}&stage=intake");
     let (status, ..) = http(addr, "POST", "/actions/retry", &[], &retry_body).await;
     assert_eq!(status, 401);
 
@@ -336,51 +336,51 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
         #[derive(diesel::QueryableByName)]
         struct A {
             #[diesel(sql_type = diesel::sql_types::Text)]
-            anfrage_id: String,
+            item_id: String,
         }
         diesel::sql_query(
-            "SELECT anfrage_id FROM pipeline_runs WHERE tenant_id = 't1' AND stage = 'intake' LIMIT 1",
+            "SELECT item_id FROM stage_runs WHERE tenant_id = 't1' AND stage = 'intake' LIMIT 1",
         )
         .get_result::<A>(&mut conn)
         .await
         .unwrap()
-        .anfrage_id
+        .item_id
     };
-    let unknown = AnfrageId::new().to_string();
+    let unknown = ItemId::new().to_string();
     let csrf = format!("&csrf={session_csrf}");
     let long = "a".repeat(3000);
     for (method, target, body, want, message) in [
         (
             "GET",
-            "/anfrage?tenant=t1&anfrage=nope".to_owned(),
+            "/item?tenant=t1&item=nope".to_owned(),
             String::new(),
             400,
-            "invalid anfrage id",
+            "invalid item id",
         ),
         (
             "GET",
-            "/anfrage?tenant=T%201&anfrage=".to_owned() + &done,
+            "/item?tenant=T%201&item=".to_owned() + &done,
             String::new(),
             400,
             "invalid tenant id",
         ),
         (
             "GET",
-            "/anfrage?tenant=t1".to_owned(),
+            "/item?tenant=t1".to_owned(),
             String::new(),
             400,
-            "both the tenant and the anfrage",
+            "both the tenant and the item",
         ),
         (
             "GET",
-            format!("/anfrage?tenant=t2&anfrage={done}"),
+            format!("/item?tenant=t2&item={done}"),
             String::new(),
             404,
             "not found for tenant t2",
         ),
         (
             "GET",
-            format!("/anfrage?tenant=t1&anfrage={unknown}"),
+            format!("/item?tenant=t1&item={unknown}"),
             String::new(),
             404,
             "not found for tenant t1",
@@ -390,7 +390,7 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
             "/dead?tenant=nobody".to_owned(),
             String::new(),
             404,
-            "has no anfragen",
+            "has no items",
         ),
         (
             "GET",
@@ -416,28 +416,28 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
         (
             "POST",
             "/actions/retry".to_owned(),
-            format!("tenant=t1&anfrage={done}&stage=intake{csrf}"),
+            format!("tenant=t1&item={done}&stage=intake{csrf}"),
             409,
             "cannot be retried: it succeeded",
         ),
         (
             "POST",
             "/actions/retry".to_owned(),
-            format!("tenant=t1&anfrage={unknown}{csrf}"),
+            format!("tenant=t1&item={unknown}{csrf}"),
             404,
             "not found for tenant t1",
         ),
         (
             "POST",
             "/actions/retry".to_owned(),
-            format!("tenant=t2&anfrage={dying_s}&stage=ocr{csrf}"),
+            format!("tenant=t2&item={dying_s}&stage=ocr{csrf}"),
             404,
             "unknown stage",
         ),
         (
             "POST",
             "/actions/retry".to_owned(),
-            format!("tenant=t2&anfrage={dying_s}&stage=extract{csrf}"),
+            format!("tenant=t2&item={dying_s}&stage=extract{csrf}"),
             404,
             "has no run of stage extract",
         ),
@@ -446,21 +446,21 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
             "/actions/retry".to_owned(),
             format!("tenant=t2{csrf}"),
             400,
-            "needs a tenant and an anfrage",
+            "needs a tenant and an item",
         ),
         (
             "POST",
             "/actions/cancel".to_owned(),
-            format!("tenant=t2&anfrage=01ABC{csrf}"),
+            format!("tenant=t2&item=01ABC{csrf}"),
             400,
-            "invalid anfrage id",
+            "invalid item id",
         ),
         (
             "POST",
             "/actions/pause".to_owned(),
             format!("stage=intake&tenant=nobody{csrf}"),
             404,
-            "has no anfragen",
+            "has no items",
         ),
         (
             "POST",
@@ -493,11 +493,7 @@ async fn the_console_refuses_requests_without_the_token_posts_without_csrf_and_b
     // --read-only: no action buttons, and a POST with the right CSRF token is
     // refused all the same.
     let ro = Console::start(db.url(), &["--read-only"]);
-    for target in [
-        "/",
-        "/dead",
-        &format!("/anfrage?tenant=t2&anfrage={dying_s}"),
-    ] {
+    for target in ["/", "/dead", &format!("/item?tenant=t2&item={dying_s}")] {
         let (status, _, page) = http(ro.addr, "GET", target, &[(b_name, &b_value)], "").await;
         assert_eq!(status, 200, "{target}");
         assert!(!page.contains("/actions/"), "{target}: {page}");
@@ -677,7 +673,7 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
     let mut conn = db.conn().await;
     let console = Console::start(db.url(), &[]);
     let profile =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("chromium-{}", AnfrageId::new()));
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("chromium-{}", ItemId::new()));
     let browser = driver.browser(&profile).await;
 
     let result = async {
@@ -702,7 +698,7 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
             n: i64,
         }
         let rows: Vec<Row> = diesel::sql_query(
-            "SELECT tenant_id, stage, status, count(*) AS n FROM pipeline_runs GROUP BY 1, 2, 3",
+            "SELECT tenant_id, stage, status, count(*) AS n FROM stage_runs GROUP BY 1, 2, 3",
         )
         .load(&mut conn)
         .await
@@ -719,7 +715,7 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
         // The throughput: calculate's successes of the last minute. No stage runs
         // meanwhile, so the count can only fall as the window moves on: the page's
         // lies between the database's before and after it.
-        let recent = "SELECT 1 FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id \
+        let recent = "SELECT 1 FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id \
                       WHERE r.stage = 'calculate' AND a.outcome = 'success' \
                       AND a.finished_at > now() - interval '60 seconds'";
         let high = count(&mut conn, recent).await;
@@ -796,27 +792,27 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
         assert_eq!(
             count(
                 &mut conn,
-                &format!("SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{dying_s}' AND status = 'success'")
+                &format!("SELECT 1 FROM stage_runs WHERE item_id = '{dying_s}' AND status = 'success'")
             )
             .await,
             4
         );
 
         // Its timeline shows it.
-        click_and_wait(&browser, "done-back", "anfrage-id").await;
-        assert_eq!(text_of(&browser, "anfrage-id").await, dying_s);
-        assert_eq!(text_of(&browser, "anfrage-tenant").await, "t2");
+        click_and_wait(&browser, "done-back", "item-id").await;
+        assert_eq!(text_of(&browser, "item-id").await, dying_s);
+        assert_eq!(text_of(&browser, "item-tenant").await, "t2");
         for stage in ["intake", "extract", "feasibility", "calculate"] {
             assert_eq!(text_of(&browser, &format!("status-{stage}")).await, "success", "{stage}");
         }
-        screenshot(&browser, "anfrage").await;
+        screenshot(&browser, "item").await;
 
         // The search form leads to the same page.
-        browser.goto(&console.url("/anfrage")).await.unwrap();
+        browser.goto(&console.url("/item")).await.unwrap();
         browser.wait().at_most(Duration::from_secs(30)).for_element(Locator::Id("search-tenant")).await.unwrap();
         browser.find(Locator::Id("search-tenant")).await.unwrap().send_keys("t2").await.unwrap();
-        browser.find(Locator::Id("search-anfrage")).await.unwrap().send_keys(&dying_s).await.unwrap();
-        click_and_wait(&browser, "search-go", "anfrage-id").await;
+        browser.find(Locator::Id("search-item")).await.unwrap().send_keys(&dying_s).await.unwrap();
+        click_and_wait(&browser, "search-go", "item-id").await;
         assert_eq!(text_of(&browser, "status-intake").await, "success");
     }
     .await;
@@ -839,7 +835,7 @@ async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pau
     assert_eq!(status, 200, "{page}\n{}", bouncer.log());
     assert!(page.contains("calculate"), "{page}");
     let csrf = csrf_of(&page);
-    let timeline = format!("/anfrage?tenant=t2&anfrage={dying}");
+    let timeline = format!("/item?tenant=t2&item={dying}");
     let (status, _, page) = http(addr, "GET", &timeline, &auth, "").await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("scanner on fire"), "{page}");
@@ -847,7 +843,7 @@ async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pau
     assert_eq!(status, 200, "{page}");
 
     // An action: a transaction of the ops layer, through the pooler too.
-    let retry = format!("tenant=t2&anfrage={dying}&stage=intake&csrf={csrf}");
+    let retry = format!("tenant=t2&item={dying}&stage=intake&csrf={csrf}");
     let (status, _, page) = http(addr, "POST", "/actions/retry", &auth, &retry).await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("retried stage intake"), "{page}");

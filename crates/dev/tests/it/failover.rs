@@ -18,11 +18,11 @@ use idemstage_harness::{ReplicatedCluster, Replication};
 
 use crate::support::{assert_quiet_and_sound, enqueue, wait_until, Workers};
 
-/// Anfragen per test (4 stages each): enough for the failover to land mid-run,
+/// Items per test (4 stages each): enough for the failover to land mid-run,
 /// few enough to finish in seconds.
-const ANFRAGEN: usize = 40;
+const ITEMS: usize = 40;
 
-/// A stage's key: (tenant, anfrage, stage).
+/// A stage's key: (tenant, item, stage).
 type Key = (String, String, String);
 
 /// One execution: (worker, attempt, finished_at).
@@ -33,7 +33,7 @@ struct SuccessRow {
     #[diesel(sql_type = Text)]
     tenant_id: String,
     #[diesel(sql_type = Text)]
-    anfrage_id: String,
+    item_id: String,
     #[diesel(sql_type = Text)]
     stage: String,
     #[diesel(sql_type = Text)]
@@ -49,9 +49,9 @@ struct SuccessRow {
 async fn successes(url: &str) -> BTreeMap<Key, Execution> {
     let mut conn = idemstage::connect(url).await.unwrap();
     let rows: Vec<SuccessRow> = diesel::sql_query(
-        "SELECT tenant_id, anfrage_id, stage, worker_id, success_attempt AS attempt,
+        "SELECT tenant_id, item_id, stage, worker_id, success_attempt AS attempt,
                 finished_at::text AS finished_at
-           FROM pipeline_runs WHERE status = 'success'",
+           FROM stage_runs WHERE status = 'success'",
     )
     .load(&mut conn)
     .await
@@ -59,7 +59,7 @@ async fn successes(url: &str) -> BTreeMap<Key, Execution> {
     rows.into_iter()
         .map(|r| {
             (
-                (r.tenant_id, r.anfrage_id, r.stage),
+                (r.tenant_id, r.item_id, r.stage),
                 (r.worker_id, r.attempt, r.finished_at),
             )
         })
@@ -79,7 +79,7 @@ fn ran_again(committed: &BTreeMap<Key, Execution>, after: &BTreeMap<Key, Executi
 
 /// A primary and its standby with the example's migrations and the tests' login
 /// roles (migrated on the primary; the standby gets them by replication), and
-/// `ANFRAGEN` anfragen sent.
+/// `ITEMS` items sent.
 async fn migrated_pair(replication: Replication) -> ReplicatedCluster {
     let cluster = ReplicatedCluster::start(replication);
     let primary = cluster.primary_url("postgres");
@@ -87,7 +87,7 @@ async fn migrated_pair(replication: Replication) -> ReplicatedCluster {
         .await
         .unwrap();
     idemstage_testkit::ensure_test_roles(&primary).await;
-    enqueue(&primary, ANFRAGEN).await;
+    enqueue(&primary, ITEMS).await;
     cluster
 }
 
@@ -114,11 +114,11 @@ async fn a_failover_to_a_synchronous_standby_loses_nothing_and_runs_nothing_twic
     workers.assert_all_alive();
     workers.stop_all();
     assert!(
-        committed.len() < ANFRAGEN * 4,
+        committed.len() < ITEMS * 4,
         "the work ended before the failover: {} successes",
         committed.len()
     );
-    assert_eq!(check.stages_succeeded, (ANFRAGEN * 4) as i64);
+    assert_eq!(check.stages_succeeded, (ITEMS * 4) as i64);
     // Every success a client could see on the old primary had been flushed by the
     // standby before its commit returned: it is on the new primary as the same
     // execution, and no stage ran again.
@@ -177,7 +177,7 @@ async fn fail_over_behind_a_cut_off_standby(replication: Replication) -> CutOff 
     let check = assert_quiet_and_sound(&new_primary, 180).await;
     workers.assert_all_alive();
     workers.stop_all();
-    assert_eq!(check.stages_succeeded, (ANFRAGEN * 4) as i64);
+    assert_eq!(check.stages_succeeded, (ITEMS * 4) as i64);
     CutOff {
         before_pause,
         committed,

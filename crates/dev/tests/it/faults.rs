@@ -1,8 +1,8 @@
 //! Fault injection: each test injects one kind of fault into real worker processes
 //! (or in-process workers, where the fault is inside the process) on a real
-//! PostgreSQL, stops the fault, waits until every anfrage is final and no job is
+//! PostgreSQL, stops the fault, waits until every item is final and no job is
 //! live, and then checks the invariants with SQL only (`check_example_pipeline`):
-//! one success per (tenant, anfrage, stage), nothing lost, children, files and
+//! one success per (tenant, item, stage), nothing lost, children, files and
 //! audit entries only from successful attempts, a consistent attempt history.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemstage::{AnfrageId, SendResult, StagePolicy, TenantId};
 use idemstage::{Counters, WorkerStatsSnapshot};
+use idemstage::{ItemId, SendResult, StagePolicy, TenantId};
 use idemstage::{PgPool, PoolConfig};
 use idemstage::{Pipeline, StageJob};
 use idemstage_example::{self as example, Chaos};
@@ -45,7 +45,7 @@ async fn repeated_random_sigkills_lose_nothing_and_run_nothing_twice() {
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let succeeded = count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs WHERE status = 'success'",
+            "SELECT 1 FROM stage_runs WHERE status = 'success'",
         )
         .await;
         if succeeded as usize >= n * 4 {
@@ -59,7 +59,7 @@ async fn repeated_random_sigkills_lose_nothing_and_run_nothing_twice() {
     let check = assert_quiet_and_sound(db.url(), 180).await;
     workers.assert_all_alive();
     workers.stop_all();
-    assert_eq!(check.anfragen, n as i64);
+    assert_eq!(check.items, n as i64);
     assert_eq!(check.stages_succeeded, (n * 4) as i64);
     // Killed workers held claims: those attempts were given up and taken over.
     assert!(check.abandoned >= 1, "no kill hit a held claim: {check:?}");
@@ -77,7 +77,7 @@ struct AttemptRow {
 
 async fn attempts(conn: &mut AsyncPgConnection, filter: &str) -> Vec<AttemptRow> {
     let mut rows: Vec<AttemptRow> = diesel::sql_query(format!(
-        "SELECT run_id, attempt, outcome FROM pipeline_run_attempts WHERE {filter}"
+        "SELECT run_id, attempt, outcome FROM stage_run_attempts WHERE {filter}"
     ))
     .load(conn)
     .await
@@ -149,7 +149,7 @@ async fn a_worker_stopped_past_its_lease_is_fenced_after_sigcont() {
     a.stop_all();
     let check = support::wait_until(db.url(), "final", 5, |_| true).await;
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
-    assert_eq!(check.anfragen, 15);
+    assert_eq!(check.items, 15);
     assert_eq!(check.stages_succeeded, 15 * 4);
     assert_eq!(check.double_executions, 0);
     let after = attempts(&mut conn, "true").await;
@@ -252,7 +252,7 @@ async fn connections_terminated_during_commit_are_rechecked_not_lost() {
              IF NEW.status = 'success' THEN PERFORM pg_sleep(0.2); END IF;
              RETURN NULL;
          END $$;
-         CREATE CONSTRAINT TRIGGER test_slow_commit AFTER UPDATE ON pipeline_runs
+         CREATE CONSTRAINT TRIGGER test_slow_commit AFTER UPDATE ON stage_runs
              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION test_slow_commit();",
     )
     .await
@@ -355,11 +355,11 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
 async fn duplicate_sends_racing_completion_run_each_stage_once() {
     let db = idemstage_harness::example::db().await;
     let n = 30;
-    let keys: Vec<(TenantId, AnfrageId, String)> = (0..n)
+    let keys: Vec<(TenantId, ItemId, String)> = (0..n)
         .map(|i| {
             (
                 TenantId::parse(&format!("t{}", i % 3)).unwrap(),
-                AnfrageId::new(),
+                ItemId::new(),
                 support::text(i),
             )
         })
@@ -394,8 +394,8 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
                 for k in 0..keys.len() {
                     // Each sender walks the keys from another start: the same key is
                     // sent from several connections at nearly the same time.
-                    let (tenant, anfrage, text) = &keys[(k + round + s * 7) % keys.len()];
-                    let mut results = vec![support::send(&mut conn, tenant, *anfrage, text).await];
+                    let (tenant, item, text) = &keys[(k + round + s * 7) % keys.len()];
+                    let mut results = vec![support::send(&mut conn, tenant, *item, text).await];
                     // And the next stage's job, racing the one that intake's
                     // completion sends in its transaction.
                     if round % 2 == 1 {
@@ -403,7 +403,7 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
                             &extract,
                             &StageJob {
                                 tenant_id: tenant.clone(),
-                                anfrage_id: *anfrage,
+                                item_id: *item,
                                 input_hash: idemstage::input_hash_of(text.as_bytes()),
                             },
                         );
@@ -430,7 +430,7 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
             .expect("worker did not stop")
             .unwrap();
     }
-    assert_eq!(check.anfragen, n as i64);
+    assert_eq!(check.items, n as i64);
     assert_eq!(check.stages_succeeded, (n * 4) as i64);
     assert_eq!(counters.double_successes(), 0);
     let (sent, duplicate) = (

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Instant;
 
-use idemstage::AnfrageId;
+use idemstage::ItemId;
 
 use crate::support::{self, count, Workers};
 
@@ -16,7 +16,7 @@ use crate::support::{self, count, Workers};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_72000_line_input_from_a_file_runs_through_a_worker_process_within_a_minute() {
     let db = idemstage_harness::example::db().await;
-    let dir = std::env::temp_dir().join(format!("idemstage-large-{}", AnfrageId::new()));
+    let dir = std::env::temp_dir().join(format!("idemstage-large-{}", ItemId::new()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("input.txt");
     let text: String = (0..72_000)
@@ -24,9 +24,9 @@ async fn a_72000_line_input_from_a_file_runs_through_a_worker_process_within_a_m
         .collect();
     assert!(text.len() < 1 << 20, "{} bytes", text.len());
     std::fs::write(&file, &text).unwrap();
-    let anfrage = AnfrageId::new().to_string();
+    let item = ItemId::new().to_string();
     let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
-        .args(["enqueue", "--tenant", "t1", "--anfrage", &anfrage, "--file"])
+        .args(["enqueue", "--tenant", "t1", "--item", &item, "--file"])
         .arg(&file)
         .env("DATABASE_URL", db.url())
         .env("RUST_LOG", "error")
@@ -41,10 +41,8 @@ async fn a_72000_line_input_from_a_file_runs_through_a_worker_process_within_a_m
 
     let started = Instant::now();
     let mut workers = Workers::start(db.url(), 1, &[]);
-    let check = support::wait_until(db.url(), "the 72,000-line anfrage done", 60, |c| {
-        c.is_quiet()
-    })
-    .await;
+    let check =
+        support::wait_until(db.url(), "the 72,000-line item done", 60, |c| c.is_quiet()).await;
     let took = started.elapsed();
     eprintln!("72,000 lines through a worker process: {took:?} ({check:?})");
     workers.assert_all_alive();
@@ -60,7 +58,7 @@ async fn a_72000_line_input_from_a_file_runs_through_a_worker_process_within_a_m
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE outcome <> 'success'"
+            "SELECT 1 FROM stage_run_attempts WHERE outcome <> 'success'"
         )
         .await,
         0

@@ -180,9 +180,7 @@ async fn compare(
                     "idemstage_stage_outcomes_total",
                     &[("stage", stage), ("outcome", "success")],
                 ),
-                format!(
-                    "SELECT 1 FROM pipeline_runs WHERE stage = '{stage}' AND status = 'success'"
-                ),
+                format!("SELECT 1 FROM stage_runs WHERE stage = '{stage}' AND status = 'success'"),
             ),
             (
                 "success durations = success runs",
@@ -191,9 +189,7 @@ async fn compare(
                     "idemstage_stage_duration_seconds_count",
                     &[("stage", stage), ("outcome", "success")],
                 ),
-                format!(
-                    "SELECT 1 FROM pipeline_runs WHERE stage = '{stage}' AND status = 'success'"
-                ),
+                format!("SELECT 1 FROM stage_runs WHERE stage = '{stage}' AND status = 'success'"),
             ),
             (
                 "dead outcomes = dead runs",
@@ -202,7 +198,7 @@ async fn compare(
                     "idemstage_stage_outcomes_total",
                     &[("stage", stage), ("outcome", "dead")],
                 ),
-                format!("SELECT 1 FROM pipeline_runs WHERE stage = '{stage}' AND status = 'dead'"),
+                format!("SELECT 1 FROM stage_runs WHERE stage = '{stage}' AND status = 'dead'"),
             ),
             (
                 "jobs completed = completed jobs",
@@ -252,7 +248,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     let intake_final =
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND status IN ('success', 'dead')";
+        "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND status IN ('success', 'dead')";
     while count(&mut conn, intake_final).await < 20 {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -301,7 +297,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
         .await
         .unwrap();
     let check = assert_quiet_and_sound(db.url(), 180).await;
-    assert_eq!(check.anfragen, 20);
+    assert_eq!(check.items, 20);
 
     // The database is final; the worker counts each event just after its commit,
     // so poll until both agree (or show the difference at the deadline).
@@ -349,10 +345,10 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
         ),
         0
     );
-    // Every stage's queue, never a tenant or an anfrage, among the labels.
+    // Every stage's queue, never a tenant or an item, among the labels.
     for s in &samples {
         assert!(
-            !s.labels.contains_key("tenant") && !s.labels.contains_key("anfrage"),
+            !s.labels.contains_key("tenant") && !s.labels.contains_key("item"),
             "{s:?}"
         );
     }
@@ -385,7 +381,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
     signal(&w.child, "-TERM");
     assert!(wait_exit(&mut w.child, 60).success());
     // The log lines of a failed attempt carry the execution's span: tenant,
-    // anfrage, stage and attempt, inside the job's.
+    // item, stage and attempt, inside the job's.
     let lines = w.stderr.lock().unwrap();
     let failed = lines
         .iter()
@@ -395,7 +391,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
         "job{job=",
         "queue=",
         "stage{tenant=t",
-        "anfrage=",
+        "item=",
         "stage=",
         "attempt=",
     ] {

@@ -1,12 +1,12 @@
-//! An anfrage input PostgreSQL cannot store as text (a NUL character), given to
+//! An item input PostgreSQL cannot store as text (a NUL character), given to
 //! the library's `start` and `start_in`: refused with a typed error before
 //! anything is written. (`idemstage enqueue --file` of such a file: `cli.rs`.)
 
 use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use idemstage::{AnfrageId, DomainError, RepoError, TenantId};
+use idemstage::{DomainError, ItemId, RepoError, TenantId};
 
-const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
+const ITEM: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
 async fn rows(db: &idemstage_testkit::TestDb) -> i64 {
     #[derive(diesel::QueryableByName)]
@@ -14,7 +14,7 @@ async fn rows(db: &idemstage_testkit::TestDb) -> i64 {
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    diesel::sql_query("SELECT (SELECT count(*) FROM anfragen) + (SELECT count(*) FROM jobs) AS n")
+    diesel::sql_query("SELECT (SELECT count(*) FROM items) + (SELECT count(*) FROM jobs) AS n")
         .get_result::<N>(&mut db.conn().await)
         .await
         .unwrap()
@@ -28,10 +28,7 @@ async fn rows(db: &idemstage_testkit::TestDb) -> i64 {
 async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
     let db = idemstage_harness::example::db().await;
     let pipeline = crate::support::pipeline();
-    let (tenant, anfrage) = (
-        TenantId::parse("t1").unwrap(),
-        AnfrageId::parse(ANFRAGE).unwrap(),
-    );
+    let (tenant, item) = (TenantId::parse("t1").unwrap(), ItemId::parse(ITEM).unwrap());
     let text = "1 Stk\0Schrauben";
     let refused = |e: &RepoError| {
         matches!(
@@ -40,7 +37,7 @@ async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
         )
     };
     let pool = db.pool(1).await;
-    let e = idemstage::start(&pool, &pipeline, &tenant, &anfrage, text)
+    let e = idemstage::start(&pool, &pipeline, &tenant, &item, text)
         .await
         .unwrap_err();
     assert!(refused(&e) && e.is_bad_request(), "{e:?}");
@@ -48,14 +45,14 @@ async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
     // transaction goes on and the good input starts in it.
     let mut conn = db.conn().await;
     conn.transaction::<_, idemstage::runs::TxError, _>(async |conn| {
-        let e = idemstage::start_in(conn, &pipeline, &tenant, &anfrage, text)
+        let e = idemstage::start_in(conn, &pipeline, &tenant, &item, text)
             .await
             .unwrap_err();
         assert!(refused(&e), "{e:?}");
-        idemstage::start_in(conn, &pipeline, &tenant, &anfrage, "1 Stk Schrauben").await?;
+        idemstage::start_in(conn, &pipeline, &tenant, &item, "1 Stk Schrauben").await?;
         Ok(())
     })
     .await
     .unwrap();
-    assert_eq!(rows(&db).await, 2, "the good input's anfrage and job only");
+    assert_eq!(rows(&db).await, 2, "the good input's item and job only");
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use diesel_async::AsyncPgConnection;
 use idemstage::runs::ClaimRequest;
 use idemstage::PgRunRepository;
-use idemstage::{AnfrageId, StageName, StagePolicy, TenantId, WorkerId};
+use idemstage::{ItemId, StageName, StagePolicy, TenantId, WorkerId};
 use idemstage_testkit::{count, TestDb};
 
 fn idemstage(db: &TestDb, args: &[&str]) -> Output {
@@ -40,7 +40,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     }
     use diesel_async::RunQueryDsl;
     diesel::sql_query(
-        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM pipeline_runs r), '')
+        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
              || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              AS s",
@@ -56,7 +56,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     let db = idemstage_harness::example::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
-    let (done, queued, dying) = (AnfrageId::new(), AnfrageId::new(), AnfrageId::new());
+    let (done, queued, dying) = (ItemId::new(), ItemId::new(), ItemId::new());
     let text = idemstage_harness::example::text(1);
     idemstage_harness::example::send(&mut conn, &tenant, done, &text).await;
     let check = {
@@ -78,7 +78,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     let repo = PgRunRepository::new(db.pool(2).await);
     let req = ClaimRequest {
         tenant: tenant.clone(),
-        anfrage: dying,
+        item: dying,
         stage: StageName::parse("intake").unwrap(),
         input_hash: idemstage::input_hash_of(text.as_bytes()),
         worker: WorkerId::generate(),
@@ -94,7 +94,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     let token = idemstage::ClaimToken {
         run_id,
         tenant: tenant.clone(),
-        anfrage: dying,
+        item: dying,
         stage: req.stage.clone(),
         attempt,
     };
@@ -104,86 +104,56 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
 
     // Bad input: exit 2, one clear line, nothing changed.
     let before = snapshot(&mut conn).await;
-    let unknown = AnfrageId::new().to_string();
+    let unknown = ItemId::new().to_string();
     for (args, message) in [
         (
-            vec!["inspect", "--tenant", "t1", "--anfrage", "nope"],
-            "invalid anfrage id",
+            vec!["inspect", "--tenant", "t1", "--item", "nope"],
+            "invalid item id",
         ),
         (
-            vec!["inspect", "--tenant", "T 1", "--anfrage", &done_s],
+            vec!["inspect", "--tenant", "T 1", "--item", &done_s],
             "invalid tenant id",
         ),
         (
-            vec!["inspect", "--tenant", "t2", "--anfrage", &done_s],
+            vec!["inspect", "--tenant", "t2", "--item", &done_s],
             "not found for tenant t2",
         ),
         (
-            vec!["retry", "--tenant", "t1", "--anfrage", &unknown],
+            vec!["retry", "--tenant", "t1", "--item", &unknown],
             "not found for tenant t1",
         ),
         (
             vec![
-                "retry",
-                "--tenant",
-                "t1",
-                "--anfrage",
-                &done_s,
-                "--stage",
-                "ocr",
+                "retry", "--tenant", "t1", "--item", &done_s, "--stage", "ocr",
             ],
             "unknown stage",
         ),
         (
             vec![
-                "retry",
-                "--tenant",
-                "t1",
-                "--anfrage",
-                &done_s,
-                "--stage",
-                "Intake!",
+                "retry", "--tenant", "t1", "--item", &done_s, "--stage", "Intake!",
             ],
             "invalid stage name",
         ),
         (
             vec![
-                "retry",
-                "--tenant",
-                "t1",
-                "--anfrage",
-                &done_s,
-                "--stage",
-                "intake",
+                "retry", "--tenant", "t1", "--item", &done_s, "--stage", "intake",
             ],
             "cannot be retried: it succeeded",
         ),
         (
             vec![
-                "retry",
-                "--tenant",
-                "t1",
-                "--anfrage",
-                &queued_s,
-                "--stage",
-                "extract",
+                "retry", "--tenant", "t1", "--item", &queued_s, "--stage", "extract",
             ],
             "has no run of stage extract",
         ),
         (
             vec![
-                "retry",
-                "--tenant",
-                "t1",
-                "--anfrage",
-                &dying_s,
-                "--actor",
-                " ",
+                "retry", "--tenant", "t1", "--item", &dying_s, "--actor", " ",
             ],
             "invalid actor",
         ),
         (
-            vec!["cancel", "--tenant", "t1", "--anfrage", &unknown],
+            vec!["cancel", "--tenant", "t1", "--item", &unknown],
             "not found for tenant t1",
         ),
         (vec!["dead", "--stage", "no such"], "invalid stage name"),
@@ -203,7 +173,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     // inspect: every stage with its attempts, in the pipeline's order.
     let t = json(&idemstage(
         &db,
-        &["inspect", "--tenant", "t1", "--anfrage", &done_s, "--json"],
+        &["inspect", "--tenant", "t1", "--item", &done_s, "--json"],
     ));
     let stages: Vec<_> = t["stages"]
         .as_array()
@@ -228,14 +198,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     assert!(t["jobs"].as_array().unwrap().len() >= 4, "{t}");
     let q = json(&idemstage(
         &db,
-        &[
-            "inspect",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            &queued_s,
-            "--json",
-        ],
+        &["inspect", "--tenant", "t1", "--item", &queued_s, "--json"],
     ));
     assert_eq!(q["not_started"].as_array().unwrap().len(), 4, "{q}");
     assert_eq!(q["jobs"][0]["state"], "created", "{q}");
@@ -243,36 +206,29 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     // dead: the dead intake with its error.
     let d = json(&idemstage(&db, &["dead", "--tenant", "t1", "--json"]));
     assert_eq!(d["stages"].as_array().unwrap().len(), 1, "{d}");
-    assert_eq!(d["stages"][0]["anfrage"], dying_s.as_str(), "{d}");
+    assert_eq!(d["stages"][0]["item"], dying_s.as_str(), "{d}");
     assert_eq!(d["stages"][0]["last_error"], "scanner on fire", "{d}");
     assert_eq!(d["jobs"].as_array().unwrap().len(), 0, "{d}");
 
     // retry: revived with a new job; the actor defaults to $USER.
     let r = json(&idemstage(
         &db,
-        &["retry", "--tenant", "t1", "--anfrage", &dying_s, "--json"],
+        &["retry", "--tenant", "t1", "--item", &dying_s, "--json"],
     ));
     assert_eq!(r["outcome"], "retried", "{r}");
     assert_eq!(r["stages"][0]["stage"], "intake", "{r}");
     assert_eq!(r["actor"], "ci-user", "{r}");
     let again = json(&idemstage(
         &db,
-        &["retry", "--tenant", "t1", "--anfrage", &dying_s, "--json"],
+        &["retry", "--tenant", "t1", "--item", &dying_s, "--json"],
     ));
     assert_eq!(again["outcome"], "nothing_to_retry", "{again}");
 
-    // cancel: the queued anfrage's intake job and its stage; then status knows it.
+    // cancel: the queued item's intake job and its stage; then status knows it.
     let c = json(&idemstage(
         &db,
         &[
-            "cancel",
-            "--tenant",
-            "t1",
-            "--anfrage",
-            &queued_s,
-            "--actor",
-            "alice",
-            "--json",
+            "cancel", "--tenant", "t1", "--item", &queued_s, "--actor", "alice", "--json",
         ],
     ));
     assert_eq!(c["outcome"], "cancelled", "{c}");
@@ -282,7 +238,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     assert_eq!(c["actor"], "alice", "{c}");
     let c2 = json(&idemstage(
         &db,
-        &["cancel", "--tenant", "t1", "--anfrage", &queued_s, "--json"],
+        &["cancel", "--tenant", "t1", "--item", &queued_s, "--json"],
     ));
     assert_eq!(c2["outcome"], "nothing_to_cancel", "{c2}");
     let s = json(&idemstage(&db, &["status", "--json"]));
@@ -305,7 +261,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
         2
     );
     // Text output works too.
-    let out = idemstage(&db, &["inspect", "--tenant", "t1", "--anfrage", &queued_s]);
+    let out = idemstage(&db, &["inspect", "--tenant", "t1", "--item", &queued_s]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("intake: cancelled"));
 }

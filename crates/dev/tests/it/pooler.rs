@@ -5,16 +5,16 @@
 
 use std::process::Command;
 
-use idemstage::AnfrageId;
+use idemstage::ItemId;
 use idemstage_harness::PgBouncer;
 
 use crate::support::{assert_quiet_and_sound, count, text, wait_until, Workers};
 
 /// `idemstage enqueue` through `url` with `--pooler transaction`; its stdout.
-fn enqueue_through(url: &str, tenant: &str, anfrage: AnfrageId, text: &str) -> String {
+fn enqueue_through(url: &str, tenant: &str, item: ItemId, text: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_idemstage"))
         .args(["enqueue", "--pooler", "transaction", "--tenant", tenant])
-        .args(["--anfrage", &anfrage.to_string(), "--text", text])
+        .args(["--item", &item.to_string(), "--text", text])
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "error")
         .output()
@@ -34,13 +34,13 @@ async fn through_pgbouncer_with_sigkilled_workers_nothing_is_lost_or_run_twice()
     // pooler really multiplexes, and resets every session after each transaction.
     let bouncer = PgBouncer::start(db.url(), 4);
     let pooled = bouncer.url(db.url());
-    let anfragen = 30;
-    for i in 0..anfragen {
-        let anfrage = AnfrageId::new();
+    let items = 30;
+    for i in 0..items {
+        let item = ItemId::new();
         let tenant = format!("t{}", i % 3);
         // Sent twice: the second is a duplicate, refused while the job is live.
-        enqueue_through(&pooled, &tenant, anfrage, &text(i));
-        enqueue_through(&pooled, &tenant, anfrage, &text(i));
+        enqueue_through(&pooled, &tenant, item, &text(i));
+        enqueue_through(&pooled, &tenant, item, &text(i));
     }
     let listen = format!("--listen-url={}", idemstage_testkit::worker_url(db.url()));
     let pooler = ["--pooler", "transaction", "--crash-rate", "0.05"];
@@ -53,17 +53,17 @@ async fn through_pgbouncer_with_sigkilled_workers_nothing_is_lost_or_run_twice()
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while count(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND status = 'success'",
+        "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND status = 'success'",
     )
     .await
-        < anfragen as i64
+        < items as i64
     {
         assert!(std::time::Instant::now() < deadline, "intakes not done");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     for round in 1..=3 {
         wait_until(db.url(), "work under way", 120, |c| {
-            c.stages_succeeded >= anfragen as i64 + 20 * round
+            c.stages_succeeded >= items as i64 + 20 * round
         })
         .await;
         polling.kill_and_replace(round as usize % 2);
@@ -76,6 +76,6 @@ async fn through_pgbouncer_with_sigkilled_workers_nothing_is_lost_or_run_twice()
     polling.assert_all_alive();
     listening.stop_all();
     polling.stop_all();
-    assert_eq!(check.anfragen, anfragen as i64, "{check:?}");
-    assert_eq!(check.stages_succeeded, anfragen as i64 * 4, "{check:?}");
+    assert_eq!(check.items, items as i64, "{check:?}");
+    assert_eq!(check.stages_succeeded, items as i64 * 4, "{check:?}");
 }

@@ -20,7 +20,7 @@ async fn three_worker_processes_one_killed_lose_nothing_and_run_nothing_twice() 
     killed.wait().unwrap();
     let check = assert_quiet_and_sound(db.url(), 120).await;
     workers.stop_all();
-    assert_eq!(check.anfragen, 60);
+    assert_eq!(check.items, 60);
     assert_eq!(check.stages_succeeded, 60 * 4);
 }
 
@@ -37,7 +37,7 @@ async fn a_worker_stops_cleanly_on_sigterm() {
     let mut conn = db.conn().await;
     let running = count(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE status = 'running' AND lease_expires_at > now()",
+        "SELECT 1 FROM stage_runs WHERE status = 'running' AND lease_expires_at > now()",
     )
     .await;
     assert_eq!(running, 0);

@@ -1,7 +1,7 @@
 //! Random faults for a while, then the invariants. In the default test run it lasts
 //! `IDEMSTAGE_SOAK_SECS` (default 15) seconds; `cargo xtask soak --minutes N` runs
 //! it in release for N minutes. Three `idemstage worker` processes (stages re-run
-//! on new input) work a stream of anfragen (each sent twice; some sent again later
+//! on new input) work a stream of items (each sent twice; some sent again later
 //! with another text: a rerun; some set to another text and straight back, 1 → 2
 //! → 1; some re-run on a blank input that intake refuses, so the rerun dies, and
 //! later set back; some cancelled right after a rerun was sent) while an operator
@@ -9,9 +9,9 @@
 //! by hand, and, at random moments, a worker is SIGKILLed and
 //! replaced, a worker is SIGSTOPped past its lease and continued, worker
 //! connections are terminated mid-transaction, statements are cancelled, or a
-//! session holds row locks on runs and anfragen while the database's
+//! session holds row locks on runs and items while the database's
 //! `lock_timeout` is 100 ms. Then the faults stop and the database must show every
-//! anfrage final, nothing run twice, nothing foreign, every success computed from
+//! item final, nothing run twice, nothing foreign, every success computed from
 //! its upstream's current success.
 
 use std::collections::BTreeMap;
@@ -21,7 +21,7 @@ use diesel::sql_types::{BigInt, Integer};
 use diesel_async::RunQueryDsl;
 use idemstage::first_job;
 use idemstage::ops::{self, Actor};
-use idemstage::{input_hash_of, AnfrageId, TenantId};
+use idemstage::{input_hash_of, ItemId, TenantId};
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
@@ -32,11 +32,11 @@ use crate::support::{assert_quiet_and_sound, count, send_rerun, signal, text, Wo
 async fn send_retrying(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: AnfrageId,
+    item: ItemId,
     text: &str,
 ) {
     for _ in 0..100 {
-        match send_rerun(conn, tenant, anfrage, text).await {
+        match send_rerun(conn, tenant, item, text).await {
             Ok(_) => return,
             Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(50)).await,
             Err(e) => panic!("send failed: {e}"),
@@ -45,14 +45,14 @@ async fn send_retrying(
     panic!("send kept failing");
 }
 
-/// A rerun that dies: the anfrage's input replaced by a blank one, which
+/// A rerun that dies: the item's input replaced by a blank one, which
 /// `start_in` refuses and intake fails on permanently, written around the library
 /// (as another tool might) in the same steps as `start_in`: the input, the intake
 /// job, a live job re-pointed at it.
 async fn send_blank_rerun(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: AnfrageId,
+    item: ItemId,
 ) -> Result<(), idemstage::RepoError> {
     use diesel::sql_types::{Jsonb, Text};
     use diesel_async::AsyncConnection;
@@ -61,17 +61,17 @@ async fn send_blank_rerun(
     let job = first_job(
         &crate::support::pipeline(),
         tenant.clone(),
-        anfrage,
+        item,
         hash.clone(),
     );
     conn.transaction::<_, idemstage::runs::TxError, _>(async |conn| {
         diesel::sql_query(
-            "UPDATE anfragen SET input_text = $1, input_sha256 = $2 WHERE tenant_id = $3 AND id = $4",
+            "UPDATE items SET input_text = $1, input_sha256 = $2 WHERE tenant_id = $3 AND id = $4",
         )
         .bind::<Text, _>(blank)
         .bind::<Text, _>(&hash)
         .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(anfrage.to_string())
+        .bind::<Text, _>(item.to_string())
         .execute(conn)
         .await
         .map_err(|e| idemstage::runs::TxError::Repo(idemstage::map_diesel_error(e)))?;
@@ -132,7 +132,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     );
     let stop = CancellationToken::new();
     let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
-    // A steady stream of anfragen, each sent twice, kept to a backlog the workers
+    // A steady stream of items, each sent twice, kept to a backlog the workers
     // can follow.
     let sender = {
         let (url, stop) = (db.url().to_owned(), stop.clone());
@@ -151,8 +151,8 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
             pid_tx.send(pid.pid).unwrap();
             let (mut sent, mut reruns) = (0usize, 0usize);
             let mut edges: BTreeMap<&str, u32> = BTreeMap::new();
-            // Anfragen whose rerun on a blank input died (or will), to set back later.
-            let mut blanked: Vec<(TenantId, AnfrageId, usize)> = Vec::new();
+            // Items whose rerun on a blank input died (or will), to set back later.
+            let mut blanked: Vec<(TenantId, ItemId, usize)> = Vec::new();
             let operator = Actor::parse("soak-operator").unwrap();
             while !stop.is_cancelled() {
                 let live = count(
@@ -163,41 +163,40 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 if live < 40 {
                     for _ in 0..5 {
                         let tenant = TenantId::parse(&format!("t{}", sent % 4)).unwrap();
-                        let anfrage = AnfrageId::new();
+                        let item = ItemId::new();
                         for _ in 0..2 {
-                            send_retrying(&mut conn, &tenant, anfrage, &text(sent)).await;
+                            send_retrying(&mut conn, &tenant, item, &text(sent)).await;
                         }
-                        keys.push((tenant, anfrage, sent));
+                        keys.push((tenant, item, sent));
                         sent += 1;
                     }
-                    // A rerun: an earlier anfrage sent again with another text.
-                    let pick = |keys: &Vec<(TenantId, AnfrageId, usize)>| {
+                    // A rerun: an earlier item sent again with another text.
+                    let pick = |keys: &Vec<(TenantId, ItemId, usize)>| {
                         keys[rand::rng().random_range(0..keys.len())].clone()
                     };
-                    let (tenant, anfrage, _) = pick(&keys);
-                    send_retrying(&mut conn, &tenant, anfrage, &text(10_000 + reruns)).await;
+                    let (tenant, item, _) = pick(&keys);
+                    send_retrying(&mut conn, &tenant, item, &text(10_000 + reruns)).await;
                     reruns += 1;
                     // An input set back: another text, then the first one again at once.
-                    let (tenant, anfrage, first) = pick(&keys);
-                    send_retrying(&mut conn, &tenant, anfrage, &text(20_000 + reruns)).await;
-                    send_retrying(&mut conn, &tenant, anfrage, &text(first)).await;
+                    let (tenant, item, first) = pick(&keys);
+                    send_retrying(&mut conn, &tenant, item, &text(20_000 + reruns)).await;
+                    send_retrying(&mut conn, &tenant, item, &text(first)).await;
                     *edges.entry("inputs set back").or_default() += 1;
                     let edge = rand::rng().random_range(0..3);
                     match edge {
                         0 => {
                             // A rerun that dies; a later round sets it back.
-                            let (tenant, anfrage, first) = pick(&keys);
-                            if send_blank_rerun(&mut conn, &tenant, anfrage).await.is_ok() {
-                                blanked.push((tenant, anfrage, first));
+                            let (tenant, item, first) = pick(&keys);
+                            if send_blank_rerun(&mut conn, &tenant, item).await.is_ok() {
+                                blanked.push((tenant, item, first));
                                 *edges.entry("dead reruns").or_default() += 1;
                             }
                         }
                         1 => {
                             // A cancel right after a rerun was sent.
-                            let (tenant, anfrage, _) = pick(&keys);
-                            send_retrying(&mut conn, &tenant, anfrage, &text(30_000 + reruns))
-                                .await;
-                            if ops::cancel(&mut conn, &tenant, &anfrage, &operator)
+                            let (tenant, item, _) = pick(&keys);
+                            send_retrying(&mut conn, &tenant, item, &text(30_000 + reruns)).await;
+                            if ops::cancel(&mut conn, &tenant, &item, &operator)
                                 .await
                                 .is_ok()
                             {
@@ -205,8 +204,8 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                             }
                         }
                         _ if !blanked.is_empty() => {
-                            let (tenant, anfrage, first) = blanked.swap_remove(0);
-                            send_retrying(&mut conn, &tenant, anfrage, &text(first)).await;
+                            let (tenant, item, first) = blanked.swap_remove(0);
+                            send_retrying(&mut conn, &tenant, item, &text(first)).await;
                             *edges.entry("dead reruns set back").or_default() += 1;
                         }
                         _ => {}
@@ -217,7 +216,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
             (sent, reruns, edges)
         })
     };
-    // The sender's own connection is spared, so that it sends every anfrage it counts.
+    // The sender's own connection is spared, so that it sends every item it counts.
     let sender_pid = pid_rx.await.unwrap();
 
     #[derive(diesel::QueryableByName)]
@@ -235,14 +234,14 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
         match rand::rng().random_range(0..7) {
             6 => {
                 // A job squatting on a stage's singleton key with a payload that is
-                // not that stage's (refused by the database since 000200), and a
+                // not that stage's (refused by the database by the baseline migration), and a
                 // queued job deleted by hand (its stage found by the reconciler).
                 let squat = diesel::sql_query(format!(
                     "INSERT INTO jobs (id, queue, payload, singleton_key, tenant_id)
                      SELECT '{}', 'extract', '{{\"squat\": true}}',
                             'extract:' || tenant_id || ':' || id, tenant_id
-                       FROM anfragen ORDER BY created_at DESC LIMIT 1",
-                    AnfrageId::new()
+                       FROM items ORDER BY created_at DESC LIMIT 1",
+                    ItemId::new()
                 ))
                 .execute(&mut conn)
                 .await;
@@ -272,10 +271,10 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                     #[diesel(sql_type = diesel::sql_types::Text)]
                     tenant_id: String,
                     #[diesel(sql_type = diesel::sql_types::Text)]
-                    anfrage_id: String,
+                    item_id: String,
                 }
                 let dead: Vec<Dead> = diesel::sql_query(
-                    "SELECT DISTINCT tenant_id::text, anfrage_id::text FROM pipeline_runs
+                    "SELECT DISTINCT tenant_id::text, item_id::text FROM stage_runs
                       WHERE status = 'dead' LIMIT 3",
                 )
                 .load(&mut conn)
@@ -285,8 +284,8 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 let actor = Actor::parse("soak-operator").unwrap();
                 for d in dead {
                     let tenant = TenantId::parse(&d.tenant_id).unwrap();
-                    let anfrage = AnfrageId::parse(&d.anfrage_id).unwrap();
-                    if ops::retry(&mut conn, &tenant, &anfrage, None, &actor, &planner)
+                    let item = ItemId::parse(&d.item_id).unwrap();
+                    if ops::retry(&mut conn, &tenant, &item, None, &actor, &planner)
                         .await
                         .is_ok()
                     {
@@ -307,12 +306,12 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 *faults.entry("sigstop").or_default() += 1;
             }
             3 => {
-                // Row locks on a few runs and anfragen, held past the workers'
+                // Row locks on a few runs and items, held past the workers'
                 // lock_timeout; a lock the holder cannot get in time is skipped.
                 let held = rand::rng().random_range(300..1200);
                 let locked = diesel::sql_query(format!(
-                    "WITH r AS (SELECT id FROM pipeline_runs ORDER BY random() LIMIT 3 FOR UPDATE SKIP LOCKED),
-                          a AS (SELECT id FROM anfragen ORDER BY random() LIMIT 2 FOR UPDATE SKIP LOCKED)
+                    "WITH r AS (SELECT id FROM stage_runs ORDER BY random() LIMIT 3 FOR UPDATE SKIP LOCKED),
+                          a AS (SELECT id FROM items ORDER BY random() LIMIT 2 FOR UPDATE SKIP LOCKED)
                      SELECT count(*) AS n, pg_sleep({held} / 1000.0) IS NULL AS slept
                        FROM (SELECT id FROM r UNION ALL SELECT id FROM a) x"
                 ))
@@ -359,10 +358,10 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
     workers.assert_all_alive();
     workers.stop_all();
     eprintln!(
-        "soak: {secs} s of faults {faults:?}; {sent} anfragen sent twice each, {reruns} reruns with new input; {check:?}"
+        "soak: {secs} s of faults {faults:?}; {sent} items sent twice each, {reruns} reruns with new input; {check:?}"
     );
     assert_eq!(check.stale_lineage, 0, "{check:?}");
-    assert_eq!(check.anfragen, sent as i64);
+    assert_eq!(check.items, sent as i64);
     assert!(sent > 0);
     assert!(!faults.is_empty(), "no fault was injected");
 }

@@ -1,5 +1,5 @@
 //! Helpers shared by the process and fault tests: `idemstage worker` processes,
-//! sending under `Rerun`, signals; and, from the testkit, sending anfragen the way
+//! sending under `Rerun`, signals; and, from the testkit, sending items the way
 //! `idemstage enqueue` does, in-process workers and waiting on the database.
 
 use std::process::{Child, Command, Stdio};
@@ -8,7 +8,7 @@ use std::time::Duration;
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use idemstage::first_job;
 use idemstage::runs::TxError;
-use idemstage::{AnfrageId, SendResult, TenantId};
+use idemstage::{ItemId, SendResult, TenantId};
 
 /// Stage lease and job lease of the worker processes: short, so that a killed or
 /// stopped worker's claims and jobs come back within seconds.
@@ -100,25 +100,25 @@ pub fn worker(url: &str, extra: &[&str]) -> Child {
         .expect("start idemstage worker")
 }
 
-/// Sends an anfrage as `send` does, under the `Rerun` policy: another text for a
-/// registered anfrage replaces its input (and re-points a live job at it). Returns
+/// Sends an item as `send` does, under the `Rerun` policy: another text for a
+/// registered item replaces its input (and re-points a live job at it). Returns
 /// the error of a transaction that failed (a lock timeout, say) so callers can
 /// retry.
 pub async fn send_rerun(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: AnfrageId,
+    item: ItemId,
     text: &str,
 ) -> Result<SendResult, idemstage::RepoError> {
     let pipeline = pipeline();
     conn.transaction::<_, TxError, _>(async |conn| {
-        let started = idemstage::anfragen::start_in(
+        let started = idemstage::items::start_in(
             conn,
             tenant,
-            &anfrage,
+            &item,
             text,
             idemstage::InputChangePolicy::Rerun,
-            |hash| first_job(&pipeline, tenant.clone(), anfrage, hash.to_owned()),
+            |hash| first_job(&pipeline, tenant.clone(), item, hash.to_owned()),
         )
         .await?;
         Ok(started.sent)
@@ -127,17 +127,17 @@ pub async fn send_rerun(
     .map_err(TxError::into_repo)
 }
 
-/// Sends `n` anfragen over 3 tenants, each twice. Returns their keys.
-pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, AnfrageId)> {
+/// Sends `n` items over 3 tenants, each twice. Returns their keys.
+pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, ItemId)> {
     let mut conn = idemstage::connect(url).await.unwrap();
     let mut keys = Vec::new();
     for i in 0..n {
         let tenant = TenantId::parse(&format!("t{}", i % 3)).unwrap();
-        let anfrage = AnfrageId::new();
+        let item = ItemId::new();
         for _ in 0..2 {
-            send(&mut conn, &tenant, anfrage, &text(i)).await;
+            send(&mut conn, &tenant, item, &text(i)).await;
         }
-        keys.push((tenant, anfrage));
+        keys.push((tenant, item));
     }
     keys
 }

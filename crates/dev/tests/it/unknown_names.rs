@@ -1,12 +1,12 @@
 //! Commands that name a stage or a tenant nobody has: `pause`, `resume`, `limit`
 //! and `dead` refuse them (exit 2, one clear line) and change nothing, as the
 //! console refuses them with 404. A stage is known if the pipeline has it; a
-//! tenant once it has registered an anfrage (the console's rule).
+//! tenant once it has registered an item (the console's rule).
 
 use std::process::{Command, Output};
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::{AnfrageId, TenantId};
+use idemstage::{ItemId, TenantId};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemstage"))
@@ -29,7 +29,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
              (SELECT string_agg(c::text, '|' ORDER BY queue, scope) FROM queue_controls c),
              (SELECT string_agg(h::text, '|' ORDER BY id) FROM queue_control_changes h),
              (SELECT string_agg(b::text, '|' ORDER BY queue) FROM queue_buckets b),
-             (SELECT string_agg(a::text, '|' ORDER BY id) FROM anfragen a),
+             (SELECT string_agg(a::text, '|' ORDER BY id) FROM items a),
              (SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j),
              (SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l)) AS s",
     )
@@ -48,9 +48,9 @@ async fn unknown_stages_and_tenants_are_refused_with_exit_2_and_change_nothing()
     let db = idemstage_harness::example::db().await;
     let url = db.url();
     let mut conn = db.conn().await;
-    // t1 is known: it has an anfrage. nobody has none.
+    // t1 is known: it has an item. nobody has none.
     let t1 = TenantId::parse("t1").unwrap();
-    idemstage_harness::example::send(&mut conn, &t1, AnfrageId::new(), "1 Stk").await;
+    idemstage_harness::example::send(&mut conn, &t1, ItemId::new(), "1 Stk").await;
 
     let before = snapshot(&mut conn).await;
     let stage = "unknown stage \"extrakt\"";

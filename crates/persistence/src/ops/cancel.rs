@@ -1,13 +1,13 @@
-//! `cancel`: an anfrage's live jobs cancelled, its unfinished stages `cancelled`.
+//! `cancel`: an item's live jobs cancelled, its unfinished stages `cancelled`.
 
 use diesel::sql_types::{Array, Bool, Integer, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::stage_singleton_key;
-use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
+use idemstage_domain::{ItemId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
 
-use super::inspect::JOBS_OF_ANFRAGE;
+use super::inspect::JOBS_OF_ITEM;
 use super::{audit, stored_hash, Actor, OpsError};
 
 /// What a cancelled stage was before.
@@ -71,7 +71,7 @@ pub enum CancelOutcome {
         jobs: Vec<CancelledJob>,
     },
     /// Every stage was final already and no job was live: nothing changed (a
-    /// second cancel, or one of a finished anfrage).
+    /// second cancel, or one of a finished item).
     NothingToCancel,
 }
 
@@ -109,56 +109,56 @@ struct InsertedRun {
     id: String,
 }
 
-/// Every run of the anfrage, locked in the order the runs were created: a
+/// Every run of the item, locked in the order the runs were created: a
 /// downstream run is created after its upstream succeeded, so this is
 /// upstream-first, the order of the fenced completion's locks (share on the
 /// upstream, then its own row).
 const LOCK_RUNS_SQL: &str = "\
 SELECT id, stage, status, attempts,
        (status = 'running' AND lease_expires_at >= clock_timestamp()) AS lease_live
-  FROM pipeline_runs
- WHERE tenant_id = $1 AND anfrage_id = $2 AND ($3::text IS NULL OR stage = $3)
+  FROM stage_runs
+ WHERE tenant_id = $1 AND item_id = $2 AND ($3::text IS NULL OR stage = $3)
  ORDER BY created_at, id
    FOR UPDATE";
 
 /// The unfinished runs among the locked ones end `cancelled`. `$1` tenant, `$2`
-/// anfrage, `$3` run ids, `$4` the reason.
+/// item, `$3` run ids, `$4` the reason.
 const CANCEL_RUNS_SQL: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $4,
        lease_expires_at = least(lease_expires_at, clock_timestamp())
- WHERE tenant_id = $1 AND anfrage_id = $2 AND id = ANY($3::text[])
+ WHERE tenant_id = $1 AND item_id = $2 AND id = ANY($3::text[])
    AND status IN ('running', 'failed', 'stale')";
 
 /// A first stage's success whose live job carries another input (a rerun sent,
 /// not yet claimed) ends `cancelled`; its `success_attempt` stays, so what was
 /// computed from it stays current. Only the first stage (no `upstream_stage`):
 /// a later stage binds its upstream's success, whatever hash its job names. The
-/// row is locked above. `$1` tenant, `$2` anfrage, `$3` stage, `$4` the job's
+/// row is locked above. `$1` tenant, `$2` item, `$3` stage, `$4` the job's
 /// input hash, `$5` the reason.
 const CANCEL_QUEUED_RERUN_SQL: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $5
- WHERE tenant_id = $1 AND anfrage_id = $2 AND stage = $3
+ WHERE tenant_id = $1 AND item_id = $2 AND stage = $3
    AND status = 'success' AND upstream_stage IS NULL AND input_hash IS DISTINCT FROM $4
 RETURNING id";
 
 /// A stage that had only a job: its run is created `cancelled` (attempt 1,
 /// recorded `cancelled` by the attempt trigger). No row back: a claim created the
 /// run since the lock above, and it is locked and cancelled like the others.
-/// `$1` new run id, `$2` tenant, `$3` anfrage, `$4` stage, `$5` worker (the
+/// `$1` new run id, `$2` tenant, `$3` item, `$4` stage, `$5` worker (the
 /// operator), `$6` reason.
 const CANCEL_QUEUED_SQL: &str = "\
-INSERT INTO pipeline_runs
-    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+INSERT INTO stage_runs
+    (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, finished_at, last_error)
 SELECT $1, a.tenant_id, a.id, $4, 'cancelled', 1, 1, a.input_sha256, $5,
        clock_timestamp(), clock_timestamp(), clock_timestamp(), $6
-  FROM anfragen a WHERE a.tenant_id = $2 AND a.id = $3
-ON CONFLICT (tenant_id, anfrage_id, stage) DO NOTHING
+  FROM items a WHERE a.tenant_id = $2 AND a.id = $3
+ON CONFLICT (tenant_id, item_id, stage) DO NOTHING
 RETURNING id";
 
-/// Cancels the anfrage: every live job whose payload names it ends `cancelled`
+/// Cancels the item: every live job whose payload names it ends `cancelled`
 /// (a worker holding one is fenced on its job lease), and every stage of it that
 /// is not final (`running`, `failed`, `stale`, or with only a queued job) ends
 /// `cancelled`, a final status no claim takes: a running attempt's commit is
@@ -168,21 +168,21 @@ RETURNING id";
 /// their results.
 ///
 /// One transaction scoped to `tenant`, with its `audit_log` entry
-/// (`operator.cancel`, with `actor`): it locks the anfrage's runs upstream-first
+/// (`operator.cancel`, with `actor`): it locks the item's runs upstream-first
 /// (a stage committing right now finishes first, and its next job is then found
-/// and cancelled), cancels the jobs, then the stages. `AnfrageNotFound` for an
-/// unknown anfrage; `NothingToCancel` (nothing written) when everything was final
+/// and cancelled), cancels the jobs, then the stages. `ItemNotFound` for an
+/// unknown item; `NothingToCancel` (nothing written) when everything was final
 /// already.
 pub async fn cancel(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     actor: &Actor,
 ) -> Result<CancelOutcome, OpsError> {
     let mut tries = 0;
     loop {
         let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
-            cancel_in(conn, tenant, anfrage, actor).await
+            cancel_in(conn, tenant, item, actor).await
         })
         .await;
         if !super::again_after(&result, &mut tries).await {
@@ -194,18 +194,18 @@ pub async fn cancel(
 async fn cancel_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     actor: &Actor,
 ) -> Result<CancelOutcome, OpsError> {
-    stored_hash(conn, tenant, anfrage).await?;
+    stored_hash(conn, tenant, item).await?;
     let reason = format!("cancelled by {actor}");
-    let (mut stages, had_run) = cancel_runs(conn, tenant, anfrage, None, &reason).await?;
+    let (mut stages, had_run) = cancel_runs(conn, tenant, item, None, &reason).await?;
     // A statement of its own, so a snapshot after the locks above: a job sent by
     // a commit they waited for is seen.
     let jobs_sql = format!(
         "WITH live AS ( \
              SELECT id, state FROM jobs \
-              WHERE state IN ('created', 'retry', 'active') AND {JOBS_OF_ANFRAGE} \
+              WHERE state IN ('created', 'retry', 'active') AND {JOBS_OF_ITEM} \
               ORDER BY id FOR UPDATE) \
          UPDATE jobs j SET state = 'cancelled', completed_at = now(), \
                 lease_expires_at = NULL, last_error = $3 \
@@ -215,7 +215,7 @@ async fn cancel_in(
     );
     let cancelled_jobs: Vec<CancelledJobRow> = diesel::sql_query(jobs_sql)
         .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(anfrage.to_string())
+        .bind::<Text, _>(item.to_string())
         .bind::<Text, _>(&reason)
         .load(conn)
         .await?;
@@ -225,7 +225,7 @@ async fn cancel_in(
         let Ok(stage) = StageName::parse(&j.queue) else {
             continue; // not a stage's queue
         };
-        if j.singleton_key.as_deref() != Some(&stage_singleton_key(&stage, tenant, anfrage)) {
+        if j.singleton_key.as_deref() != Some(&stage_singleton_key(&stage, tenant, item)) {
             continue; // not the stage's own job
         }
         if had_run.contains(&stage) {
@@ -234,7 +234,7 @@ async fn cancel_in(
             // kept).
             let rerun: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_RERUN_SQL)
                 .bind::<Text, _>(tenant.as_str())
-                .bind::<Text, _>(anfrage.to_string())
+                .bind::<Text, _>(item.to_string())
                 .bind::<Text, _>(stage.as_str())
                 .bind::<diesel::sql_types::Nullable<Text>, _>(j.input_hash.as_deref())
                 .bind::<Text, _>(&reason)
@@ -252,7 +252,7 @@ async fn cancel_in(
         let inserted: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_SQL)
             .bind::<Text, _>(RunId::new().to_string())
             .bind::<Text, _>(tenant.as_str())
-            .bind::<Text, _>(anfrage.to_string())
+            .bind::<Text, _>(item.to_string())
             .bind::<Text, _>(stage.as_str())
             .bind::<Text, _>(&worker)
             .bind::<Text, _>(&reason)
@@ -266,7 +266,7 @@ async fn cancel_in(
             }),
             None => {
                 // A worker that had fetched the job claimed it after the lock.
-                let (more, _) = cancel_runs(conn, tenant, anfrage, Some(&stage), &reason).await?;
+                let (more, _) = cancel_runs(conn, tenant, item, Some(&stage), &reason).await?;
                 stages.extend(more);
             }
         }
@@ -285,22 +285,22 @@ async fn cancel_in(
         })
         .collect::<Result<Vec<_>, OpsError>>()?;
     let details = serde_json::json!({ "actor": actor, "stages": stages, "jobs": jobs });
-    audit(conn, tenant, anfrage, "operator.cancel", details).await?;
+    audit(conn, tenant, item, "operator.cancel", details).await?;
     Ok(CancelOutcome::Cancelled { stages, jobs })
 }
 
-/// Locks the anfrage's runs (or one stage's), upstream-first, and cancels the
+/// Locks the item's runs (or one stage's), upstream-first, and cancels the
 /// unfinished ones. Returns those and the stages that have a run.
 async fn cancel_runs(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     stage: Option<&StageName>,
     reason: &str,
 ) -> Result<(Vec<CancelledStage>, Vec<StageName>), OpsError> {
     let locked: Vec<LockedRun> = diesel::sql_query(LOCK_RUNS_SQL)
         .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(anfrage.to_string())
+        .bind::<Text, _>(item.to_string())
         .bind::<diesel::sql_types::Nullable<Text>, _>(stage.map(|s| s.as_str()))
         .load(conn)
         .await?;
@@ -330,7 +330,7 @@ async fn cancel_runs(
         // The rows are locked: the status they were read with is still theirs.
         diesel::sql_query(CANCEL_RUNS_SQL)
             .bind::<Text, _>(tenant.as_str())
-            .bind::<Text, _>(anfrage.to_string())
+            .bind::<Text, _>(item.to_string())
             .bind::<Array<Text>, _>(&ids)
             .bind::<Text, _>(reason)
             .execute(conn)

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, JobId, RunId, StageName, TenantId};
+use idemstage_domain::{ItemId, JobId, RunId, StageName, TenantId};
 use serde::Serialize;
 
 use super::OpsError;
@@ -26,8 +26,8 @@ pub struct DeadFilter {
 pub struct DeadStage {
     /// The tenant.
     pub tenant: TenantId,
-    /// The anfrage.
-    pub anfrage: AnfrageId,
+    /// The item.
+    pub item: ItemId,
     /// The stage.
     pub stage: StageName,
     /// Its run.
@@ -53,8 +53,8 @@ pub struct FailedJob {
     pub queue: String,
     /// The tenant it worked for (`None`: a job of no tenant).
     pub tenant: Option<String>,
-    /// The anfrage its payload names, if any (as written there).
-    pub anfrage: Option<String>,
+    /// The item its payload names, if any (as written there).
+    pub item: Option<String>,
     /// Deliveries.
     pub attempt: i32,
     /// Retryable failures counted.
@@ -79,7 +79,7 @@ struct DeadRow {
     #[diesel(sql_type = Text)]
     tenant_id: String,
     #[diesel(sql_type = Text)]
-    anfrage_id: String,
+    item_id: String,
     #[diesel(sql_type = Text)]
     stage: String,
     #[diesel(sql_type = Text)]
@@ -105,7 +105,7 @@ struct FailedRow {
     #[diesel(sql_type = Text)]
     tenant_id: String,
     #[diesel(sql_type = Nullable<Text>)]
-    anfrage: Option<String>,
+    item: Option<String>,
     #[diesel(sql_type = Integer)]
     attempt: i32,
     #[diesel(sql_type = Integer)]
@@ -118,9 +118,9 @@ struct FailedRow {
 
 /// `$1` tenant or NULL, `$2` stage or NULL, `$3` limit.
 const DEAD_SQL: &str = "\
-SELECT tenant_id, anfrage_id, stage, id, attempts, max_attempts, worker_id, finished_at,
+SELECT tenant_id, item_id, stage, id, attempts, max_attempts, worker_id, finished_at,
        last_error
-  FROM pipeline_runs
+  FROM stage_runs
  WHERE status = 'dead' AND ($1::text IS NULL OR tenant_id = $1)
    AND ($2::text IS NULL OR stage = $2)
  ORDER BY finished_at DESC NULLS LAST, id DESC
@@ -128,7 +128,7 @@ SELECT tenant_id, anfrage_id, stage, id, attempts, max_attempts, worker_id, fini
 
 /// `$1` tenant or NULL, `$2` queue or NULL, `$3` limit.
 const FAILED_JOBS_SQL: &str = "\
-SELECT id, queue, tenant_id, payload->>'anfrage_id' AS anfrage, attempt, retry_count,
+SELECT id, queue, tenant_id, payload->>'item_id' AS item, attempt, retry_count,
        completed_at, last_error
   FROM jobs
  WHERE state = 'failed' AND ($1::text IS NULL OR tenant_id = $1)
@@ -136,7 +136,7 @@ SELECT id, queue, tenant_id, payload->>'anfrage_id' AS anfrage, attempt, retry_c
  ORDER BY completed_at DESC NULLS LAST, id DESC
  LIMIT $3";
 
-/// The dead-letter list: dead stages (`pipeline_runs.status = 'dead'`) and
+/// The dead-letter list: dead stages (`stage_runs.status = 'dead'`) and
 /// failed jobs, each with its last error, newest first. With a tenant, read in a
 /// transaction scoped to it; without, across tenants as the connecting user
 /// (an operator's read, like `idemstage status`). Read-only.
@@ -172,7 +172,7 @@ pub async fn dead(
         .map(|r| {
             Ok(DeadStage {
                 tenant: TenantId::parse(&r.tenant_id)?,
-                anfrage: AnfrageId::parse(&r.anfrage_id)?,
+                item: ItemId::parse(&r.item_id)?,
                 stage: StageName::parse(&r.stage)?,
                 run_id: RunId::parse(&r.id)?,
                 attempts: r.attempts,
@@ -190,7 +190,7 @@ pub async fn dead(
                 id: JobId::parse(&j.id)?,
                 queue: j.queue,
                 tenant: (!j.tenant_id.is_empty()).then_some(j.tenant_id),
-                anfrage: j.anfrage,
+                item: j.item,
                 attempt: j.attempt,
                 retry_count: j.retry_count,
                 completed_at: j.completed_at,

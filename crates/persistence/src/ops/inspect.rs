@@ -1,21 +1,21 @@
-//! `inspect`: the timeline of one anfrage, read-only.
+//! `inspect`: the timeline of one item, read-only.
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, JobId, RunId, RunStatus, StageName, TenantId};
+use idemstage_domain::{ItemId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
 
 use super::OpsError;
 
-/// Everything the database knows about one anfrage's run through its pipeline.
+/// Everything the database knows about one item's run through its pipeline.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct AnfrageTimeline {
+pub struct ItemTimeline {
     /// The tenant.
     pub tenant: TenantId,
-    /// The anfrage.
-    pub anfrage: AnfrageId,
+    /// The item.
+    pub item: ItemId,
     /// SHA-256 (hex) of its stored input.
     pub input_sha256: String,
     /// When it was registered (database clock).
@@ -45,7 +45,7 @@ pub struct StageTimeline {
     /// The attempt whose results are current, if any.
     pub success_attempt: Option<i32>,
     /// The stage the latest attempt read from (`None`: the first stage, which
-    /// reads the anfrage's input).
+    /// reads the item's input).
     pub upstream_stage: Option<StageName>,
     /// That stage's successful attempt the latest attempt read.
     pub upstream_attempt: Option<i32>,
@@ -83,7 +83,7 @@ pub struct AttemptView {
     pub lease_expires_at: Option<DateTime<Utc>>,
 }
 
-/// One job of the anfrage.
+/// One job of the item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct JobView {
     /// The job.
@@ -111,7 +111,7 @@ pub struct JobView {
 }
 
 #[derive(QueryableByName)]
-struct AnfrageRow {
+struct ItemRow {
     #[diesel(sql_type = Text)]
     input_sha256: String,
     #[diesel(sql_type = Timestamptz)]
@@ -194,63 +194,63 @@ struct JobRow {
     last_error: Option<String>,
 }
 
-const ANFRAGE_SQL: &str = "\
+const ITEM_SQL: &str = "\
 SELECT input_sha256, created_at, clock_timestamp() AS read_at
-  FROM anfragen WHERE tenant_id = $1 AND id = $2";
+  FROM items WHERE tenant_id = $1 AND id = $2";
 
 const RUNS_SQL: &str = "\
 SELECT id, stage, status, attempts, max_attempts, success_attempt, upstream_stage,
        upstream_attempt, lease_expires_at,
        (status = 'running' AND lease_expires_at >= clock_timestamp()) AS lease_live,
        last_error
-  FROM pipeline_runs WHERE tenant_id = $1 AND anfrage_id = $2
+  FROM stage_runs WHERE tenant_id = $1 AND item_id = $2
  ORDER BY created_at, id";
 
 const ATTEMPTS_SQL: &str = "\
 SELECT a.run_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error,
        a.input_hash, a.upstream_attempt
-  FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
- WHERE r.tenant_id = $1 AND r.anfrage_id = $2
+  FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
+ WHERE r.tenant_id = $1 AND r.item_id = $2
  ORDER BY a.run_id, a.attempt";
 
-/// A stage job's payload names its tenant and anfrage (`StageJob`). `jobs` has
+/// A stage job's payload names its tenant and item (`StageJob`). `jobs` has
 /// no row-level security: the tenant is named here.
-pub(super) const JOBS_OF_ANFRAGE: &str =
-    "payload->>'tenant_id' = $1 AND payload->>'anfrage_id' = $2";
+pub(super) const JOBS_OF_ITEM: &str = "payload->>'tenant_id' = $1 AND payload->>'item_id' = $2";
 
-/// The timeline of one anfrage: every run of it with every attempt (worker,
+/// The timeline of one item: every run of it with every attempt (worker,
 /// start and end, the lease of the live one, outcome, error, the upstream
 /// attempt it read) and every job whose payload names it (state, deliveries,
 /// next run). Read-only, in one transaction scoped to `tenant` (so one
 /// consistent snapshot per statement of the tenant's rows only). An unknown
-/// anfrage (or one of another tenant) is `AnfrageNotFound`.
+/// item (or one of another tenant) is `ItemNotFound`.
 ///
-/// The jobs are found by their payload (`tenant_id`, `anfrage_id`), which scans
+/// The jobs are found by their payload (`tenant_id`, `item_id`), which scans
 /// the jobs table: an operator's read, not a worker's.
 pub async fn inspect(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
-) -> Result<AnfrageTimeline, OpsError> {
+    item: &ItemId,
+) -> Result<ItemTimeline, OpsError> {
     let (head, runs, attempts, jobs) =
         crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
             let bind = |sql: &'static str| {
                 diesel::sql_query(sql)
                     .bind::<Text, _>(tenant.as_str().to_owned())
-                    .bind::<Text, _>(anfrage.to_string())
+                    .bind::<Text, _>(item.to_string())
             };
-            let head: Option<AnfrageRow> = bind(ANFRAGE_SQL)
-                .get_result(conn)
-                .await
-                .map(Some)
-                .or_else(|e| match e {
-                    diesel::result::Error::NotFound => Ok(None),
-                    e => Err(e),
-                })?;
+            let head: Option<ItemRow> =
+                bind(ITEM_SQL)
+                    .get_result(conn)
+                    .await
+                    .map(Some)
+                    .or_else(|e| match e {
+                        diesel::result::Error::NotFound => Ok(None),
+                        e => Err(e),
+                    })?;
             let Some(head) = head else {
-                return Err(OpsError::AnfrageNotFound {
+                return Err(OpsError::ItemNotFound {
                     tenant: tenant.clone(),
-                    anfrage: *anfrage,
+                    item: *item,
                 });
             };
             let runs: Vec<RunRow> = bind(RUNS_SQL).load(conn).await?;
@@ -258,11 +258,11 @@ pub async fn inspect(
             let jobs_sql = format!(
                 "SELECT id, queue, state, attempt, retry_count, retry_limit, start_after, \
                         lease_expires_at, completed_at, created_at, last_error \
-                   FROM jobs WHERE {JOBS_OF_ANFRAGE} ORDER BY created_at, id"
+                   FROM jobs WHERE {JOBS_OF_ITEM} ORDER BY created_at, id"
             );
             let jobs: Vec<JobRow> = diesel::sql_query(jobs_sql)
                 .bind::<Text, _>(tenant.as_str())
-                .bind::<Text, _>(anfrage.to_string())
+                .bind::<Text, _>(item.to_string())
                 .load(conn)
                 .await?;
             Ok((head, runs, attempts, jobs))
@@ -323,9 +323,9 @@ pub async fn inspect(
             })
         })
         .collect::<Result<Vec<_>, OpsError>>()?;
-    Ok(AnfrageTimeline {
+    Ok(ItemTimeline {
         tenant: tenant.clone(),
-        anfrage: *anfrage,
+        item: *item,
         input_sha256: head.input_sha256,
         created_at: head.created_at,
         read_at: head.read_at,

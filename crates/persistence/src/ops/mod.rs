@@ -1,11 +1,11 @@
 //! Operator commands (`idemstage inspect | retry | cancel | dead`): what an
-//! operator reads about one anfrage or all dead stages, and the two writes an
-//! operator may make, a retry of a dead stage and the cancel of an anfrage.
+//! operator reads about one item or all dead stages, and the two writes an
+//! operator may make, a retry of a dead stage and the cancel of an item.
 //!
-//! - [`inspect`]: the timeline of one anfrage (runs, every attempt, its jobs).
+//! - [`inspect`]: the timeline of one item (runs, every attempt, its jobs).
 //!   Read-only.
 //! - [`retry`]: a `dead` stage gets a fresh attempt budget and a new job.
-//! - [`cancel`]: the anfrage's live jobs are cancelled and its unfinished stages
+//! - [`cancel`]: the item's live jobs are cancelled and its unfinished stages
 //!   end `cancelled` (final); a running attempt is fenced.
 //! - [`dead`]: the dead-letter list: dead stages and failed jobs, with their
 //!   last errors.
@@ -20,15 +20,15 @@
 //! retried. Call them on a connection with no transaction open.
 //!
 //! ```no_run
-//! use idemstage_domain::{AnfrageId, TenantId};
+//! use idemstage_domain::{ItemId, TenantId};
 //! use idemstage_persistence::ops::{self, Actor, CancelOutcome};
 //!
 //! # async fn demo(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), ops::OpsError> {
 //! let tenant = TenantId::parse("acme")?;
-//! let anfrage = AnfrageId::parse("01JBQ8N4V1M8W3Y6Z9C2E5H7KX")?;
-//! let timeline = ops::inspect(conn, &tenant, &anfrage).await?;
+//! let item = ItemId::parse("01JBQ8N4V1M8W3Y6Z9C2E5H7KX")?;
+//! let timeline = ops::inspect(conn, &tenant, &item).await?;
 //! println!("{} stages, {} jobs", timeline.stages.len(), timeline.jobs.len());
-//! match ops::cancel(conn, &tenant, &anfrage, &Actor::parse("alice")?).await? {
+//! match ops::cancel(conn, &tenant, &item, &Actor::parse("alice")?).await? {
 //!     CancelOutcome::Cancelled { stages, .. } => println!("{} stages cancelled", stages.len()),
 //!     CancelOutcome::NothingToCancel => println!("everything was final already"),
 //! }
@@ -43,7 +43,7 @@ mod retry;
 
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, DomainError, RepoError, RowId, StageName, TenantId};
+use idemstage_domain::{DomainError, ItemId, RepoError, RowId, StageName, TenantId};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -51,7 +51,7 @@ use crate::error::map_diesel_error;
 
 pub use cancel::{cancel, CancelOutcome, CancelledFrom, CancelledJob, CancelledStage};
 pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
-pub use inspect::{inspect, AnfrageTimeline, AttemptView, JobView, StageTimeline};
+pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
 
 /// Who ran an operator command, as recorded in `audit_log.details.actor`: 1 to
@@ -102,7 +102,7 @@ pub enum RetryRefusal {
         /// When the lease runs out (database clock).
         lease_expires_at: chrono::DateTime<chrono::Utc>,
     },
-    /// The anfrage was cancelled: final.
+    /// The item was cancelled: final.
     Cancelled,
 }
 
@@ -119,41 +119,41 @@ impl std::fmt::Display for RetryRefusal {
 }
 
 /// Errors of the operator commands. [`OpsError::is_bad_request`]: the request
-/// is wrong (unknown anfrage, stage, a state that refuses it) and will fail
+/// is wrong (unknown item, stage, a state that refuses it) and will fail
 /// again; nothing was changed. [`OpsError::is_retryable`]: the database's state
 /// at the moment; the same call may succeed later.
 #[derive(Debug, Error)]
 pub enum OpsError {
-    /// No such anfrage for this tenant (it may exist for another tenant, or the
+    /// No such item for this tenant (it may exist for another tenant, or the
     /// tenant may have none).
-    #[error("anfrage {anfrage} not found for tenant {tenant}")]
-    AnfrageNotFound {
+    #[error("item {item} not found for tenant {tenant}")]
+    ItemNotFound {
         /// The tenant asked for.
         tenant: TenantId,
-        /// The anfrage asked for.
-        anfrage: AnfrageId,
+        /// The item asked for.
+        item: ItemId,
     },
     /// The stage is not one of the pipeline's.
     #[error("unknown stage {0:?}: not a stage of the pipeline")]
     UnknownStage(String),
-    /// The anfrage has no run of this stage (it never started).
-    #[error("anfrage {anfrage} of tenant {tenant} has no run of stage {stage}")]
+    /// The item has no run of this stage (it never started).
+    #[error("item {item} of tenant {tenant} has no run of stage {stage}")]
     StageNotStarted {
         /// The tenant.
         tenant: TenantId,
-        /// The anfrage.
-        anfrage: AnfrageId,
+        /// The item.
+        item: ItemId,
         /// The stage asked for.
         stage: StageName,
     },
     /// A retry of a stage that is not dead and will not be retried: succeeded,
     /// running, cancelled.
-    #[error("stage {stage} of anfrage {anfrage} (tenant {tenant}) cannot be retried: {reason}")]
+    #[error("stage {stage} of item {item} (tenant {tenant}) cannot be retried: {reason}")]
     RetryRefused {
         /// The tenant.
         tenant: TenantId,
-        /// The anfrage.
-        anfrage: AnfrageId,
+        /// The item.
+        item: ItemId,
         /// The stage.
         stage: StageName,
         /// Its state.
@@ -210,26 +210,26 @@ async fn again_after(result: &Result<impl Sized, OpsError>, tries: &mut u32) -> 
     }
 }
 
-/// The anfrage's stored input hash, read in the caller's (scoped) transaction;
-/// `AnfrageNotFound` if the tenant has no such anfrage.
+/// The item's stored input hash, read in the caller's (scoped) transaction;
+/// `ItemNotFound` if the tenant has no such item.
 async fn stored_hash(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
 ) -> Result<String, OpsError> {
     use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
 
-    use crate::schema::anfragen::dsl as a;
-    a::anfragen
+    use crate::schema::items::dsl as a;
+    a::items
         .filter(a::tenant_id.eq(tenant.as_str()))
-        .filter(a::id.eq(anfrage.to_string()))
+        .filter(a::id.eq(item.to_string()))
         .select(a::input_sha256)
         .first::<String>(conn)
         .await
         .optional()?
-        .ok_or_else(|| OpsError::AnfrageNotFound {
+        .ok_or_else(|| OpsError::ItemNotFound {
             tenant: tenant.clone(),
-            anfrage: *anfrage,
+            item: *item,
         })
 }
 
@@ -238,7 +238,7 @@ async fn stored_hash(
 async fn audit(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     action: &str,
     details: serde_json::Value,
 ) -> Result<(), OpsError> {
@@ -248,7 +248,7 @@ async fn audit(
     )
     .bind::<Text, _>(RowId::new().to_string())
     .bind::<Text, _>(tenant.as_str())
-    .bind::<Text, _>(anfrage.to_string())
+    .bind::<Text, _>(item.to_string())
     .bind::<Text, _>(action)
     .bind::<Jsonb, _>(details)
     .execute(conn)

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId};
+use idemstage_domain::{ItemId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId};
 use serde::Serialize;
 
 use super::{audit, stored_hash, Actor, OpsError, RetryRefusal};
@@ -17,13 +17,13 @@ pub trait RetryPlanner: Send + Sync {
     /// if it is not a stage of the pipeline.
     fn budget(&self, stage: &StageName) -> Option<i32>;
 
-    /// The job that starts `stage` for the anfrage; `input_hash` is the
-    /// anfrage's stored input hash.
+    /// The job that starts `stage` for the item; `input_hash` is the
+    /// item's stored input hash.
     fn job(
         &self,
         stage: &StageName,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         input_hash: &str,
     ) -> JobToSend;
 }
@@ -59,7 +59,7 @@ pub enum RetryOutcome {
     },
     /// Nothing was dead, so nothing changed. For one stage: it is `failed`,
     /// `stale`, or `running` with an expired lease, and the workers retry it
-    /// themselves (or a concurrent retry came first). For the whole anfrage: no
+    /// themselves (or a concurrent retry came first). For the whole item: no
     /// stage of it is dead.
     NothingToRetry {
         /// The stage asked for, if one was.
@@ -100,26 +100,26 @@ struct StateRow {
 }
 
 /// The conditional write: every named stage that is still `dead` becomes
-/// `failed` with `$4[i]` more attempts. `$1` tenant, `$2` anfrage, `$3` stages,
+/// `failed` with `$4[i]` more attempts. `$1` tenant, `$2` item, `$3` stages,
 /// `$4` budgets. A concurrent retry waits for this row lock and then finds
 /// `failed`: it revives nothing.
 const REVIVE_SQL: &str = "\
-UPDATE pipeline_runs r
+UPDATE stage_runs r
    SET status = 'failed', max_attempts = r.attempts + p.budget
   FROM unnest($3::text[], $4::int[]) AS p(stage, budget)
- WHERE r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = p.stage AND r.status = 'dead'
+ WHERE r.tenant_id = $1 AND r.item_id = $2 AND r.stage = p.stage AND r.status = 'dead'
 RETURNING r.id, r.stage, r.attempts, r.max_attempts, r.last_error";
 
 const DEAD_STAGES_SQL: &str = "\
-SELECT stage FROM pipeline_runs
- WHERE tenant_id = $1 AND anfrage_id = $2 AND status = 'dead'
+SELECT stage FROM stage_runs
+ WHERE tenant_id = $1 AND item_id = $2 AND status = 'dead'
  ORDER BY created_at, id";
 
 const STATE_SQL: &str = "\
 SELECT status, lease_expires_at, lease_expires_at >= clock_timestamp() AS lease_live
-  FROM pipeline_runs WHERE tenant_id = $1 AND anfrage_id = $2 AND stage = $3";
+  FROM stage_runs WHERE tenant_id = $1 AND item_id = $2 AND stage = $3";
 
-/// Retries `stage` of the anfrage, or with `None` every dead stage of it: each
+/// Retries `stage` of the item, or with `None` every dead stage of it: each
 /// `dead` stage gets a fresh attempt budget (`attempts` + the stage's
 /// `max_attempts`, so the attempt numbers, the fencing tokens, go on growing)
 /// and a new job (`planner.job`, with the pipeline's singleton key), in one
@@ -127,17 +127,17 @@ SELECT status, lease_expires_at, lease_expires_at >= clock_timestamp() AS lease_
 /// with `actor`). The stage then runs through the normal claim, so it reads its
 /// upstream's current success like any other attempt (lineage).
 ///
-/// Refused with nothing changed: an unknown anfrage (`AnfrageNotFound`), a
+/// Refused with nothing changed: an unknown item (`ItemNotFound`), a
 /// stage the planner does not know (`UnknownStage`), a stage without a run
 /// (`StageNotStarted`), one that succeeded, is running with a live lease or was
 /// cancelled (`RetryRefused`). A stage that is not dead but will be retried by
-/// the workers anyway (failed, stale, an expired lease), or an anfrage without a
+/// the workers anyway (failed, stale, an expired lease), or an item without a
 /// dead stage, is `NothingToRetry`: two concurrent retries revive a stage once,
 /// and the second finds it `failed`.
 pub async fn retry(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     stage: Option<&StageName>,
     actor: &Actor,
     planner: &dyn RetryPlanner,
@@ -150,7 +150,7 @@ pub async fn retry(
     let mut tries = 0;
     loop {
         let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
-            retry_in(conn, tenant, anfrage, stage, actor, planner).await
+            retry_in(conn, tenant, item, stage, actor, planner).await
         })
         .await;
         if !super::again_after(&result, &mut tries).await {
@@ -162,12 +162,12 @@ pub async fn retry(
 async fn retry_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     stage: Option<&StageName>,
     actor: &Actor,
     planner: &dyn RetryPlanner,
 ) -> Result<RetryOutcome, OpsError> {
-    let hash = stored_hash(conn, tenant, anfrage).await?;
+    let hash = stored_hash(conn, tenant, item).await?;
     // The stages to revive and their budgets. Without a stage: those dead now (a
     // read only for the budgets; the write below re-checks `dead` itself).
     let names: Vec<StageName> = match stage {
@@ -175,7 +175,7 @@ async fn retry_in(
         None => {
             let dead: Vec<DeadRow> = diesel::sql_query(DEAD_STAGES_SQL)
                 .bind::<Text, _>(tenant.as_str())
-                .bind::<Text, _>(anfrage.to_string())
+                .bind::<Text, _>(item.to_string())
                 .load(conn)
                 .await?;
             dead.iter()
@@ -196,7 +196,7 @@ async fn retry_in(
     } else {
         diesel::sql_query(REVIVE_SQL)
             .bind::<Text, _>(tenant.as_str())
-            .bind::<Text, _>(anfrage.to_string())
+            .bind::<Text, _>(item.to_string())
             .bind::<Array<Text>, _>(names.iter().map(|s| s.as_str()).collect::<Vec<_>>())
             .bind::<Array<Integer>, _>(&budgets)
             .load(conn)
@@ -210,13 +210,13 @@ async fn retry_in(
                 stage: None,
                 status: None,
             }),
-            Some(s) => not_revived(conn, tenant, anfrage, s).await,
+            Some(s) => not_revived(conn, tenant, item, s).await,
         };
     }
     let mut stages = Vec::with_capacity(revived.len());
     for r in revived {
         let name = StageName::parse(&r.stage)?;
-        let job = planner.job(&name, tenant, anfrage, &hash);
+        let job = planner.job(&name, tenant, item, &hash);
         let sent = crate::queue::send_in(conn, &job).await?;
         stages.push(RetriedStage {
             stage: name,
@@ -241,7 +241,7 @@ async fn retry_in(
             },
         })).collect::<Vec<_>>(),
     });
-    audit(conn, tenant, anfrage, "operator.retry", details).await?;
+    audit(conn, tenant, item, "operator.retry", details).await?;
     Ok(RetryOutcome::Retried { stages })
 }
 
@@ -249,12 +249,12 @@ async fn retry_in(
 async fn not_revived(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     stage: &StageName,
 ) -> Result<RetryOutcome, OpsError> {
     let state: Option<StateRow> = diesel::sql_query(STATE_SQL)
         .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(anfrage.to_string())
+        .bind::<Text, _>(item.to_string())
         .bind::<Text, _>(stage.as_str())
         .get_result(conn)
         .await
@@ -266,14 +266,14 @@ async fn not_revived(
     let Some(state) = state else {
         return Err(OpsError::StageNotStarted {
             tenant: tenant.clone(),
-            anfrage: *anfrage,
+            item: *item,
             stage: stage.clone(),
         });
     };
     let status: RunStatus = state.status.parse()?;
     let refused = |reason| OpsError::RetryRefused {
         tenant: tenant.clone(),
-        anfrage: *anfrage,
+        item: *item,
         stage: stage.clone(),
         reason,
     };

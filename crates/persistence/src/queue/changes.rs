@@ -1,5 +1,5 @@
 //! The record of control changes (`queue_control_changes`, migration
-//! `2026-12-01-000140_control_changes`): written by a trigger on `queue_controls`
+//! `2026-11-30-000000_baseline`): written by a trigger on `queue_controls`
 //! for every change however it was made, read here.
 
 use chrono::{DateTime, Utc};

@@ -1,11 +1,11 @@
 //! Queue controls: pause and resume, concurrency caps, rate limits and tenant
 //! weights, per queue (a stage's queue is its name) and per tenant. Stored in
 //! `queue_controls` and enforced by the fetch itself (`idemstage_fetch`, migration
-//! `2026-12-01-000070_fair_queue`), so they hold across every worker process and
+//! `2026-11-30-000000_baseline`), so they hold across every worker process and
 //! take effect at the next fetch of any worker.
 //!
 //! Every change of a control is recorded in `queue_control_changes` (migration
-//! `2026-12-01-000140_control_changes`: a trigger, so plain SQL is recorded too)
+//! `2026-11-30-000000_baseline`: a trigger, so plain SQL is recorded too)
 //! with the [`Actor`] the change was made for and the database login role;
 //! [`control_changes`](super::control_changes) reads them.
 
@@ -189,7 +189,7 @@ pub enum ResumeOutcome {
 }
 
 /// `$3` the actor: set for the statement's transaction, tagged with this
-/// statement's start (`idemstage_actor_tag()`, migration `000150`), where the
+/// statement's start (`idemstage_actor_tag()`, the baseline migration), where the
 /// trigger that records the change reads it (`queue_control_changes.actor`); a
 /// later statement of the transaction has another tag, so it names nobody.
 const PAUSE_SQL: &str = "\

@@ -10,7 +10,7 @@ use idemstage_domain::{FailKind, FetchedJob, JobId, RepoError, TenantId};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// The fair fetch of migration `2026-12-01-000070_fair_fetch` (its comment says
+/// The fair fetch of migration `2026-11-30-000000_baseline` (its comment says
 /// how shares are given): binds `$1` queues (text[]), `$2` limit (int4). One
 /// round trip; PL/pgSQL keeps the plan of its statement between calls.
 pub(crate) const FETCH_SQL: &str = "SELECT * FROM idemstage_fetch($1, $2)";

@@ -96,7 +96,7 @@ pub(crate) fn failure_set_sql(retry: &str) -> String {
 }
 
 /// The dead-letter copy of failed rows `src` (a CTE with the columns of `jobs`):
-/// payload, priority and tenant (the payload's, which migration `000200` checks),
+/// payload, priority and tenant (the payload's, which the baseline migration checks),
 /// and a last_error naming the original job and its error.
 pub(crate) fn dead_letter_insert_sql(new_id: &str, src: &str, extra_where: &str) -> String {
     let valid_queue = VALID_QUEUE_SQL.replace("{col}", &format!("{src}.dead_letter"));

@@ -16,7 +16,7 @@ use super::{sql, PgRunRepository};
 /// What an attempt reads: exactly what its run is bound to.
 #[derive(Clone, Debug, PartialEq)]
 pub enum BoundInput {
-    /// The first stage: the text of the anfrage's input whose hash the run is
+    /// The first stage: the text of the item's input whose hash the run is
     /// bound to (the stored one, or the replaced one kept for it).
     Text(String),
     /// A later stage: its upstream's output at the attempt the run is bound to
@@ -87,12 +87,12 @@ impl PgRunRepository {
         let input = if row.first_stage {
             let text = row.input_text.ok_or_else(|| RepoError::BoundInputMissing {
                 tenant: token.tenant.to_string(),
-                anfrage: token.anfrage.to_string(),
+                item: token.item.to_string(),
                 input_hash: row.input_hash.clone(),
             })?;
             // The limit holds for input that did not come through
-            // `register_anfrage` (written by hand or by another tool).
-            crate::anfragen::validate_input(&text)?;
+            // `register_item` (written by hand or by another tool).
+            crate::items::validate_input(&text)?;
             BoundInput::Text(text)
         } else if row.upstream_found {
             BoundInput::UpstreamOutput(row.upstream_output.unwrap_or(serde_json::Value::Null))
@@ -132,7 +132,7 @@ impl PgRunRepository {
     /// The text of the input the token's attempt is bound to (every stage's: a
     /// later stage's run is bound to the hash its upstream's success read), in a
     /// transaction scoped to the token's tenant. `BoundInputMissing` if no text of
-    /// that hash is kept; `AnfrageNotFound` if the token no longer holds.
+    /// that hash is kept; `ItemNotFound` if the token no longer holds.
     pub async fn bound_input(&self, token: &ClaimToken) -> Result<String, RepoError> {
         let mut conn = self.conn().await?;
         crate::tenant::transaction::<_, TxError, _>(&mut conn, &token.tenant, async |conn| {
@@ -165,7 +165,7 @@ impl PgRunRepository {
 }
 
 /// The text of the input the token's attempt is bound to (`sql::BOUND_INPUT`):
-/// the anfrage's stored input while it is current, else the replaced input kept
+/// the item's stored input while it is current, else the replaced input kept
 /// for it. On a connection already scoped to the token's tenant.
 pub(crate) async fn bound_input_text(
     conn: &mut AsyncPgConnection,
@@ -185,9 +185,9 @@ pub(crate) async fn bound_input_text(
         .await
         .optional()
         .map_err(crate::error::map_diesel_error)?;
-    let not_found = || RepoError::AnfrageNotFound {
+    let not_found = || RepoError::ItemNotFound {
         tenant: token.tenant.to_string(),
-        anfrage: token.anfrage.to_string(),
+        item: token.item.to_string(),
     };
     let bound = bound.ok_or_else(not_found)?;
     let (Some(hash), text) = (bound.input_hash, bound.input_text) else {
@@ -195,11 +195,11 @@ pub(crate) async fn bound_input_text(
     };
     let text = text.ok_or_else(|| RepoError::BoundInputMissing {
         tenant: token.tenant.to_string(),
-        anfrage: token.anfrage.to_string(),
+        item: token.item.to_string(),
         input_hash: hash,
     })?;
-    // The limit holds for input that did not come through `register_anfrage`
+    // The limit holds for input that did not come through `register_item`
     // (written by hand or by another tool): a clear, permanent error.
-    crate::anfragen::validate_input(&text)?;
+    crate::items::validate_input(&text)?;
     Ok(text)
 }

@@ -36,7 +36,7 @@ async fn claim_statement(
     diesel::sql_query(sql::CLAIM)
         .bind::<Text, _>(RunId::new().to_string())
         .bind::<Text, _>(req.tenant.as_str())
-        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.item.to_string())
         .bind::<Text, _>(req.stage.as_str())
         .bind::<Integer, _>(req.policy.max_attempts)
         .bind::<Text, _>(&req.input_hash)
@@ -55,11 +55,11 @@ fn map_claim_error(e: diesel::result::Error, req: &ClaimRequest) -> RepoError {
     use diesel::result::{DatabaseErrorKind, Error};
     match &e {
         Error::DatabaseError(DatabaseErrorKind::ForeignKeyViolation, info)
-            if info.constraint_name() == Some("pipeline_runs_anfrage_fk") =>
+            if info.constraint_name() == Some("stage_runs_item_fk") =>
         {
-            RepoError::AnfrageNotFound {
+            RepoError::ItemNotFound {
                 tenant: req.tenant.to_string(),
-                anfrage: req.anfrage.to_string(),
+                item: req.item.to_string(),
             }
         }
         _ => map_diesel_error(e),
@@ -101,7 +101,7 @@ impl PgRunRepository {
     /// Only `Claimed` hands out a fencing token (`attempt`); `Skipped`, `Rejected`
     /// and `Exhausted` run nothing (see [`ClaimOutcome`]); finding the budget used
     /// up can mark the run `dead` on the way. An invalid policy is `Invalid` before
-    /// anything runs, a missing anfrage `AnfrageNotFound`. Serialization failures,
+    /// anything runs, a missing item `ItemNotFound`. Serialization failures,
     /// deadlocks and a state that changes between the claim and the read are
     /// retried within three rounds in all; after that the result is `Conflict`
     /// (retryable).
@@ -134,7 +134,7 @@ impl PgRunRepository {
         Err(RepoError::Conflict(
             format!(
                 "claim of {}/{}/{} kept changing state",
-                req.tenant, req.anfrage, req.stage
+                req.tenant, req.item, req.stage
             )
             .into(),
         ))
@@ -182,7 +182,7 @@ async fn explain_skip(
 ) -> Result<Option<ClaimOutcome>, RepoError> {
     let e: Explained = diesel::sql_query(sql::EXPLAIN_SKIP)
         .bind::<Text, _>(req.tenant.as_str())
-        .bind::<Text, _>(req.anfrage.to_string())
+        .bind::<Text, _>(req.item.to_string())
         .bind::<Text, _>(req.stage.as_str())
         .bind::<Nullable<Text>, _>(req.upstream.as_ref().map(|s| s.as_str()))
         .cached()
@@ -191,9 +191,9 @@ async fn explain_skip(
         .map_err(map_diesel_error)?;
     // The source first: without it the claim inserted nothing and looked at no row.
     let Some(stored_hash) = e.stored_hash else {
-        return Err(RepoError::AnfrageNotFound {
+        return Err(RepoError::ItemNotFound {
             tenant: req.tenant.to_string(),
-            anfrage: req.anfrage.to_string(),
+            item: req.item.to_string(),
         });
     };
     // The upstream attempt a claim would bind now (none for the first stage).

@@ -76,7 +76,7 @@ impl PgRunRepository {
             &mut conn,
             &token.tenant,
             async move |conn| {
-                // Lineage first (it share-locks the upstream row or the anfrage):
+                // Lineage first (it share-locks the upstream row or the item):
                 // the input this attempt read must still be current. Then the
                 // fence: it checks the token, marks success and locks the row, so
                 // a concurrent claim waits for this transaction and then sees
@@ -106,7 +106,7 @@ impl PgRunRepository {
                 if token.attempt > 1 {
                     diesel::sql_query(sql::INVALIDATE_DOWNSTREAM)
                         .bind::<Text, _>(token.tenant.as_str())
-                        .bind::<Text, _>(token.anfrage.to_string())
+                        .bind::<Text, _>(token.item.to_string())
                         .bind::<Text, _>(token.stage.as_str())
                         .bind::<Text, _>(format!(
                             "upstream stage {} succeeded again (attempt {})",
@@ -196,7 +196,7 @@ impl PgRunRepository {
                         Ok(read_run_row(
                             conn,
                             token.tenant.as_str(),
-                            &token.anfrage.to_string(),
+                            &token.item.to_string(),
                             token.stage.as_str(),
                         )
                         .await?)

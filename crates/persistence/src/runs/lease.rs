@@ -15,7 +15,7 @@ use idemstage_domain::{
 
 use crate::cached::CachedExt;
 use crate::error::{map_diesel_error, TxError};
-use crate::schema::pipeline_run_attempts;
+use crate::schema::stage_run_attempts;
 
 use super::{micros, sql, PgRunRepository};
 
@@ -262,9 +262,9 @@ async fn mark_attempt(
     token: &ClaimToken,
     outcome: &str,
 ) -> Result<(), RepoError> {
-    use pipeline_run_attempts::dsl as pa;
+    use stage_run_attempts::dsl as pa;
     diesel::update(
-        pa::pipeline_run_attempts
+        pa::stage_run_attempts
             .filter(pa::run_id.eq(token.run_id.to_string()))
             .filter(pa::attempt.eq(token.attempt))
             .filter(pa::outcome.eq_any(["running", "abandoned"])),

@@ -1,4 +1,4 @@
-//! Layer 1: the claim repository on `pipeline_runs`. The statements are in `sql`.
+//! Layer 1: the claim repository on `stage_runs`. The statements are in `sql`.
 
 mod bound;
 mod claim;
@@ -15,17 +15,17 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use idemstage_domain::{AnfrageId, RepoError, RunId, RunRecord, StageName, TenantId};
+use idemstage_domain::{ItemId, RepoError, RunId, RunRecord, StageName, TenantId};
 
 use crate::queue::{Notifier, Wake};
-use crate::schema::pipeline_runs;
+use crate::schema::stage_runs;
 use crate::PgPool;
 
 /// How often a transaction is re-run after 40001/40P01 before the error is returned.
 const CONFLICT_RETRIES: u32 = 8;
 
 /// The claim repository: claim, fenced completion, lease renewal, failure,
-/// release and reads of `pipeline_runs`. Every method takes a connection of its
+/// release and reads of `stage_runs`. Every method takes a connection of its
 /// own from the pool and runs in transactions of its own, so none joins a caller's
 /// transaction; all but [`attempt_history`](Self::attempt_history) are scoped to
 /// the request's or token's tenant. Cloning shares the pool.
@@ -76,11 +76,11 @@ impl PgRunRepository {
 }
 
 #[derive(Queryable, Selectable)]
-#[diesel(table_name = pipeline_runs)]
+#[diesel(table_name = stage_runs)]
 struct RunRow {
     id: String,
     tenant_id: String,
-    anfrage_id: String,
+    item_id: String,
     stage: String,
     status: String,
     attempts: i32,
@@ -101,7 +101,7 @@ impl RunRow {
         Ok(RunRecord {
             run_id: RunId::parse(&self.id)?,
             tenant: TenantId::parse(&self.tenant_id)?,
-            anfrage: AnfrageId::parse(&self.anfrage_id)?,
+            item: ItemId::parse(&self.item_id)?,
             stage: StageName::parse(&self.stage)?,
             status: self.status.parse()?,
             attempts: self.attempts,

@@ -3,27 +3,25 @@
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{
-    AnfrageId, AttemptRecord, RepoError, RunId, RunRecord, StageName, TenantId,
-};
+use idemstage_domain::{AttemptRecord, ItemId, RepoError, RunId, RunRecord, StageName, TenantId};
 
 use crate::error::{map_diesel_error, TxError};
-use crate::schema::{pipeline_run_attempts, pipeline_runs};
+use crate::schema::{stage_run_attempts, stage_runs};
 
 use super::{PgRunRepository, RunRow};
 
 impl PgRunRepository {
-    /// The run of (tenant, anfrage, stage), if any, read in a transaction scoped to
+    /// The run of (tenant, item, stage), if any, read in a transaction scoped to
     /// `tenant`.
     pub async fn read_run(
         &self,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         stage: &StageName,
     ) -> Result<Option<RunRecord>, RepoError> {
         let mut conn = self.conn().await?;
         crate::tenant::transaction::<_, TxError, _>(&mut conn, tenant, async |conn| {
-            Ok(read_run_row(conn, tenant.as_str(), &anfrage.to_string(), stage.as_str()).await?)
+            Ok(read_run_row(conn, tenant.as_str(), &item.to_string(), stage.as_str()).await?)
         })
         .await
         .map_err(TxError::into_repo)?
@@ -34,7 +32,7 @@ impl PgRunRepository {
     /// Every attempt of a run, in order; empty for an unknown id. Not scoped to a
     /// tenant: it runs as the connecting user and finds the run by its id alone.
     pub async fn attempt_history(&self, run_id: &RunId) -> Result<Vec<AttemptRecord>, RepoError> {
-        use pipeline_run_attempts::dsl as pa;
+        use stage_run_attempts::dsl as pa;
         type Row = (
             i32,
             String,
@@ -46,7 +44,7 @@ impl PgRunRepository {
             Option<i32>,
         );
         let mut conn = self.conn().await?;
-        let query = pa::pipeline_run_attempts
+        let query = pa::stage_run_attempts
             .filter(pa::run_id.eq(run_id.to_string()))
             .order(pa::attempt)
             .select((
@@ -89,17 +87,17 @@ impl PgRunRepository {
     }
 }
 
-/// The row of (tenant, anfrage, stage), if any, in the caller's transaction.
+/// The row of (tenant, item, stage), if any, in the caller's transaction.
 pub(super) async fn read_run_row(
     conn: &mut AsyncPgConnection,
     tenant: &str,
-    anfrage: &str,
+    item: &str,
     stage: &str,
 ) -> Result<Option<RunRow>, RepoError> {
-    use pipeline_runs::dsl as pr;
-    pr::pipeline_runs
+    use stage_runs::dsl as pr;
+    pr::stage_runs
         .filter(pr::tenant_id.eq(tenant))
-        .filter(pr::anfrage_id.eq(anfrage))
+        .filter(pr::item_id.eq(item))
         .filter(pr::stage.eq(stage))
         .select(RunRow::as_select())
         .first(conn)

@@ -9,7 +9,7 @@
 
 /// The claim: one `INSERT … SELECT … ON CONFLICT … DO UPDATE … WHERE <guard>`.
 ///
-/// The inserted (or updated) values come from the claim's *source*: the anfrage's
+/// The inserted (or updated) values come from the claim's *source*: the item's
 /// stored input for the first stage (`$10` NULL), only if the job's hash `$6` is
 /// that input's hash; the upstream stage's current successful attempt otherwise.
 /// No source row: nothing is inserted and no conflict is examined, so a stage whose
@@ -29,26 +29,26 @@
 /// The update's lease is its own `clock_timestamp()`, not `EXCLUDED`'s: the
 /// inserted values are computed before the conflict's row lock is waited for.
 ///
-/// `$1` new run id, `$2` tenant, `$3` anfrage, `$4` stage, `$5` max_attempts, `$6`
+/// `$1` new run id, `$2` tenant, `$3` item, `$4` stage, `$5` max_attempts, `$6`
 /// the job's input hash, `$7` worker, `$8` lease in microseconds, `$9` rerun on new
 /// input, `$10` upstream stage or NULL.
 pub const CLAIM: &str = "\
-INSERT INTO pipeline_runs AS r
-    (id, tenant_id, anfrage_id, stage, status, attempts, max_attempts, input_hash,
+INSERT INTO stage_runs AS r
+    (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, upstream_stage, upstream_attempt)
 SELECT $1, $2, $3, $4, 'running', 1, $5, src.input_hash, $7,
        clock_timestamp(), clock_timestamp() + $8 * interval '1 microsecond',
        src.upstream_stage, src.upstream_attempt
   FROM (SELECT a.input_sha256 AS input_hash, NULL::text AS upstream_stage,
                NULL::integer AS upstream_attempt
-          FROM anfragen a
+          FROM items a
          WHERE $10::text IS NULL AND a.tenant_id = $2 AND a.id = $3 AND a.input_sha256 = $6
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
-          FROM pipeline_runs u
-          JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-         WHERE u.tenant_id = $2 AND u.anfrage_id = $3 AND u.stage = $10::text) AS src
-ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
+          FROM stage_runs u
+          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+         WHERE u.tenant_id = $2 AND u.item_id = $3 AND u.stage = $10::text) AS src
+ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
        attempts = r.attempts + 1,
        max_attempts = CASE WHEN r.status IN ('success', 'stale')
@@ -66,16 +66,16 @@ ON CONFLICT (tenant_id, anfrage_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM pipeline_run_attempts s
+               SELECT 1 FROM stage_run_attempts s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND $9)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt";
 
-/// Why a claim returned no row, in one round trip: the anfrage's stored hash, the
+/// Why a claim returned no row, in one round trip: the item's stored hash, the
 /// upstream's state and its successful attempt's hash, the run, and the clock.
-/// `$1` tenant, `$2` anfrage, `$3` stage, `$4` upstream stage or NULL.
+/// `$1` tenant, `$2` item, `$3` stage, `$4` upstream stage or NULL.
 pub const EXPLAIN_SKIP: &str = "\
 SELECT clock_timestamp() AS db_now,
        a.input_sha256 AS stored_hash,
@@ -84,11 +84,11 @@ SELECT clock_timestamp() AS db_now,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
        r.lease_expires_at, s.input_hash AS success_hash, s.upstream_attempt AS success_upstream
   FROM (SELECT 1) AS one
-  LEFT JOIN anfragen a ON a.tenant_id = $1 AND a.id = $2
-  LEFT JOIN pipeline_runs u ON u.tenant_id = $1 AND u.anfrage_id = $2 AND u.stage = $4::text
-  LEFT JOIN pipeline_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
-  LEFT JOIN pipeline_runs r ON r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3
-  LEFT JOIN pipeline_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt";
+  LEFT JOIN items a ON a.tenant_id = $1 AND a.id = $2
+  LEFT JOIN stage_runs u ON u.tenant_id = $1 AND u.item_id = $2 AND u.stage = $4::text
+  LEFT JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+  LEFT JOIN stage_runs r ON r.tenant_id = $1 AND r.item_id = $2 AND r.stage = $3
+  LEFT JOIN stage_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt";
 
 /// A run whose success is current again ends its detour: it is `success` on that
 /// attempt once more, with the attempt's input and upstream, and the attempt after
@@ -97,13 +97,13 @@ SELECT clock_timestamp() AS db_now,
 /// attempt only once its lease ran out), fenced on the token. `$1` run id, `$2`
 /// attempts.
 pub const RESTORE_SUCCESS: &str = "\
-UPDATE pipeline_runs AS r
+UPDATE stage_runs AS r
    SET status = 'success', input_hash = s.input_hash, upstream_attempt = s.upstream_attempt,
        finished_at = clock_timestamp(),
        lease_expires_at = least(r.lease_expires_at, clock_timestamp()),
        last_error = 'restored to the success of attempt ' || r.success_attempt
                     || ': its input is current again'
-  FROM pipeline_run_attempts s
+  FROM stage_run_attempts s
  WHERE r.id = $1 AND r.attempts = $2
    AND s.run_id = r.id AND s.attempt = r.success_attempt
    AND (r.status IN ('failed', 'dead', 'stale')
@@ -113,25 +113,25 @@ UPDATE pipeline_runs AS r
 /// guard refuses for that reason (failed, or running with an expired lease): a
 /// concurrent `release` (which raises `max_attempts`) or claim wins. `$1` run id.
 pub const MARK_EXHAUSTED: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'dead', finished_at = clock_timestamp(),
        last_error = 'attempt budget used up (last lease expired)'
  WHERE id = $1 AND attempts >= max_attempts
    AND (status = 'failed' OR (status = 'running' AND lease_expires_at < clock_timestamp()))";
 
 /// The input a run's attempt is bound to: the text of the run's `input_hash`, the
-/// anfrage's stored input while it is current, else the replaced input kept in
-/// `anfrage_inputs` (migration `000160`). Fenced on the token: no row for an
+/// item's stored input while it is current, else the replaced input kept in
+/// `item_inputs` (the baseline migration). Fenced on the token: no row for an
 /// attempt that is not the run's current one. `$1` run id, `$2` attempt.
 pub const BOUND_INPUT: &str = "\
 SELECT r.input_hash,
-       coalesce((SELECT a.input_text FROM anfragen a
-                  WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+       coalesce((SELECT a.input_text FROM items a
+                  WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
                     AND a.input_sha256 = r.input_hash),
-                (SELECT i.input_text FROM anfrage_inputs i
-                  WHERE i.tenant_id = r.tenant_id AND i.anfrage_id = r.anfrage_id
+                (SELECT i.input_text FROM item_inputs i
+                  WHERE i.tenant_id = r.tenant_id AND i.item_id = r.item_id
                     AND i.input_sha256 = r.input_hash)) AS input_text
-  FROM pipeline_runs r
+  FROM stage_runs r
  WHERE r.id = $1 AND r.attempts = $2";
 
 /// What an attempt of the typed contract reads before its `prepare`, in one
@@ -146,11 +146,11 @@ pub const READ_BOUND: &str = "\
 SELECT r.input_hash,
        r.upstream_stage IS NULL AS first_stage,
        CASE WHEN r.upstream_stage IS NULL THEN
-           coalesce((SELECT a.input_text FROM anfragen a
-                      WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+           coalesce((SELECT a.input_text FROM items a
+                      WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
                         AND a.input_sha256 = r.input_hash),
-                    (SELECT i.input_text FROM anfrage_inputs i
-                      WHERE i.tenant_id = r.tenant_id AND i.anfrage_id = r.anfrage_id
+                    (SELECT i.input_text FROM item_inputs i
+                      WHERE i.tenant_id = r.tenant_id AND i.item_id = r.item_id
                         AND i.input_sha256 = r.input_hash))
        END AS input_text,
        u.found IS NOT NULL AS upstream_found,
@@ -158,9 +158,9 @@ SELECT r.input_hash,
        (SELECT c.prepared FROM stage_checkpoints c
          WHERE $3 AND c.run_id = r.id AND c.input_hash = r.input_hash
            AND c.upstream_attempt IS NOT DISTINCT FROM r.upstream_attempt) AS checkpoint
-  FROM pipeline_runs r
-  LEFT JOIN LATERAL (SELECT true AS found, u.output FROM pipeline_runs u
-                      WHERE u.tenant_id = r.tenant_id AND u.anfrage_id = r.anfrage_id
+  FROM stage_runs r
+  LEFT JOIN LATERAL (SELECT true AS found, u.output FROM stage_runs u
+                      WHERE u.tenant_id = r.tenant_id AND u.item_id = r.item_id
                         AND u.stage = r.upstream_stage
                         AND u.success_attempt = r.upstream_attempt) u ON true
  WHERE r.id = $1 AND r.attempts = $2";
@@ -172,7 +172,7 @@ SELECT r.input_hash,
 pub const CHECKPOINT: &str = "\
 INSERT INTO stage_checkpoints (run_id, tenant_id, input_hash, upstream_attempt, attempt, prepared)
 SELECT r.id, r.tenant_id, r.input_hash, r.upstream_attempt, r.attempts, $3
-  FROM pipeline_runs r
+  FROM stage_runs r
  WHERE r.id = $1 AND r.attempts = $2 AND r.status = 'running'
 ON CONFLICT (run_id) DO UPDATE
    SET input_hash = EXCLUDED.input_hash, upstream_attempt = EXCLUDED.upstream_attempt,
@@ -183,18 +183,18 @@ ON CONFLICT (run_id) DO UPDATE
 /// attempt that is now its `success_attempt`. `$1` run id, `$2` attempt, `$3` the
 /// output (jsonb).
 pub const RECORD_OUTPUT: &str = "\
-UPDATE pipeline_runs SET output = $3
+UPDATE stage_runs SET output = $3
  WHERE id = $1 AND attempts = $2 AND status = 'success'";
 
 /// As [`RECORD_OUTPUT`], for an attempt that wrote or reused a checkpoint: the
 /// success used it, so it is deleted with the same statement.
 pub const RECORD_OUTPUT_CLEAR_CHECKPOINT: &str = "\
 WITH cleared AS (DELETE FROM stage_checkpoints WHERE run_id = $1)
-UPDATE pipeline_runs SET output = $3
+UPDATE stage_runs SET output = $3
  WHERE id = $1 AND attempts = $2 AND status = 'success'";
 
 /// The lineage check, the first statement of the fenced completion: is the input
-/// this attempt read still current? For the first stage, the anfrage's stored input
+/// this attempt read still current? For the first stage, the item's stored input
 /// hash must still be the run's; for the others, the upstream's `success_attempt`
 /// must still be the one the attempt was claimed on. The row read is share-locked,
 /// so the upstream cannot succeed again (and the input cannot be replaced) until
@@ -203,23 +203,23 @@ UPDATE pipeline_runs SET output = $3
 /// No row: the token no longer holds. `$1` run id, `$2` attempt.
 pub const LINEAGE_CURRENT: &str = "\
 SELECT CASE WHEN r.upstream_stage IS NULL
-            THEN EXISTS (SELECT 1 FROM anfragen a
-                          WHERE a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+            THEN EXISTS (SELECT 1 FROM items a
+                          WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
                             AND a.input_sha256 = r.input_hash
                             FOR SHARE)
-            ELSE EXISTS (SELECT 1 FROM pipeline_runs u
-                          WHERE u.tenant_id = r.tenant_id AND u.anfrage_id = r.anfrage_id
+            ELSE EXISTS (SELECT 1 FROM stage_runs u
+                          WHERE u.tenant_id = r.tenant_id AND u.item_id = r.item_id
                             AND u.stage = r.upstream_stage
                             AND u.success_attempt = r.upstream_attempt
                             FOR SHARE)
        END AS current
-  FROM pipeline_runs r
+  FROM stage_runs r
  WHERE r.id = $1 AND r.attempts = $2 AND r.status = 'running'";
 
 /// The fence: checks the token, marks success, locks the run's row. `$1` run id,
 /// `$2` attempt.
 pub const FENCE_SUCCESS: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'success', success_attempt = attempts, finished_at = now()
  WHERE id = $1 AND attempts = $2 AND status = 'running'";
 
@@ -231,28 +231,28 @@ UPDATE pipeline_runs
 /// completion expects `running`). A `cancelled` stage stays cancelled (final on
 /// every path): only its results stop being current, so nothing after it runs. A
 /// failed or dead rerun never gets here, so it invalidates nothing. `$1` tenant,
-/// `$2` anfrage, `$3` stage, `$4` reason.
+/// `$2` item, `$3` stage, `$4` reason.
 pub const INVALIDATE_DOWNSTREAM: &str = "\
 WITH RECURSIVE downstream AS (
-    SELECT d.stage FROM pipeline_runs d
-     WHERE d.tenant_id = $1 AND d.anfrage_id = $2 AND d.upstream_stage = $3
+    SELECT d.stage FROM stage_runs d
+     WHERE d.tenant_id = $1 AND d.item_id = $2 AND d.upstream_stage = $3
     UNION
-    SELECT d.stage FROM pipeline_runs d JOIN downstream ON d.upstream_stage = downstream.stage
-     WHERE d.tenant_id = $1 AND d.anfrage_id = $2
+    SELECT d.stage FROM stage_runs d JOIN downstream ON d.upstream_stage = downstream.stage
+     WHERE d.tenant_id = $1 AND d.item_id = $2
 )
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = CASE WHEN status = 'cancelled' THEN 'cancelled' ELSE 'stale' END,
        last_error = CASE WHEN status = 'cancelled' THEN last_error ELSE $4 END,
        success_attempt = NULL,
        lease_expires_at = least(lease_expires_at, clock_timestamp())
- WHERE tenant_id = $1 AND anfrage_id = $2 AND stage IN (SELECT stage FROM downstream)
+ WHERE tenant_id = $1 AND item_id = $2 AND stage IN (SELECT stage FROM downstream)
    AND status <> 'stale' AND NOT (status = 'cancelled' AND success_attempt IS NULL)";
 
 /// The run's attempt read an upstream that is no longer current: the attempt ends
 /// (`fenced` in the history) and the run is `stale`, claimable at once. Fenced on
 /// the token. `$1` run id, `$2` attempt, `$3` reason.
 pub const STALE_ON_LINEAGE: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = 'stale', lease_expires_at = clock_timestamp(), last_error = $3
  WHERE id = $1 AND attempts = $2 AND status = 'running'";
 
@@ -260,7 +260,7 @@ UPDATE pipeline_runs
 /// up or the failure is permanent (`$4` false), else `failed`. `$3` the sanitised
 /// error text.
 pub const FAIL: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET status = CASE WHEN attempts >= max_attempts OR NOT $4 THEN 'dead' ELSE 'failed' END,
        last_error = $3, finished_at = clock_timestamp()
  WHERE id = $1 AND attempts = $2 AND status = 'running'
@@ -269,7 +269,7 @@ RETURNING status, attempts";
 /// Gives the lease back without counting the attempt (shutdown, an infrastructure
 /// error): the lease ends now and the budget grows by one. `$3` the reason.
 pub const RELEASE: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET lease_expires_at = clock_timestamp(), max_attempts = max_attempts + 1, last_error = $3
  WHERE id = $1 AND attempts = $2 AND status = 'running'
 RETURNING lease_expires_at";
@@ -287,10 +287,10 @@ WITH run AS (
     SELECT id,
            CASE WHEN interrupted_attempt = attempts - 1 THEN interruptions ELSE 0 END
                AS in_row
-      FROM pipeline_runs
+      FROM stage_runs
      WHERE id = $1 AND attempts = $2 AND status = 'running'
        FOR UPDATE)
-UPDATE pipeline_runs AS r
+UPDATE stage_runs AS r
    SET status = CASE WHEN run.in_row < $4 THEN 'running'
                      WHEN r.attempts >= r.max_attempts THEN 'dead'
                      ELSE 'failed' END,
@@ -308,7 +308,7 @@ RETURNING r.status, r.attempts, run.in_row";
 /// Extends the lease from the statement's clock, fenced on the token. `$3` the
 /// lease in microseconds.
 pub const RENEW: &str = "\
-UPDATE pipeline_runs
+UPDATE stage_runs
    SET lease_expires_at = clock_timestamp() + $3 * interval '1 microsecond'
  WHERE id = $1 AND attempts = $2 AND status = 'running'
 RETURNING lease_expires_at";

@@ -50,15 +50,11 @@ async fn sixty_four_concurrent_claims_of_a_fresh_key_yield_exactly_one_claimed()
     let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 64).await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut db.conn().await, &t).await;
+    let item = new_item(&mut db.conn().await, &t).await;
     let barrier = Arc::new(Barrier::new(64));
     let mut tasks = Vec::new();
     for _ in 0..64 {
-        let (repo, barrier, req) = (
-            repo.clone(),
-            barrier.clone(),
-            request(&t, anfrage, "intake"),
-        );
+        let (repo, barrier, req) = (repo.clone(), barrier.clone(), request(&t, item, "intake"));
         tasks.push(tokio::spawn(async move {
             // Hold a connection before the barrier so the claims really overlap.
             drop(repo.pool().get().await.unwrap());
@@ -79,9 +75,9 @@ async fn sixty_four_concurrent_claims_of_a_fresh_key_yield_exactly_one_claimed()
     }
     assert_eq!(claimed, 1);
     let mut conn = db.conn().await;
-    assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 1);
+    assert_eq!(count(&mut conn, "SELECT * FROM stage_runs").await, 1);
     assert_eq!(
-        count(&mut conn, "SELECT * FROM pipeline_run_attempts").await,
+        count(&mut conn, "SELECT * FROM stage_run_attempts").await,
         1
     );
 }
@@ -92,7 +88,7 @@ async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+    let req = request(&t, new_item(&mut conn, &t).await, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let write = write_fn(noop);
     assert_eq!(
@@ -100,7 +96,7 @@ async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
         CompleteOutcome::Committed
     );
     let before = repo
-        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .read_run(&req.tenant, &req.item, &req.stage)
         .await
         .unwrap()
         .unwrap();
@@ -114,7 +110,7 @@ async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
         })
     );
     let after = repo
-        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .read_run(&req.tenant, &req.item, &req.stage)
         .await
         .unwrap()
         .unwrap();
@@ -123,7 +119,7 @@ async fn a_succeeded_stage_is_skipped_and_its_row_left_unchanged() {
         (before.status, before.attempts, before.started_at)
     );
     assert_eq!(
-        count(&mut conn, "SELECT * FROM pipeline_run_attempts").await,
+        count(&mut conn, "SELECT * FROM stage_run_attempts").await,
         1
     );
 }
@@ -134,10 +130,7 @@ async fn a_live_lease_is_in_flight_and_an_expired_one_is_claimed_again() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = short_lease(
-        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
-        300,
-    );
+    let req = short_lease(request(&t, new_item(&mut conn, &t).await, "extract"), 300);
     let first = token_of(&req, &repo.claim(&req).await.unwrap());
 
     let mut other = req.clone();
@@ -145,7 +138,7 @@ async fn a_live_lease_is_in_flight_and_an_expired_one_is_claimed_again() {
     match repo.claim(&other).await.unwrap() {
         ClaimOutcome::Skipped(SkipReason::InFlight { lease_expires_at }) => {
             let run = repo
-                .read_run(&req.tenant, &req.anfrage, &req.stage)
+                .read_run(&req.tenant, &req.item, &req.stage)
                 .await
                 .unwrap()
                 .unwrap();
@@ -180,10 +173,7 @@ async fn a_stale_holder_is_fenced_and_none_of_its_writes_survive() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = short_lease(
-        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
-        200,
-    );
+    let req = short_lease(request(&t, new_item(&mut conn, &t).await, "extract"), 200);
     let stale = token_of(&req, &repo.claim(&req).await.unwrap());
     wait_lease_expired(&mut conn, &stale.run_id.to_string()).await;
     let holder = token_of(&req, &repo.claim(&req).await.unwrap());
@@ -194,7 +184,7 @@ async fn a_stale_holder_is_fenced_and_none_of_its_writes_survive() {
                 tx.replace_extraktionen(&positions(n, label)).await?;
                 tx.insert_or_get_datei(&"c".repeat(64), &format!("files/{label}"), 10)
                     .await?;
-                tx.audit("anfrage", &format!("{label}.done"), serde_json::json!({}))
+                tx.audit("item", &format!("{label}.done"), serde_json::json!({}))
                     .await?;
                 Ok(())
             }
@@ -253,10 +243,7 @@ async fn two_concurrent_replacers_leave_exactly_one_child_set() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = short_lease(
-        request(&t, new_anfrage(&mut conn, &t).await, "extract"),
-        200,
-    );
+    let req = short_lease(request(&t, new_item(&mut conn, &t).await, "extract"), 200);
     // An earlier success left 7 children; two attempts now race to replace them.
     let first = token_of(&req, &repo.claim(&req).await.unwrap());
     wait_lease_expired(&mut conn, &first.run_id.to_string()).await;
@@ -304,7 +291,7 @@ async fn the_per_row_upsert_variant_ends_like_replace() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = request(&t, new_anfrage(&mut conn, &t).await, "extract");
+    let req = request(&t, new_item(&mut conn, &t).await, "extract");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let write = write_fn(|tx| {
         async move {
@@ -337,7 +324,7 @@ async fn the_per_row_upsert_variant_ends_like_replace() {
 async fn insert_or_get_under_32_concurrent_callers_returns_one_id() {
     let db = idemstage_harness::example::db().await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut db.conn().await, &t).await;
+    let item = new_item(&mut db.conn().await, &t).await;
     let barrier = Arc::new(Barrier::new(32));
     let mut tasks = Vec::new();
     for _ in 0..32 {
@@ -349,7 +336,7 @@ async fn insert_or_get_under_32_concurrent_callers_returns_one_id() {
                 let datei = insert_or_get_datei(
                     conn,
                     &t,
-                    &anfrage.to_string(),
+                    &item.to_string(),
                     &"d".repeat(64),
                     "files/input.pdf",
                     42,
@@ -400,7 +387,7 @@ async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let mut req = request(&t, new_anfrage(&mut conn, &t).await, "calculate");
+    let mut req = request(&t, new_item(&mut conn, &t).await, "calculate");
     req.policy.max_attempts = 2;
     let first = token_of(&req, &repo.claim(&req).await.unwrap());
     assert_eq!(
@@ -420,7 +407,7 @@ async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
         );
     }
     let run = repo
-        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .read_run(&req.tenant, &req.item, &req.stage)
         .await
         .unwrap()
         .unwrap();
@@ -428,10 +415,7 @@ async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
     assert_eq!(run.last_error.as_deref(), Some("boom 2"));
 
     // The lease path: a holder that vanished on its last attempt ends the run too.
-    let mut req = short_lease(
-        request(&t, new_anfrage(&mut conn, &t).await, "calculate"),
-        100,
-    );
+    let mut req = short_lease(request(&t, new_item(&mut conn, &t).await, "calculate"), 100);
     req.policy.max_attempts = 1;
     let only = token_of(&req, &repo.claim(&req).await.unwrap());
     wait_lease_expired(&mut conn, &only.run_id.to_string()).await;
@@ -440,7 +424,7 @@ async fn max_attempts_reached_is_exhausted_and_never_claimed_again() {
         ClaimOutcome::Exhausted { attempts: 1 }
     );
     let run = repo
-        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .read_run(&req.tenant, &req.item, &req.stage)
         .await
         .unwrap()
         .unwrap();
@@ -453,7 +437,7 @@ async fn a_permanent_failure_is_dead_at_once() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = request(&t, new_anfrage(&mut conn, &t).await, "calculate");
+    let req = request(&t, new_item(&mut conn, &t).await, "calculate");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     assert_eq!(
         repo.fail(&token, "unparseable", false).await.unwrap(),
@@ -471,22 +455,22 @@ async fn input_binding_rejects_or_reruns_by_policy() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut conn, &t).await;
+    let item = new_item(&mut conn, &t).await;
     let write = write_fn(noop);
     for (name, upstream) in [("intake", None), ("extract", Some(stage("intake")))] {
-        let mut req = request(&t, anfrage, name);
+        let mut req = request(&t, item, name);
         req.upstream = upstream;
         let token = token_of(&req, &repo.claim(&req).await.unwrap());
         repo.complete(&token, &write).await.unwrap();
     }
 
     // Same input: skip. Other input, default policy: reject, nothing changes.
-    let mut changed = request(&t, anfrage, "intake");
+    let mut changed = request(&t, item, "intake");
     assert!(matches!(
         repo.claim(&changed).await.unwrap(),
         ClaimOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
     ));
-    replace_input(&mut conn, anfrage, TEXT_B).await;
+    replace_input(&mut conn, item, TEXT_B).await;
     changed.input_hash = hash_b();
     assert_eq!(
         repo.claim(&changed).await.unwrap(),
@@ -502,7 +486,7 @@ async fn input_binding_rejects_or_reruns_by_policy() {
     let rerun = token_of(&changed, &repo.claim(&changed).await.unwrap());
     assert_eq!(rerun.attempt, 2);
     let extract_status = async || {
-        repo.read_run(&t, &anfrage, &stage("extract"))
+        repo.read_run(&t, &item, &stage("extract"))
             .await
             .unwrap()
             .unwrap()
@@ -511,7 +495,7 @@ async fn input_binding_rejects_or_reruns_by_policy() {
     assert_eq!(extract_status().await, RunStatus::Success);
     repo.complete(&rerun, &write).await.unwrap();
     assert_eq!(extract_status().await, RunStatus::Stale);
-    let mut extract_req = request(&t, anfrage, "extract");
+    let mut extract_req = request(&t, item, "extract");
     extract_req.upstream = Some(stage("intake"));
     assert!(matches!(
         repo.claim(&extract_req).await.unwrap(),
@@ -521,21 +505,21 @@ async fn input_binding_rejects_or_reruns_by_policy() {
 }
 
 #[tokio::test]
-async fn a_claim_for_an_unknown_anfrage_is_a_typed_error() {
+async fn a_claim_for_an_unknown_item_is_a_typed_error() {
     let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let owner = tenant("owner");
-    let anfrage = new_anfrage(&mut conn, &owner).await;
-    // Another tenant naming that anfrage gets nothing and writes nothing.
-    let req = request(&tenant("intruder"), anfrage, "intake");
+    let item = new_item(&mut conn, &owner).await;
+    // Another tenant naming that item gets nothing and writes nothing.
+    let req = request(&tenant("intruder"), item, "intake");
     let err = repo.claim(&req).await.unwrap_err();
     assert!(
-        matches!(err, idemstage_domain::RepoError::AnfrageNotFound { .. }),
+        matches!(err, idemstage_domain::RepoError::ItemNotFound { .. }),
         "{err:?}"
     );
     assert!(!err.is_retryable());
-    assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 0);
+    assert_eq!(count(&mut conn, "SELECT * FROM stage_runs").await, 0);
 }
 
 /// Correction 6: a deadlock (40P01) between two completions is retried, never
@@ -549,7 +533,7 @@ async fn a_deadlock_between_two_completions_is_retried() {
     let barrier = Arc::new(Barrier::new(2));
     let mut tasks = Vec::new();
     for (first, second) in [("k1", "k2"), ("k2", "k1")] {
-        let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+        let req = request(&t, new_item(&mut conn, &t).await, "intake");
         let token = token_of(&req, &repo.claim(&req).await.unwrap());
         let (repo, barrier) = (repo.clone(), barrier.clone());
         let runs = Arc::new(AtomicU32::new(0));
@@ -584,7 +568,7 @@ async fn a_deadlock_between_two_completions_is_retried() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT * FROM pipeline_runs WHERE status = 'success'"
+            "SELECT * FROM stage_runs WHERE status = 'success'"
         )
         .await,
         2
@@ -592,7 +576,7 @@ async fn a_deadlock_between_two_completions_is_retried() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT * FROM pipeline_run_attempts WHERE outcome = 'success'"
+            "SELECT * FROM stage_run_attempts WHERE outcome = 'success'"
         )
         .await,
         2
@@ -618,7 +602,7 @@ async fn a_connection_lost_during_commit_is_rechecked_and_retried() {
     .unwrap();
     let repo = repo(&db, 4).await;
     let t = tenant("t1");
-    let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+    let req = request(&t, new_item(&mut conn, &t).await, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let first = Arc::new(AtomicBool::new(true));
     let runs = Arc::new(Mutex::new(Vec::new()));
@@ -631,7 +615,7 @@ async fn a_connection_lost_during_commit_is_rechecked_and_retried() {
         };
         r.lock().unwrap().push(action);
         async move {
-            tx.audit("anfrage", action, serde_json::json!({})).await?;
+            tx.audit("item", action, serde_json::json!({})).await?;
             Ok(())
         }
         .boxed()
@@ -675,7 +659,7 @@ async fn a_connection_lost_during_commit_is_rechecked_and_retried() {
         1
     );
     let run = repo
-        .read_run(&req.tenant, &req.anfrage, &req.stage)
+        .read_run(&req.tenant, &req.item, &req.stage)
         .await
         .unwrap()
         .unwrap();
@@ -694,23 +678,23 @@ async fn stress_random_claims_keep_every_invariant() {
     let repo = repo(&db, TASKS as u32).await;
     let mut conn = db.conn().await;
     let t = tenant("stress");
-    let mut anfragen = Vec::new();
+    let mut items = Vec::new();
     for _ in 0..KEYS / 4 {
-        anfragen.push(new_anfrage(&mut conn, &t).await);
+        items.push(new_item(&mut conn, &t).await);
     }
     let seed: u64 = rand::random();
     eprintln!("stress seed {seed}");
     let committed: Arc<Mutex<HashMap<(usize, usize), u32>>> = Arc::default();
     let mut tasks = Vec::new();
     for task in 0..TASKS {
-        let (repo, t, anfragen, committed) =
-            (repo.clone(), t.clone(), anfragen.clone(), committed.clone());
+        let (repo, t, items, committed) =
+            (repo.clone(), t.clone(), items.clone(), committed.clone());
         tasks.push(tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ task as u64);
             let stages = ["intake", "extract", "feasibility", "calculate"];
             for _ in 0..CLAIMS {
-                let (a, s) = (rng.random_range(0..anfragen.len()), rng.random_range(0..4));
-                let mut req = short_lease(request(&t, anfragen[a], stages[s]), 30);
+                let (a, s) = (rng.random_range(0..items.len()), rng.random_range(0..4));
+                let mut req = short_lease(request(&t, items[a], stages[s]), 30);
                 req.policy.max_attempts = 100_000;
                 let outcome = repo.claim(&req).await.unwrap();
                 let ClaimOutcome::Claimed { .. } = outcome else {
@@ -750,7 +734,7 @@ async fn stress_random_claims_keep_every_invariant() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT run_id FROM pipeline_run_attempts WHERE outcome = 'success'
+            "SELECT run_id FROM stage_run_attempts WHERE outcome = 'success'
              GROUP BY run_id HAVING count(*) > 1"
         )
         .await,
@@ -759,9 +743,9 @@ async fn stress_random_claims_keep_every_invariant() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs r
-             WHERE r.attempts <> (SELECT count(*) FROM pipeline_run_attempts a WHERE a.run_id = r.id)
-                OR r.attempts <> (SELECT max(attempt) FROM pipeline_run_attempts a WHERE a.run_id = r.id)"
+            "SELECT 1 FROM stage_runs r
+             WHERE r.attempts <> (SELECT count(*) FROM stage_run_attempts a WHERE a.run_id = r.id)
+                OR r.attempts <> (SELECT max(attempt) FROM stage_run_attempts a WHERE a.run_id = r.id)"
         )
         .await,
         0
@@ -769,7 +753,7 @@ async fn stress_random_claims_keep_every_invariant() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT * FROM pipeline_runs WHERE status = 'success'"
+            "SELECT * FROM stage_runs WHERE status = 'success'"
         )
         .await as usize,
         committed.len()
@@ -782,7 +766,7 @@ async fn stress_random_claims_keep_every_invariant() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM audit_log l JOIN pipeline_runs r ON r.id = l.run_id
+            "SELECT 1 FROM audit_log l JOIN stage_runs r ON r.id = l.run_id
              WHERE r.status <> 'success' OR r.attempts <> l.attempt"
         )
         .await,
@@ -790,17 +774,17 @@ async fn stress_random_claims_keep_every_invariant() {
     );
 }
 
-/// Duplicate sends register the same anfrage and send its job from many
+/// Duplicate sends register the same item and send its job from many
 /// connections at once, each in one transaction as `idemstage enqueue` does: all
 /// succeed, one creates it, one job is sent. The demo once failed here with a
-/// unique violation on `anfragen_tenant_id_uq` while the insert's conflict target
+/// unique violation on `items_tenant_id_uq` while the insert's conflict target
 /// was the primary key alone; now any conflict counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
+async fn concurrent_registrations_of_one_item_all_succeed_once() {
     let db = idemstage_harness::example::db().await;
     let t = tenant("t1");
     for _ in 0..10 {
-        let anfrage = idemstage_domain::AnfrageId::new();
+        let item = idemstage_domain::ItemId::new();
         let barrier = Arc::new(Barrier::new(16));
         let mut tasks = Vec::new();
         for _ in 0..16 {
@@ -809,20 +793,19 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
                 let mut conn = idemstage_persistence::connect(&url).await.unwrap();
                 barrier.wait().await;
                 conn.transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
-                    let registered = idemstage_persistence::anfragen::register_anfrage(
-                        conn, &t, &anfrage, "1 Stk",
-                    )
-                    .await?;
-                    // The scope of register_anfrage lasts to the end of this
-                    // transaction: the job is the scope's tenant's (000172).
+                    let registered =
+                        idemstage_persistence::items::register_item(conn, &t, &item, "1 Stk")
+                            .await?;
+                    // The scope of register_item lasts to the end of this
+                    // transaction: the job is the scope's tenant's (the baseline migration).
                     let job = idemstage_domain::JobToSend {
                         tenant: Some(t.clone()),
                         queue: "intake".into(),
                         payload: serde_json::json!({
-                            "tenant_id": "t1", "anfrage_id": anfrage.to_string()
+                            "tenant_id": "t1", "item_id": item.to_string()
                         }),
                         options: idemstage_domain::SendOptions::default()
-                            .with_singleton_key(format!("intake:t1:{anfrage}")),
+                            .with_singleton_key(format!("intake:t1:{item}")),
                     };
                     idemstage_persistence::queue::send_in(conn, &job).await?;
                     Ok(registered)
@@ -835,7 +818,7 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
         for task in tasks {
             if matches!(
                 task.await.unwrap(),
-                idemstage_persistence::anfragen::RegisterOutcome::Created { .. }
+                idemstage_persistence::items::RegisterOutcome::Created { .. }
             ) {
                 created += 1;
             }
@@ -843,11 +826,11 @@ async fn concurrent_registrations_of_one_anfrage_all_succeed_once() {
         assert_eq!(created, 1);
     }
     let mut conn = db.conn().await;
-    assert_eq!(count(&mut conn, "SELECT * FROM anfragen").await, 10);
+    assert_eq!(count(&mut conn, "SELECT * FROM items").await, 10);
     assert_eq!(count(&mut conn, "SELECT * FROM jobs").await, 10);
 }
 
-/// Item 7: a job whose hash is not the anfrage's stored input hash (crafted, or the
+/// Item 7: a job whose hash is not the item's stored input hash (crafted, or the
 /// same hash in upper case) used to be claimed and bind that hash; the genuine job
 /// was then refused with `InputChanged` for good. Now it binds nothing.
 #[tokio::test]
@@ -856,22 +839,22 @@ async fn a_job_hash_that_is_not_the_stored_input_binds_nothing() {
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut conn, &t).await;
+    let item = new_item(&mut conn, &t).await;
     for crafted in [hash_b(), hash_a().to_uppercase()] {
-        let mut req = request(&t, anfrage, "intake");
+        let mut req = request(&t, item, "intake");
         req.input_hash = crafted.clone();
         let outcome = repo.claim(&req).await.unwrap();
         assert!(
             format!("{outcome:?}").contains("InputMismatch"),
             "{crafted}: {outcome:?}"
         );
-        assert_eq!(count(&mut conn, "SELECT * FROM pipeline_runs").await, 0);
+        assert_eq!(count(&mut conn, "SELECT * FROM stage_runs").await, 0);
     }
-    let genuine = request(&t, anfrage, "intake");
+    let genuine = request(&t, item, "intake");
     let token = token_of(&genuine, &repo.claim(&genuine).await.unwrap());
     repo.complete(&token, &write_fn(noop)).await.unwrap();
     let run = repo
-        .read_run(&t, &anfrage, &stage("intake"))
+        .read_run(&t, &item, &stage("intake"))
         .await
         .unwrap()
         .unwrap();
@@ -889,8 +872,8 @@ async fn a_claim_that_waited_on_a_row_lock_gets_a_lease_from_after_the_wait() {
     let repo = Arc::new(repo(&db, 2).await);
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut conn, &t).await;
-    let req = short_lease(request(&t, anfrage, "intake"), 1000);
+    let item = new_item(&mut conn, &t).await;
+    let req = short_lease(request(&t, item, "intake"), 1000);
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     repo.fail(&token, "first attempt failed", true)
         .await
@@ -899,7 +882,7 @@ async fn a_claim_that_waited_on_a_row_lock_gets_a_lease_from_after_the_wait() {
     let mut holder = db.conn().await;
     holder
         .batch_execute(&format!(
-            "BEGIN; UPDATE pipeline_runs SET last_error = 'held' WHERE id = '{}'",
+            "BEGIN; UPDATE stage_runs SET last_error = 'held' WHERE id = '{}'",
             token.run_id
         ))
         .await

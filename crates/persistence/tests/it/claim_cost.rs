@@ -14,12 +14,12 @@ async fn two_thousand_claims_of_fresh_keys_all_claim() {
     let db = TestDb::new().await;
     let repo = repo(&db, 1).await;
     let t = tenant("t1");
-    let anfrage = new_anfrage(&mut db.conn().await, &t).await;
+    let item = new_item(&mut db.conn().await, &t).await;
     let requests: Vec<_> = (0..2000)
-        .map(|i| request(&t, anfrage, &format!("s{i}")))
+        .map(|i| request(&t, item, &format!("s{i}")))
         .collect();
     // Warm the connection and its prepared statements.
-    repo.claim(&request(&t, anfrage, "warmup")).await.unwrap();
+    repo.claim(&request(&t, item, "warmup")).await.unwrap();
     let started = Instant::now();
     let mut claimed = 0;
     for req in &requests {

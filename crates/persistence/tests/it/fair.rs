@@ -186,7 +186,7 @@ async fn concurrent_fair_fetchers_deliver_each_job_of_many_tenants_exactly_once(
 
 #[tokio::test]
 async fn one_tenant_with_ready_jobs_is_fetched_in_priority_order_and_a_delayed_tenant_waits() {
-    // The fetch's one-tenant path (migration 000120): a's jobs in (priority, id)
+    // The fetch's one-tenant path (the baseline migration): a's jobs in (priority, id)
     // order, b's job not ready yet; then b's once it is, interleaved with a's.
     let db = TestDb::new().await;
     let mut conn = db.conn().await;

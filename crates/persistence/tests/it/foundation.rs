@@ -34,17 +34,17 @@ async fn migrations_round_trip_up_down_up() {
     assert_eq!(
         tables,
         [
-            "anfrage_inputs",
-            "anfragen",
-            "anfragen_open",
             "audit_log",
+            "item_inputs",
+            "items",
+            "items_open",
             "jobs",
-            "pipeline_run_attempts",
-            "pipeline_runs",
             "queue_buckets",
             "queue_control_changes",
             "queue_controls",
-            "stage_checkpoints"
+            "stage_checkpoints",
+            "stage_run_attempts",
+            "stage_runs"
         ]
     );
 
@@ -141,14 +141,14 @@ async fn unique_index_rejects_a_second_run_of_the_same_stage() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     conn.batch_execute(
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
          VALUES ('t1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
     )
     .await
     .unwrap();
     let insert = |run_id: &'static str| {
         format!(
-            "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+            "INSERT INTO stage_runs (id, tenant_id, item_id, stage, status, attempts,
                  max_attempts, input_hash, worker_id, started_at, lease_expires_at)
              VALUES ('{run_id}', 't1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'intake', 'running', 1, 3,
                  'h', 'w', now(), now())"
@@ -165,14 +165,14 @@ async fn unique_index_rejects_a_second_run_of_the_same_stage() {
         DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
             assert_eq!(
                 info.constraint_name(),
-                Some("pipeline_runs_tenant_anfrage_stage_uq")
+                Some("stage_runs_tenant_item_stage_uq")
             );
         }
         other => panic!("expected a unique violation, got {other:?}"),
     }
-    // The same stage of another anfrage, or another stage, is fine.
+    // The same stage of another item, or another stage, is fine.
     conn.batch_execute(
-        "INSERT INTO pipeline_runs (id, tenant_id, anfrage_id, stage, status, attempts,
+        "INSERT INTO stage_runs (id, tenant_id, item_id, stage, status, attempts,
              max_attempts, input_hash, worker_id, started_at, lease_expires_at)
          VALUES ('01JDQ3W5DDDDDDDDDDDDDDDDDD', 't1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'extract',
              'running', 1, 3, 'h', 'w', now(), now())",
@@ -187,10 +187,10 @@ async fn sql_constraints_refuse_bad_ids_and_statuses() {
     let mut conn = db.conn().await;
     for bad in [
         // tenant with a capital letter
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
          VALUES ('T1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
         // not a ULID
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
          VALUES ('t1', 'not-a-ulid', 'x', repeat('a', 64), 'k')",
         // unknown job state
         "INSERT INTO jobs (id, queue, state, payload)
@@ -207,9 +207,9 @@ async fn sql_constraints_refuse_bad_ids_and_statuses() {
     }
 }
 
-/// Migration 000030 rewrote the text CHECKs without counted repetitions (they made
-/// every job UPDATE pay for a large regex automaton). Each rewritten rule must
-/// accept exactly the strings the original pattern accepted.
+/// The baseline migration writes the text CHECKs without counted repetitions (they
+/// made every job UPDATE pay for a large regex automaton). Each rule must accept
+/// exactly the strings the counted pattern accepts.
 #[tokio::test]
 async fn rewritten_text_checks_accept_exactly_what_the_original_patterns_did() {
     let db = TestDb::new().await;
@@ -268,9 +268,9 @@ async fn rewritten_text_checks_accept_exactly_what_the_original_patterns_did() {
             ],
         ),
         (
-            "anfragen.input_sha256",
+            "items.input_sha256",
             "^[0-9a-f]{64}$",
-            "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+            "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
              VALUES ('t1', '{id}', 'x', '{v}', 'k')",
             vec![
                 hex64.clone(),
@@ -331,7 +331,7 @@ async fn each_test_database_is_isolated() {
     let mut conn_a = a.conn().await;
     conn_a
         .batch_execute(
-            "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key)
+            "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key)
              VALUES ('t1', '01JDQ3W5AAAAAAAAAAAAAAAAAA', 'x', repeat('a', 64), 'k')",
         )
         .await
@@ -342,11 +342,11 @@ async fn each_test_database_is_isolated() {
         n: i64,
     }
     let count = |q: &'static str| q;
-    let n_a: Count = diesel::sql_query(count("SELECT count(*) AS n FROM anfragen"))
+    let n_a: Count = diesel::sql_query(count("SELECT count(*) AS n FROM items"))
         .get_result(&mut conn_a)
         .await
         .unwrap();
-    let n_b: Count = diesel::sql_query("SELECT count(*) AS n FROM anfragen")
+    let n_b: Count = diesel::sql_query("SELECT count(*) AS n FROM items")
         .get_result(&mut b.conn().await)
         .await
         .unwrap();

@@ -1,4 +1,4 @@
-//! A job's labels agree with its payload (migration `000200`): the tenant label
+//! A job's labels agree with its payload (the baseline migration): the tenant label
 //! of a payload that names a tenant, and a singleton key of the stage form. The
 //! library's send refuses a contradiction with a typed error; the database
 //! refuses it from any writer. Neither writes anything.
@@ -7,7 +7,7 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    AnfrageId, DomainError, FailKind, JobFailOutcome, JobId, JobToSend, RepoError, SendOptions,
+    DomainError, FailKind, ItemId, JobFailOutcome, JobId, JobToSend, RepoError, SendOptions,
     SendResult, TenantId,
 };
 use idemstage_persistence::queue;
@@ -43,18 +43,18 @@ async fn insert_by_hand(
     .await
 }
 
-/// A stage job's payload of `tenant` and `anfrage`.
-fn stage_payload(tenant: &str, anfrage: AnfrageId) -> Value {
-    json!({ "tenant_id": tenant, "anfrage_id": anfrage.to_string(), "input_hash": "a".repeat(64) })
+/// A stage job's payload of `tenant` and `item`.
+fn stage_payload(tenant: &str, item: ItemId) -> Value {
+    json!({ "tenant_id": tenant, "item_id": item.to_string(), "input_hash": "a".repeat(64) })
 }
 
 #[tokio::test]
 async fn a_job_labelled_with_another_tenant_than_its_payloads_is_refused() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let a = AnfrageId::new();
+    let a = ItemId::new();
     let key = format!("extract:t1:{a}");
-    let other_key = format!("extract:t1:{}", AnfrageId::new());
+    let other_key = format!("extract:t1:{}", ItemId::new());
     let refused = [
         // Labelled t2 (or nothing) but working for t1: it would escape t1's pause and caps.
         (
@@ -65,9 +65,9 @@ async fn a_job_labelled_with_another_tenant_than_its_payloads_is_refused() {
             "no label",
             job("extract", None, None, stage_payload("t1", a)),
         ),
-        // The stage key of (t1, a), held by a job of another anfrage or tenant.
+        // The stage key of (t1, a), held by a job of another item or tenant.
         (
-            "another anfrage",
+            "another item",
             job(
                 "extract",
                 Some("t1"),
@@ -146,13 +146,13 @@ async fn a_job_labelled_with_another_tenant_than_its_payloads_is_refused() {
 /// What stays allowed: generic jobs without a tenant in their payload, a tenant
 /// that is no slug (no tenant: the handler refuses the payload), keys that are
 /// not of the stage form; a worker login role sends a stage job (the trigger
-/// opens its anfrage for the reconciler with the sender's rights); a failed
+/// opens its item for the reconciler with the sender's rights); a failed
 /// job's dead-letter copy keeps the label.
 #[tokio::test]
 async fn generic_jobs_and_consistent_stage_jobs_are_sent() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let a = AnfrageId::new();
+    let a = ItemId::new();
     for job in [
         job(
             "emails",
@@ -196,7 +196,7 @@ async fn generic_jobs_and_consistent_stage_jobs_are_sent() {
     assert_eq!(
         count(
             &mut conn,
-            &format!("SELECT 1 FROM anfragen_open WHERE tenant_id = 't1' AND anfrage_id = '{a}'")
+            &format!("SELECT 1 FROM items_open WHERE tenant_id = 't1' AND item_id = '{a}'")
         )
         .await,
         1

@@ -38,9 +38,9 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     }
     use diesel_async::RunQueryDsl;
     diesel::sql_query(
-        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM pipeline_runs r), '')
+        "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
              || coalesce((SELECT string_agg(a::text, '|' ORDER BY run_id, attempt)
-                            FROM pipeline_run_attempts a), '')
+                            FROM stage_run_attempts a), '')
              || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              AS s",
@@ -51,13 +51,13 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     .s
 }
 
-/// Intake of a new anfrage of `t1`, claimed with a budget of 1 and failed for good.
+/// Intake of a new item of `t1`, claimed with a budget of 1 and failed for good.
 async fn dead_intake(
     conn: &mut AsyncPgConnection,
     repo: &idemstage_persistence::PgRunRepository,
 ) -> idemstage_domain::ClaimRequest {
-    let anfrage = new_anfrage(conn, &tenant("t1")).await;
-    let mut req = request(&tenant("t1"), anfrage, "intake");
+    let item = new_item(conn, &tenant("t1")).await;
+    let mut req = request(&tenant("t1"), item, "intake");
     req.policy.max_attempts = 1;
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     repo.fail(&token, "the scanner is on fire", false)
@@ -87,7 +87,7 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
 
     let barrier = Arc::new(Barrier::new(2));
     let retry = |who: &'static str| {
-        let (barrier, url, anfrage) = (barrier.clone(), db.url().to_owned(), req.anfrage);
+        let (barrier, url, item) = (barrier.clone(), db.url().to_owned(), req.item);
         tokio::spawn(async move {
             let mut conn = idemstage_persistence::connect(&url).await.unwrap();
             let pipeline = pipeline();
@@ -95,7 +95,7 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
             ops::retry(
                 &mut conn,
                 &tenant("t1"),
-                &anfrage,
+                &item,
                 Some(&stage("intake")),
                 &Actor::parse(who).unwrap(),
                 &pipeline,
@@ -131,7 +131,7 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
         "{outcomes:?}"
     );
     // One new job, one audit entry naming its actor, no run_id (not a stage's write).
-    let key = format!("intake:t1:{}", req.anfrage);
+    let key = format!("intake:t1:{}", req.item);
     assert_eq!(
         count(
             &mut conn,
@@ -148,13 +148,13 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
                    AND entity_id = '{}' AND run_id IS NULL \
                    AND details->>'actor' IN ('alice', 'bob') \
                    AND details->'stages'->0->>'stage' = 'intake'",
-                req.anfrage
+                req.item
             )
         )
         .await,
         1
     );
-    // The normal claim takes it: attempt 2, on the anfrage's stored input.
+    // The normal claim takes it: attempt 2, on the item's stored input.
     let again = repo.claim(&req).await.unwrap();
     assert!(
         matches!(again, ClaimOutcome::Claimed { attempt: 2, .. }),
@@ -170,14 +170,14 @@ async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_chang
     let pipeline = pipeline();
     let t1 = tenant("t1");
     // intake succeeded, extract running with a live lease.
-    let anfrage = new_anfrage(&mut conn, &t1).await;
-    let req = request(&t1, anfrage, "intake");
+    let item = new_item(&mut conn, &t1).await;
+    let req = request(&t1, item, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     assert_eq!(
         repo.complete(&token, &noop).await.unwrap(),
         CompleteOutcome::Committed
     );
-    let mut extract = request(&t1, anfrage, "extract");
+    let mut extract = request(&t1, item, "extract");
     extract.upstream = Some(stage("intake"));
     let held = repo.claim(&extract).await.unwrap();
     assert!(matches!(held, ClaimOutcome::Claimed { .. }), "{held:?}");
@@ -194,7 +194,7 @@ async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_chang
         )
         .await
     };
-    let refused = retry(&mut conn, "t1", anfrage, Some("intake")).await;
+    let refused = retry(&mut conn, "t1", item, Some("intake")).await;
     assert!(
         matches!(
             refused,
@@ -205,7 +205,7 @@ async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_chang
         ),
         "{refused:?}"
     );
-    let running = retry(&mut conn, "t1", anfrage, Some("extract")).await;
+    let running = retry(&mut conn, "t1", item, Some("extract")).await;
     assert!(
         matches!(
             running,
@@ -216,29 +216,29 @@ async fn retry_of_a_succeeded_or_running_stage_or_bad_input_is_refused_and_chang
         ),
         "{running:?}"
     );
-    let not_started = retry(&mut conn, "t1", anfrage, Some("calculate")).await;
+    let not_started = retry(&mut conn, "t1", item, Some("calculate")).await;
     assert!(
         matches!(not_started, Err(OpsError::StageNotStarted { .. })),
         "{not_started:?}"
     );
-    let unknown = retry(&mut conn, "t1", anfrage, Some("ocr")).await;
+    let unknown = retry(&mut conn, "t1", item, Some("ocr")).await;
     assert!(
         matches!(unknown, Err(OpsError::UnknownStage(_))),
         "{unknown:?}"
     );
-    // Another tenant's anfrage, an unknown one: not found (RLS sees neither).
-    let foreign = retry(&mut conn, "t2", anfrage, None).await;
+    // Another tenant's item, an unknown one: not found (RLS sees neither).
+    let foreign = retry(&mut conn, "t2", item, None).await;
     assert!(
-        matches!(foreign, Err(OpsError::AnfrageNotFound { .. })),
+        matches!(foreign, Err(OpsError::ItemNotFound { .. })),
         "{foreign:?}"
     );
-    let missing = retry(&mut conn, "t1", idemstage_domain::AnfrageId::new(), None).await;
+    let missing = retry(&mut conn, "t1", idemstage_domain::ItemId::new(), None).await;
     assert!(
-        matches!(missing, Err(OpsError::AnfrageNotFound { .. })),
+        matches!(missing, Err(OpsError::ItemNotFound { .. })),
         "{missing:?}"
     );
     // Every stage asked for: none is dead.
-    let nothing = retry(&mut conn, "t1", anfrage, None).await.unwrap();
+    let nothing = retry(&mut conn, "t1", item, None).await.unwrap();
     assert_eq!(
         nothing,
         RetryOutcome::NothingToRetry {
@@ -263,10 +263,10 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     let repo = repo(&db, 4).await;
     let mut conn = db.conn().await;
     let t1 = tenant("t1");
-    let anfrage = new_anfrage(&mut conn, &t1).await;
+    let item = new_item(&mut conn, &t1).await;
     let pipeline = pipeline();
     // The intake job, fetched by a "worker" (its job lease) that claims the stage.
-    let job = idemstage::first_job(&pipeline, t1.clone(), anfrage, hash_a());
+    let job = idemstage::first_job(&pipeline, t1.clone(), item, hash_a());
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();
@@ -275,12 +275,12 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
         .await
         .unwrap();
     assert_eq!(fetched.len(), 1);
-    let req = request(&t1, anfrage, "intake");
+    let req = request(&t1, item, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
 
     // The operator cancels on a connection of its own, and commits.
     let mut op_conn = db.conn().await;
-    let outcome = ops::cancel(&mut op_conn, &t1, &anfrage, &alice())
+    let outcome = ops::cancel(&mut op_conn, &t1, &item, &alice())
         .await
         .unwrap();
     let CancelOutcome::Cancelled { stages, jobs } = &outcome else {
@@ -305,8 +305,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     // writes nothing; so are its renewal and its job's completion.
     let write = write_fn(|tx| {
         async move {
-            tx.audit("x", "anfrage.intake", serde_json::json!({}))
-                .await?;
+            tx.audit("x", "item.intake", serde_json::json!({})).await?;
             Ok(())
         }
         .boxed()
@@ -334,7 +333,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM audit_log WHERE action = 'anfrage.intake'"
+            "SELECT 1 FROM audit_log WHERE action = 'item.intake'"
         )
         .await,
         0
@@ -342,7 +341,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE attempt = 1 AND outcome = 'cancelled' \
+            "SELECT 1 FROM stage_run_attempts WHERE attempt = 1 AND outcome = 'cancelled' \
                AND error = 'cancelled by alice'"
         )
         .await,
@@ -354,7 +353,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
         ClaimOutcome::Skipped(SkipReason::Cancelled { .. })
     ));
     assert_eq!(
-        ops::cancel(&mut op_conn, &t1, &anfrage, &alice())
+        ops::cancel(&mut op_conn, &t1, &item, &alice())
             .await
             .unwrap(),
         CancelOutcome::NothingToCancel
@@ -383,14 +382,14 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
     let t1 = tenant("t1");
     let pipeline = pipeline();
     // intake succeeded and sent extract's job, which nobody has fetched yet.
-    let anfrage = new_anfrage(&mut conn, &t1).await;
-    let req = request(&t1, anfrage, "intake");
+    let item = new_item(&mut conn, &t1).await;
+    let req = request(&t1, item, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let next = pipeline.job_for(
         &stage("extract"),
         &idemstage::StageJob {
             tenant_id: t1.clone(),
-            anfrage_id: anfrage,
+            item_id: item,
             input_hash: hash_a(),
         },
     );
@@ -398,8 +397,8 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
         let next = next.clone();
         async move {
             // intake's audit entry, as the example's intake writes it.
-            let anfrage = tx.token().anfrage.to_string();
-            tx.audit(&anfrage, "anfrage.intake", serde_json::json!({}))
+            let item = tx.token().item.to_string();
+            tx.audit(&item, "item.intake", serde_json::json!({}))
                 .await?;
             tx.send_job(&next).await?;
             Ok(())
@@ -410,9 +409,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
         repo.complete(&token, &send).await.unwrap(),
         CompleteOutcome::Committed
     );
-    let outcome = ops::cancel(&mut conn, &t1, &anfrage, &alice())
-        .await
-        .unwrap();
+    let outcome = ops::cancel(&mut conn, &t1, &item, &alice()).await.unwrap();
     let CancelOutcome::Cancelled { stages, jobs } = &outcome else {
         panic!("{outcome:?}")
     };
@@ -423,7 +420,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
     );
     assert_eq!(jobs.len(), 1);
     let run = repo
-        .read_run(&t1, &anfrage, &stage("extract"))
+        .read_run(&t1, &item, &stage("extract"))
         .await
         .unwrap()
         .unwrap();
@@ -432,7 +429,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
         (RunStatus::Cancelled, "operator:alice")
     );
     // A job for it sent later (by hand) cannot claim it.
-    let mut extract = request(&t1, anfrage, "extract");
+    let mut extract = request(&t1, item, "extract");
     extract.upstream = Some(stage("intake"));
     assert!(matches!(
         repo.claim(&extract).await.unwrap(),
@@ -451,7 +448,7 @@ async fn the_dead_letter_list_shows_dead_stages_and_failed_jobs_with_their_last_
     let first = dead_intake(&mut conn, &repo).await;
     let second = dead_intake(&mut conn, &repo).await;
     // One of another tenant, dead of another error.
-    let a3 = new_anfrage(&mut conn, &tenant("t2")).await;
+    let a3 = new_item(&mut conn, &tenant("t2")).await;
     let mut req = request(&tenant("t2"), a3, "intake");
     req.policy.max_attempts = 1;
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
@@ -462,7 +459,7 @@ async fn the_dead_letter_list_shows_dead_stages_and_failed_jobs_with_their_last_
     assert!(all
         .stages
         .iter()
-        .any(|d| d.anfrage == a3 && d.last_error.as_deref() == Some("out of toner")));
+        .any(|d| d.item == a3 && d.last_error.as_deref() == Some("out of toner")));
     let t1 = ops::dead(
         &mut conn,
         &DeadFilter {
@@ -472,11 +469,11 @@ async fn the_dead_letter_list_shows_dead_stages_and_failed_jobs_with_their_last_
     )
     .await
     .unwrap();
-    let mut anfragen: Vec<_> = t1.stages.iter().map(|d| d.anfrage).collect();
-    anfragen.sort();
-    let mut want = vec![first.anfrage, second.anfrage];
+    let mut items: Vec<_> = t1.stages.iter().map(|d| d.item).collect();
+    items.sort();
+    let mut want = vec![first.item, second.item];
     want.sort();
-    assert_eq!(anfragen, want);
+    assert_eq!(items, want);
     assert!(t1
         .stages
         .iter()
@@ -499,24 +496,24 @@ async fn inspect_shows_every_attempt_with_its_upstream_and_every_job() {
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
     let t1 = tenant("t1");
-    let anfrage = new_anfrage(&mut conn, &t1).await;
+    let item = new_item(&mut conn, &t1).await;
     let pipeline = pipeline();
-    let job = idemstage::first_job(&pipeline, t1.clone(), anfrage, hash_a());
+    let job = idemstage::first_job(&pipeline, t1.clone(), item, hash_a());
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();
     // intake: attempt 1 failed, attempt 2 succeeded; extract running on it.
-    let req = request(&t1, anfrage, "intake");
+    let req = request(&t1, item, "intake");
     let first = token_of(&req, &repo.claim(&req).await.unwrap());
     repo.fail(&first, "flaky", true).await.unwrap();
     let second = token_of(&req, &repo.claim(&req).await.unwrap());
     repo.complete(&second, &noop).await.unwrap();
-    let mut extract = request(&t1, anfrage, "extract");
+    let mut extract = request(&t1, item, "extract");
     extract.upstream = Some(stage("intake"));
     repo.claim(&extract).await.unwrap();
 
-    let t = ops::inspect(&mut conn, &t1, &anfrage).await.unwrap();
-    assert_eq!((t.tenant.as_str(), t.anfrage), ("t1", anfrage));
+    let t = ops::inspect(&mut conn, &t1, &item).await.unwrap();
+    assert_eq!((t.tenant.as_str(), t.item), ("t1", item));
     assert_eq!(t.input_sha256, hash_a());
     let names: Vec<_> = t.stages.iter().map(|s| s.stage.as_str()).collect();
     assert_eq!(names, ["intake", "extract"]);
@@ -548,10 +545,10 @@ async fn inspect_shows_every_attempt_with_its_upstream_and_every_job() {
         (t.jobs[0].queue.as_str(), t.jobs[0].state.as_str()),
         ("intake", "created")
     );
-    // Another tenant sees no such anfrage.
+    // Another tenant sees no such item.
     assert!(matches!(
-        ops::inspect(&mut conn, &tenant("t2"), &anfrage).await,
-        Err(OpsError::AnfrageNotFound { .. })
+        ops::inspect(&mut conn, &tenant("t2"), &item).await,
+        Err(OpsError::ItemNotFound { .. })
     ));
 }
 

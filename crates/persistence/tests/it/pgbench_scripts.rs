@@ -46,7 +46,7 @@ fn rendered(statement: &str, binds: &[&str]) -> String {
 }
 
 const RUN_ID: &str = "lpad((:r)::text, 26, '0')";
-const ANFRAGE: &str = "lpad((:a)::text, 26, '0')";
+const ITEM: &str = "lpad((:a)::text, 26, '0')";
 const NULL_INT: &str = "nullif(:none, 0)";
 
 /// The claim's binds (see `runs::sql::CLAIM`), with the stage and the upstream.
@@ -54,7 +54,7 @@ fn claim_binds<'a>(stage: &'a str, upstream: &'a str) -> [&'a str; 10] {
     [
         RUN_ID,
         ":tenant",
-        ANFRAGE,
+        ITEM,
         stage,
         ":max_attempts",
         ":input_hash",
@@ -100,7 +100,7 @@ fn pgbench_claim_scripts_send_the_registered_statements() {
             ("run_claim", claim_binds(":done_stage", NULL_INT).to_vec()),
             (
                 "run_explain_skip",
-                vec![":tenant", ANFRAGE, ":done_stage", NULL_INT],
+                vec![":tenant", ITEM, ":done_stage", NULL_INT],
             ),
         ],
     );
@@ -124,7 +124,7 @@ fn pgbench_stage_script_sends_the_registered_statements() {
                     "lpad((:r5)::text, 26, '0')",
                     ":next_queue",
                     ":priority",
-                    "jsonb_build_object('tenant_id', :tenant::text, 'anfrage_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text)",
+                    "jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text)",
                     ":next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r",
                     NULL_INT,
                     ":retry_limit",

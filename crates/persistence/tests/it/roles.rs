@@ -1,4 +1,4 @@
-//! The roles of migration `2026-12-01-000110_roles` against a real PostgreSQL: a
+//! The roles of migration `2026-11-30-000000_baseline` against a real PostgreSQL: a
 //! worker login role cannot leave the tenant scope for more rights, delete runs or
 //! change the schema, yet runs the whole pipeline; an operator login role reads
 //! every tenant and retries and cancels; `roles::check_worker_role` tells them
@@ -9,7 +9,7 @@ mod escalation;
 use std::sync::Arc;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
-use idemstage_domain::AnfrageId;
+use idemstage_domain::ItemId;
 use idemstage_harness::example::{
     assert_quiet_and_sound, send, start_pipeline_worker, stop_pipeline_worker, text,
 };
@@ -32,13 +32,13 @@ async fn refused(conn: &mut AsyncPgConnection, sql: &str) {
     );
 }
 
-/// Two tenants with a finished anfrage each, worked by an in-process worker
+/// Two tenants with a finished item each, worked by an in-process worker
 /// connected as the worker login role: claim, fenced commits, jobs sent, fetched
 /// and completed, maintenance — all as `idemstage_worker`.
 async fn worked(db: &idemstage_testkit::TestDb) {
     let mut conn = db.conn().await;
     for (i, t) in ["ta", "tb"].into_iter().enumerate() {
-        send(&mut conn, &tenant(t), AnfrageId::new(), &text(i)).await;
+        send(&mut conn, &tenant(t), ItemId::new(), &text(i)).await;
     }
     let pool = idemstage_persistence::connect_pool(
         &db.worker_url(),
@@ -80,20 +80,16 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
     );
 
     // Without a scope: no tenant table at all, no deletes, no DDL, no owner.
-    refused(&mut w, "SELECT * FROM pipeline_runs").await;
-    refused(&mut w, "SELECT * FROM anfragen WHERE tenant_id = 'tb'").await;
-    refused(&mut w, "DELETE FROM pipeline_runs").await;
-    refused(&mut w, "DELETE FROM pipeline_run_attempts").await;
-    refused(&mut w, "TRUNCATE pipeline_runs").await;
-    refused(&mut w, "UPDATE pipeline_runs SET status = 'dead'").await;
+    refused(&mut w, "SELECT * FROM stage_runs").await;
+    refused(&mut w, "SELECT * FROM items WHERE tenant_id = 'tb'").await;
+    refused(&mut w, "DELETE FROM stage_runs").await;
+    refused(&mut w, "DELETE FROM stage_run_attempts").await;
+    refused(&mut w, "TRUNCATE stage_runs").await;
+    refused(&mut w, "UPDATE stage_runs SET status = 'dead'").await;
     refused(&mut w, "CREATE TABLE mine (i int)").await;
-    refused(&mut w, "ALTER TABLE pipeline_runs ADD COLUMN x int").await;
-    refused(
-        &mut w,
-        "ALTER TABLE pipeline_runs DISABLE ROW LEVEL SECURITY",
-    )
-    .await;
-    refused(&mut w, "DROP TABLE pipeline_runs").await;
+    refused(&mut w, "ALTER TABLE stage_runs ADD COLUMN x int").await;
+    refused(&mut w, "ALTER TABLE stage_runs DISABLE ROW LEVEL SECURITY").await;
+    refused(&mut w, "DROP TABLE stage_runs").await;
     refused(&mut w, "DROP TABLE jobs").await;
     refused(&mut w, "UPDATE queue_controls SET paused = true").await;
     let e = w.batch_execute("SET ROLE postgres").await.unwrap_err();
@@ -102,7 +98,7 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
     let seen = w
         .transaction::<_, diesel::result::Error, _>(async |c| {
             c.batch_execute("SET LOCAL ROLE idemstage_app").await?;
-            Ok(count(c, "SELECT 1 FROM pipeline_runs").await)
+            Ok(count(c, "SELECT 1 FROM stage_runs").await)
         })
         .await
         .unwrap();
@@ -115,18 +111,15 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
         &t,
         async |c| {
             Ok((
-                count(c, "SELECT 1 FROM pipeline_runs").await,
-                count(c, "SELECT 1 FROM pipeline_runs WHERE tenant_id = 'tb'").await,
+                count(c, "SELECT 1 FROM stage_runs").await,
+                count(c, "SELECT 1 FROM stage_runs WHERE tenant_id = 'tb'").await,
             ))
         },
     )
     .await
     .unwrap();
     assert_eq!((mine, theirs), (4, 0));
-    for sql in [
-        "DELETE FROM pipeline_runs",
-        "DELETE FROM pipeline_run_attempts",
-    ] {
+    for sql in ["DELETE FROM stage_runs", "DELETE FROM stage_run_attempts"] {
         let e = idemstage_persistence::tenant::transaction::<(), diesel::result::Error, _>(
             &mut w,
             &t,
@@ -168,15 +161,15 @@ async fn an_operator_role_reads_every_tenant_and_retries_and_cancels() {
     let db = idemstage_harness::example::db().await;
     let repo = repo(&db, 2).await;
     let mut conn = db.conn().await;
-    // A dead intake of t1 (one attempt, failed), and a fresh anfrage of t2.
-    let anfrage = new_anfrage(&mut conn, &tenant("t1")).await;
-    let mut req = request(&tenant("t1"), anfrage, "intake");
+    // A dead intake of t1 (one attempt, failed), and a fresh item of t2.
+    let item = new_item(&mut conn, &tenant("t1")).await;
+    let mut req = request(&tenant("t1"), item, "intake");
     req.policy.max_attempts = 1;
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     repo.fail(&token, "the scanner is on fire", false)
         .await
         .unwrap();
-    let other = new_anfrage(&mut conn, &tenant("t2")).await;
+    let other = new_item(&mut conn, &tenant("t2")).await;
     let req2 = request(&tenant("t2"), other, "intake");
     repo.claim(&req2).await.unwrap();
 
@@ -195,15 +188,15 @@ async fn an_operator_role_reads_every_tenant_and_retries_and_cancels() {
         .unwrap();
     let total: i64 = counts.iter().map(|c| c.count).sum();
     assert_eq!(total, 2, "{counts:?}");
-    assert_eq!(count(&mut op, "SELECT 1 FROM anfragen").await, 2);
+    assert_eq!(count(&mut op, "SELECT 1 FROM items").await, 2);
     // ... but no write outside a scope, no delete, no DDL.
-    refused(&mut op, "UPDATE pipeline_runs SET status = 'dead'").await;
-    refused(&mut op, "DELETE FROM pipeline_runs").await;
-    refused(&mut op, "DROP TABLE pipeline_runs").await;
+    refused(&mut op, "UPDATE stage_runs SET status = 'dead'").await;
+    refused(&mut op, "DELETE FROM stage_runs").await;
+    refused(&mut op, "DROP TABLE stage_runs").await;
 
     let actor = Actor::parse("alice").unwrap();
     let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
-    let retried = ops::retry(&mut op, &tenant("t1"), &anfrage, None, &actor, &pipeline)
+    let retried = ops::retry(&mut op, &tenant("t1"), &item, None, &actor, &pipeline)
         .await
         .unwrap();
     assert!(
@@ -221,7 +214,7 @@ async fn an_operator_role_reads_every_tenant_and_retries_and_cancels() {
         count(
             &mut conn,
             &format!(
-                "SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{}' AND status = 'cancelled'",
+                "SELECT 1 FROM stage_runs WHERE item_id = '{}' AND status = 'cancelled'",
                 other
             )
         )
@@ -301,7 +294,7 @@ async fn the_audit_log_is_append_only_for_the_worker_and_the_operator() {
     let db = idemstage_testkit::TestDb::new().await;
     let mut owner = db.conn().await;
     let t = tenant("ta");
-    let anfrage = new_anfrage(&mut owner, &t).await.to_string();
+    let item = new_item(&mut owner, &t).await.to_string();
     for url in [db.worker_url(), db.operator_url()] {
         let mut conn = idemstage_persistence::connect(&url).await.unwrap();
         idemstage_persistence::tenant::transaction::<_, idemstage_persistence::TxError, _>(
@@ -311,7 +304,7 @@ async fn the_audit_log_is_append_only_for_the_worker_and_the_operator() {
                 idemstage_persistence::fenced::audit(
                     c,
                     &t,
-                    &anfrage,
+                    &item,
                     "test.entry",
                     None,
                     serde_json::json!({}),

@@ -1,38 +1,35 @@
-//! Starting a pipeline for an anfrage: register its input and send the first job
+//! Starting a pipeline for an item: register its input and send the first job
 //! in one transaction, under the first stage's input policy.
 
 use diesel_async::{AsyncConnection, RunQueryDsl};
 use idemstage_domain::{
-    input_hash_of, AnfrageId, InputChangePolicy, JobToSend, RepoError, SendOptions, SendResult,
+    input_hash_of, InputChangePolicy, ItemId, JobToSend, RepoError, SendOptions, SendResult,
 };
-use idemstage_persistence::anfragen::{start_in, RegisterOutcome, StartOutcome};
+use idemstage_persistence::items::{start_in, RegisterOutcome, StartOutcome};
 use idemstage_persistence::TxError;
 use idemstage_testkit::TestDb;
 
 use crate::support::*;
 
-fn job(anfrage: AnfrageId, hash: &str) -> JobToSend {
+fn job(item: ItemId, hash: &str) -> JobToSend {
     JobToSend {
         // The job of the scope's tenant: in start_in's transaction it is sent in
-        // the tenant scope (migration 000172).
+        // the tenant scope (the baseline migration).
         tenant: Some(tenant("t1")),
         queue: "intake".into(),
-        payload: serde_json::json!({ "tenant_id": "t1", "anfrage_id": anfrage, "input_hash": hash }),
-        options: SendOptions::default().with_singleton_key(format!("intake:t1:{anfrage}")),
+        payload: serde_json::json!({ "tenant_id": "t1", "item_id": item, "input_hash": hash }),
+        options: SendOptions::default().with_singleton_key(format!("intake:t1:{item}")),
     }
 }
 
 async fn start(
     conn: &mut diesel_async::AsyncPgConnection,
-    anfrage: AnfrageId,
+    item: ItemId,
     text: &str,
     policy: InputChangePolicy,
 ) -> Result<StartOutcome, RepoError> {
     conn.transaction::<_, TxError, _>(async |conn| {
-        Ok(start_in(conn, &tenant("t1"), &anfrage, text, policy, |h| {
-            job(anfrage, h)
-        })
-        .await?)
+        Ok(start_in(conn, &tenant("t1"), &item, text, policy, |h| job(item, h)).await?)
     })
     .await
     .map_err(TxError::into_repo)
@@ -50,7 +47,7 @@ async fn stored(conn: &mut diesel_async::AsyncPgConnection) -> (String, String, 
     }
     let r: Row = diesel::sql_query(
         "SELECT a.input_text, a.input_sha256, j.payload->>'input_hash' AS payload_hash
-           FROM anfragen a, jobs j WHERE j.state IN ('created', 'retry', 'active')",
+           FROM items a, jobs j WHERE j.state IN ('created', 'retry', 'active')",
     )
     .get_result(conn)
     .await
@@ -62,15 +59,15 @@ async fn stored(conn: &mut diesel_async::AsyncPgConnection) -> (String, String, 
 async fn another_input_is_refused_under_reject_and_replaces_under_rerun() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let anfrage = AnfrageId::new();
-    let first = start(&mut conn, anfrage, TEXT_A, InputChangePolicy::Reject)
+    let item = ItemId::new();
+    let first = start(&mut conn, item, TEXT_A, InputChangePolicy::Reject)
         .await
         .unwrap();
     assert!(matches!(first.registered, RegisterOutcome::Created { .. }));
     assert!(matches!(first.sent, SendResult::Sent(_)));
 
     // Reject: refused, typed, and nothing changes.
-    let err = start(&mut conn, anfrage, TEXT_B, InputChangePolicy::Reject)
+    let err = start(&mut conn, item, TEXT_B, InputChangePolicy::Reject)
         .await
         .unwrap_err();
     assert!(matches!(err, RepoError::InputChanged { .. }), "{err:?}");
@@ -82,7 +79,7 @@ async fn another_input_is_refused_under_reject_and_replaces_under_rerun() {
 
     // Rerun: the text and hash are replaced, and the still-live job (the send is a
     // duplicate) now carries the new input, so the new input is not swallowed.
-    let replaced = start(&mut conn, anfrage, TEXT_B, InputChangePolicy::Rerun)
+    let replaced = start(&mut conn, item, TEXT_B, InputChangePolicy::Rerun)
         .await
         .unwrap();
     assert_eq!(
@@ -106,7 +103,7 @@ async fn another_input_is_refused_under_reject_and_replaces_under_rerun() {
         .execute(&mut conn)
         .await
         .unwrap();
-    let repeat = start(&mut conn, anfrage, TEXT_B, InputChangePolicy::Rerun)
+    let repeat = start(&mut conn, item, TEXT_B, InputChangePolicy::Rerun)
         .await
         .unwrap();
     assert!(matches!(

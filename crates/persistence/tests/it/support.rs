@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, ClaimToken, StageName, StagePolicy, TenantId, WorkerId,
+    ClaimOutcome, ClaimRequest, ClaimToken, ItemId, StageName, StagePolicy, TenantId, WorkerId,
 };
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::items::register_item;
 use idemstage_persistence::PgRunRepository;
 use idemstage_testkit::TestDb;
 
-/// The input `new_anfrage` registers, and another one to replace it with.
+/// The input `new_item` registers, and another one to replace it with.
 pub const TEXT_A: &str = "10 Stk Schrauben M8";
 pub const TEXT_B: &str = "20 m Kabel NYM";
 
@@ -23,13 +23,13 @@ pub fn hash_b() -> String {
     idemstage_domain::input_hash_of(TEXT_B.as_bytes())
 }
 
-/// Replaces an anfrage's stored input by hand (as the connecting user), as a
+/// Replaces an item's stored input by hand (as the connecting user), as a
 /// rerun with new input does.
-pub async fn replace_input(conn: &mut AsyncPgConnection, anfrage: AnfrageId, text: &str) {
+pub async fn replace_input(conn: &mut AsyncPgConnection, item: ItemId, text: &str) {
     use diesel::sql_types::Text;
     use diesel_async::RunQueryDsl;
-    diesel::sql_query("UPDATE anfragen SET input_text = $2, input_sha256 = $3 WHERE id = $1")
-        .bind::<Text, _>(anfrage.to_string())
+    diesel::sql_query("UPDATE items SET input_text = $2, input_sha256 = $3 WHERE id = $1")
+        .bind::<Text, _>(item.to_string())
         .bind::<Text, _>(text)
         .bind::<Text, _>(idemstage_domain::input_hash_of(text.as_bytes()))
         .execute(conn)
@@ -45,16 +45,16 @@ pub fn stage(s: &str) -> StageName {
     StageName::parse(s).unwrap()
 }
 
-pub async fn new_anfrage(conn: &mut AsyncPgConnection, tenant: &TenantId) -> AnfrageId {
-    let id = AnfrageId::new();
-    register_anfrage(conn, tenant, &id, TEXT_A).await.unwrap();
+pub async fn new_item(conn: &mut AsyncPgConnection, tenant: &TenantId) -> ItemId {
+    let id = ItemId::new();
+    register_item(conn, tenant, &id, TEXT_A).await.unwrap();
     id
 }
 
-pub fn request(tenant: &TenantId, anfrage: AnfrageId, stage_name: &str) -> ClaimRequest {
+pub fn request(tenant: &TenantId, item: ItemId, stage_name: &str) -> ClaimRequest {
     ClaimRequest {
         tenant: tenant.clone(),
-        anfrage,
+        item,
         stage: stage(stage_name),
         input_hash: hash_a(),
         worker: WorkerId::generate(),
@@ -76,7 +76,7 @@ pub fn token_of(req: &ClaimRequest, outcome: &ClaimOutcome) -> ClaimToken {
         } => ClaimToken {
             run_id: *run_id,
             tenant: req.tenant.clone(),
-            anfrage: req.anfrage,
+            item: req.item,
             stage: req.stage.clone(),
             attempt: *attempt,
         },
@@ -97,9 +97,7 @@ pub async fn wait_lease_expired(conn: &mut AsyncPgConnection, run_id: &str) {
     loop {
         let expired = count(
             conn,
-            &format!(
-                "SELECT 1 FROM pipeline_runs WHERE id = '{run_id}' AND lease_expires_at < now()"
-            ),
+            &format!("SELECT 1 FROM stage_runs WHERE id = '{run_id}' AND lease_expires_at < now()"),
         )
         .await;
         if expired == 1 {

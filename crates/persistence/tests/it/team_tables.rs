@@ -1,5 +1,5 @@
 //! A team's own table under the same tenant isolation as ours by one line of its
-//! migration, `SELECT idemstage_tenant_table('ocr_pages')` (migration `000060`):
+//! migration, `SELECT idemstage_tenant_table('ocr_pages')` (the baseline migration):
 //! a transaction scoped to one tenant (`tenant::scope`) can neither read, update,
 //! delete nor insert another tenant's rows, and one without a tenant sees nothing.
 
@@ -13,7 +13,7 @@ use crate::support::*;
 
 /// The team's table, as its migration would create it.
 const OCR_PAGES: &str = "CREATE TABLE ocr_pages (id text PRIMARY KEY, \
-     tenant_id text NOT NULL, anfrage_id text NOT NULL, page int NOT NULL, text text NOT NULL)";
+     tenant_id text NOT NULL, item_id text NOT NULL, page int NOT NULL, text text NOT NULL)";
 
 /// The one line of the team's migration.
 const PROTECT: &str = "SELECT idemstage_tenant_table('ocr_pages')";
@@ -29,7 +29,7 @@ async fn insert_page(
     tenant: &str,
 ) -> Result<usize, diesel::result::Error> {
     diesel::sql_query(
-        "INSERT INTO ocr_pages (id, tenant_id, anfrage_id, page, text) \
+        "INSERT INTO ocr_pages (id, tenant_id, item_id, page, text) \
          VALUES ($1, $2, '01JDQ3W5AAAAAAAAAAAAAAAAAA', 1, 'Seite 1')",
     )
     .bind::<Text, _>(id)
@@ -199,14 +199,14 @@ async fn a_team_table_put_under_isolation_by_one_call_is_isolated_like_ours() {
             granted: true
         }
     );
-    let ours = policies(&mut conn, "anfragen").await;
+    let ours = policies(&mut conn, "items").await;
     let theirs = policies(&mut conn, "ocr_pages").await;
     assert_eq!(theirs.len(), 1, "{theirs:?}");
-    // Ours have the operator's read policy (migration 000110) besides.
+    // Ours have the operator's read policy (the baseline migration) besides.
     let ours = ours
         .iter()
         .find(|p| p.name == "tenant_isolation")
-        .expect("tenant_isolation on anfragen");
+        .expect("tenant_isolation on items");
     let theirs = &theirs[0];
     assert_eq!(
         (theirs.name.as_str(), theirs.shape.as_str()),
@@ -387,7 +387,7 @@ async fn insert_or_get_audited_records_the_id_of_the_row_it_returns() {
         f
     }
     for number in ["z", "z"] {
-        let req = request(&t, new_anfrage(&mut conn, &t).await, "extract");
+        let req = request(&t, new_item(&mut conn, &t).await, "extract");
         let token = token_of(&req, &repo.claim(&req).await.unwrap());
         let write = write_fn(|tx| {
             let found = found.clone();

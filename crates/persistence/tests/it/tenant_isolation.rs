@@ -1,7 +1,7 @@
 //! Row-level security: a transaction scoped to tenant A (`tenant::scope`, as every
 //! tenant-scoped transaction of the persistence layer is) can neither read nor
 //! write tenant B's rows in any tenant table, and a crafted claim naming B's
-//! anfrage under A is refused.
+//! item under A is refused.
 
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -16,9 +16,9 @@ use idemstage_testkit::TestDb;
 use crate::support::*;
 
 const TENANT_TABLES: [&str; 8] = [
-    "anfragen",
-    "pipeline_runs",
-    "pipeline_run_attempts",
+    "items",
+    "stage_runs",
+    "stage_run_attempts",
     "dateien",
     "anfrage_extraktionen",
     "feasibility_results",
@@ -27,10 +27,10 @@ const TENANT_TABLES: [&str; 8] = [
 ];
 
 /// One completed stage for `tenant` that writes a row into every tenant table.
-async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::AnfrageId {
+async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::ItemId {
     let repo = repo(db, 2).await;
-    let anfrage = new_anfrage(&mut db.conn().await, tenant).await;
-    let req = request(tenant, anfrage, "intake");
+    let item = new_item(&mut db.conn().await, tenant).await;
+    let req = request(tenant, item, "intake");
     let outcome = repo.claim(&req).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));
     let token = token_of(&req, &outcome);
@@ -54,7 +54,7 @@ async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::AnfrageId {
         repo.complete(&token, &write).await.unwrap(),
         CompleteOutcome::Committed
     );
-    anfrage
+    item
 }
 
 fn write_fn<F>(f: F) -> F
@@ -73,7 +73,7 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
     let db = idemstage_harness::example::db().await;
     let (a, b) = (tenant("ta"), tenant("tb"));
     fill(&db, &a).await;
-    let b_anfrage = fill(&db, &b).await;
+    let b_item = fill(&db, &b).await;
     let mut conn = db.conn().await;
     // The connecting (owner/superuser) role sees both tenants: reports need that.
     for table in TENANT_TABLES {
@@ -97,7 +97,7 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
             .await;
             assert!(mine > 0, "{table}: tenant A sees its own rows");
             assert_eq!(theirs, 0, "{table}: tenant A sees tenant B's rows");
-            // The audit trail is append-only (migration 000171; roles::…).
+            // The audit trail is append-only (the baseline migration; roles::…).
             if table == "audit_log" {
                 continue;
             }
@@ -108,8 +108,8 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
             .await?;
             assert_eq!(touched, 0, "{table}: tenant A updated B's rows");
             // Runs and their history are never deleted, not even one's own
-            // (migration 000110 took DELETE from idemstage_app; roles::…).
-            if matches!(table, "pipeline_runs" | "pipeline_run_attempts") {
+            // (migration the baseline migration took DELETE from idemstage_app; roles::…).
+            if matches!(table, "stage_runs" | "stage_run_attempts") {
                 continue;
             }
             let deleted = diesel::sql_query(format!("DELETE FROM {table} WHERE tenant_id = 'tb'"))
@@ -125,7 +125,7 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
     for insert in [
         "INSERT INTO audit_log (id, tenant_id, entity_id, action) \
          VALUES ('01JDQ3W5AAAAAAAAAAAAAAAAAA', 'tb', 'x', 'forged')",
-        "INSERT INTO anfragen (tenant_id, id, input_text, input_sha256, s3_key) \
+        "INSERT INTO items (tenant_id, id, input_text, input_sha256, s3_key) \
          VALUES ('tb', '01JDQ3W5AAAAAAAAAAAAAAAAAB', 'x', repeat('a', 64), 'k')",
     ] {
         let err = conn
@@ -145,7 +145,7 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
     let err = conn
         .transaction::<_, diesel::result::Error, _>(async |conn| {
             scope(conn, &a).await?;
-            diesel::sql_query("UPDATE anfragen SET tenant_id = 'tb'")
+            diesel::sql_query("UPDATE items SET tenant_id = 'tb'")
                 .execute(conn)
                 .await?;
             Ok(())
@@ -162,17 +162,17 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
     }
     conn.batch_execute("ROLLBACK").await.unwrap();
 
-    // A crafted job (claim) for tenant A naming B's anfrage: refused, nothing written.
+    // A crafted job (claim) for tenant A naming B's item: refused, nothing written.
     let repo = repo(&db, 2).await;
-    let before = n(&mut conn, "SELECT 1 FROM pipeline_runs").await;
+    let before = n(&mut conn, "SELECT 1 FROM stage_runs").await;
     let err = repo
-        .claim(&request(&a, b_anfrage, "extract"))
+        .claim(&request(&a, b_item, "extract"))
         .await
         .unwrap_err();
-    assert!(matches!(err, RepoError::AnfrageNotFound { .. }), "{err:?}");
-    assert_eq!(n(&mut conn, "SELECT 1 FROM pipeline_runs").await, before);
-    // And registering B's anfrage id under A says it belongs to someone else.
-    let err = idemstage_persistence::anfragen::register_anfrage(&mut conn, &a, &b_anfrage, "x")
+    assert!(matches!(err, RepoError::ItemNotFound { .. }), "{err:?}");
+    assert_eq!(n(&mut conn, "SELECT 1 FROM stage_runs").await, before);
+    // And registering B's item id under A says it belongs to someone else.
+    let err = idemstage_persistence::items::register_item(&mut conn, &a, &b_item, "x")
         .await
         .unwrap_err();
     assert!(matches!(err, RepoError::TenantMismatch { .. }), "{err:?}");
@@ -380,20 +380,20 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_jobs_and_no
     assert_eq!(tenants, ["ta", "ta", "tb"]);
 }
 
-/// The reconciler's list of open anfragen (`anfragen_open`, migration `000200`)
-/// had no row-level security: a stage body in tenant A's scope read B's anfrage
+/// The reconciler's list of open items (`items_open`, the baseline migration)
+/// had no row-level security: a stage body in tenant A's scope read B's item
 /// ids and could delete B's rows, so that B's lost stages were never sent again.
 /// In the scope the list is its tenant's; outside, the worker reads it all.
 #[tokio::test]
-async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_anfragen() {
+async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_items() {
     let db = TestDb::new().await;
     let (a, b) = (tenant("ta"), tenant("tb"));
     let mut owner = db.conn().await;
     for t in [&a, &b] {
-        idemstage_persistence::anfragen::register_anfrage(
+        idemstage_persistence::items::register_item(
             &mut owner,
             t,
-            &idemstage_domain::AnfrageId::new(),
+            &idemstage_domain::ItemId::new(),
             "10 Stk Schrauben",
         )
         .await
@@ -403,9 +403,9 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_anfrag
         .await
         .unwrap();
     let (seen, theirs, deleted) = tenant::transaction::<_, TxError, _>(&mut w, &a, async |c| {
-        let seen = n(c, "SELECT 1 FROM anfragen_open").await;
-        let theirs = n(c, "SELECT 1 FROM anfragen_open WHERE tenant_id = 'tb'").await;
-        let deleted = diesel::sql_query("DELETE FROM anfragen_open WHERE tenant_id = 'tb'")
+        let seen = n(c, "SELECT 1 FROM items_open").await;
+        let theirs = n(c, "SELECT 1 FROM items_open WHERE tenant_id = 'tb'").await;
+        let deleted = diesel::sql_query("DELETE FROM items_open WHERE tenant_id = 'tb'")
             .execute(c)
             .await
             .map_err(idemstage_persistence::map_diesel_error)?;
@@ -415,5 +415,5 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_anfrag
     .unwrap();
     assert_eq!((seen, theirs, deleted), (1, 0, 0));
     // Outside the scope the worker (the reconciler's batch) reads every tenant's.
-    assert_eq!(n(&mut w, "SELECT 1 FROM anfragen_open").await, 2);
+    assert_eq!(n(&mut w, "SELECT 1 FROM items_open").await, 2);
 }

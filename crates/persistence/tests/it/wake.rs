@@ -98,7 +98,7 @@ async fn the_notifier_coalesces_a_burst_into_one_notification_per_queue() {
 
 fn send_next<'t>(tx: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
     async move {
-        // In the fenced transaction a job is the scope's tenant's (000172).
+        // In the fenced transaction a job is the scope's tenant's (the baseline migration).
         let next = JobToSend {
             tenant: Some(tx.token().tenant.clone()),
             ..job("next_stage")
@@ -119,7 +119,7 @@ async fn a_fenced_completion_with_after_commit_wakes_the_next_queue_once_committ
     assert_eq!(repo.wake(), Wake::AfterCommit);
     let mut conn = db.conn().await;
     let t = tenant("t1");
-    let req = request(&t, new_anfrage(&mut conn, &t).await, "intake");
+    let req = request(&t, new_item(&mut conn, &t).await, "intake");
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let mut listener = listening(&db).await;
 

@@ -207,7 +207,7 @@ impl<H: JobHandler> Dispatch<H> {
             let Some((job, lease)) = self.buffer.pop_front() else {
                 break;
             };
-            // The job's span: the stage execution's span (tenant, anfrage, stage,
+            // The job's span: the stage execution's span (tenant, item, stage,
             // attempt) nests in it. At WARN, like that one, so that a job's warnings
             // carry it under a filter of `warn`.
             let span = tracing::warn_span!(

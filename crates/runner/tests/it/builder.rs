@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idemstage_domain::{AnfrageId, TenantId};
+use idemstage_domain::{ItemId, TenantId};
 use idemstage_runner::{PipelineWorker, QueueWorkerConfig, WorkerBuildError};
 use tokio_util::sync::CancellationToken;
 
@@ -73,7 +73,7 @@ async fn a_built_worker_without_pool_or_counters_drains_a_pipeline() {
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     for i in 0..3 {
-        support::send(&mut conn, &tenant, AnfrageId::new(), &support::text(i)).await;
+        support::send(&mut conn, &tenant, ItemId::new(), &support::text(i)).await;
     }
     let worker = PipelineWorker::builder(db.url(), support::pipeline())
         .concurrency(3)
@@ -86,8 +86,8 @@ async fn a_built_worker_without_pool_or_counters_drains_a_pipeline() {
     let running = tokio::spawn(worker.run(stop.clone()));
 
     let check = support::assert_quiet_and_sound(db.url(), 60).await;
-    assert_eq!(check.anfragen_final, 3, "{check:?}");
-    assert_eq!(counters.snapshot().succeeded, 12, "4 stages × 3 anfragen");
+    assert_eq!(check.items_final, 3, "{check:?}");
+    assert_eq!(counters.snapshot().succeeded, 12, "4 stages × 3 items");
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(60), running)
         .await

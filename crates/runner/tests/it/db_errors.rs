@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{input_hash_of, AnfrageId, StageError, StagePolicy, TenantId};
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_domain::{input_hash_of, ItemId, StageError, StagePolicy, TenantId};
+use idemstage_persistence::items::register_item;
 use idemstage_runner::Counters;
 use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
 
@@ -43,17 +43,17 @@ async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
         .await
         .unwrap();
         let tenant = TenantId::parse("t1").unwrap();
-        let anfrage = AnfrageId::new();
+        let item = ItemId::new();
         let input = text(1);
-        send(&mut conn, &tenant, anfrage, &input).await;
+        send(&mut conn, &tenant, item, &input).await;
         // The row intake's insert-or-get will conflict with, uncommitted: the
         // stage's insert waits for this transaction.
         let mut holder = db.conn().await;
         holder
             .batch_execute(&format!(
                 "SET lock_timeout = 0; SET statement_timeout = 0; BEGIN;
-                 INSERT INTO dateien (id, tenant_id, anfrage_id, sha256, s3_key, size_bytes)
-                 VALUES ('{}', 't1', '{anfrage}', '{}', 'anfragen/t1/{anfrage}/input.txt', 1)",
+                 INSERT INTO dateien (id, tenant_id, item_id, sha256, s3_key, size_bytes)
+                 VALUES ('{}', 't1', '{item}', '{}', 'items/t1/{item}/input.txt', 1)",
                 idemstage_domain::RowId::new(),
                 input_hash_of(input.as_bytes())
             ))
@@ -69,7 +69,7 @@ async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
         // Interrupted twice: the first retry met the lock again and was retried too.
         wait_for_row(
             &mut conn,
-            "SELECT 1 FROM pipeline_run_attempts
+            "SELECT 1 FROM stage_run_attempts
               WHERE outcome = 'abandoned' AND attempt >= 2",
             &format!("two interrupted intake attempts under {setting}"),
         )
@@ -81,7 +81,7 @@ async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
         assert_eq!(
             count(
                 &mut conn,
-                "SELECT 1 FROM pipeline_run_attempts WHERE outcome = 'failed'"
+                "SELECT 1 FROM stage_run_attempts WHERE outcome = 'failed'"
             )
             .await,
             0,
@@ -90,7 +90,7 @@ async fn lock_and_statement_timeouts_after_a_claim_are_retried_not_lost() {
         assert_eq!(
             count(
                 &mut conn,
-                "SELECT 1 FROM pipeline_runs WHERE status = 'success'"
+                "SELECT 1 FROM stage_runs WHERE status = 'success'"
             )
             .await,
             4,
@@ -139,11 +139,9 @@ async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
     .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
-    register_anfrage(&mut conn, &tenant, &anfrage, "x")
-        .await
-        .unwrap();
-    let job = first_job(&pipeline, tenant, anfrage, input_hash_of(b"x"));
+    let item = ItemId::new();
+    register_item(&mut conn, &tenant, &item, "x").await.unwrap();
+    let job = first_job(&pipeline, tenant, item, input_hash_of(b"x"));
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();
@@ -156,7 +154,7 @@ async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
     );
     wait_for_row(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'nul' AND status = 'success'",
+        "SELECT 1 FROM stage_runs WHERE stage = 'nul' AND status = 'success'",
         "the stage succeeds on its second attempt",
     )
     .await;
@@ -167,7 +165,7 @@ async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
         error: String,
     }
     let recorded: Error = diesel::sql_query(
-        "SELECT error FROM pipeline_run_attempts WHERE attempt = 1 AND outcome = 'failed'",
+        "SELECT error FROM stage_run_attempts WHERE attempt = 1 AND outcome = 'failed'",
     )
     .get_result(&mut conn)
     .await

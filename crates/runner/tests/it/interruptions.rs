@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use diesel_async::RunQueryDsl;
-use idemstage_domain::{input_hash_of, AnfrageId, StageError, StagePolicy, TenantId};
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_domain::{input_hash_of, ItemId, StageError, StagePolicy, TenantId};
+use idemstage_persistence::items::register_item;
 use idemstage_persistence::{map_diesel_error, FencedTx};
 use idemstage_runner::Counters;
 use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
@@ -61,11 +61,9 @@ async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
     .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
-    register_anfrage(&mut conn, &tenant, &anfrage, "x")
-        .await
-        .unwrap();
-    let job = first_job(&pipeline, tenant, anfrage, input_hash_of(b"x"));
+    let item = ItemId::new();
+    register_item(&mut conn, &tenant, &item, "x").await.unwrap();
+    let job = first_job(&pipeline, tenant, item, input_hash_of(b"x"));
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();
@@ -89,7 +87,7 @@ async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs
+            "SELECT 1 FROM stage_runs
               WHERE stage = 'flaky' AND status = 'dead' AND attempts = 6
                 AND last_error LIKE '%statement timeout%counted after 2 interruptions in a row%'"
         )
@@ -99,7 +97,7 @@ async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT outcome FROM pipeline_run_attempts GROUP BY outcome
+            "SELECT outcome FROM stage_run_attempts GROUP BY outcome
              HAVING (outcome = 'abandoned' AND count(*) = 4)
                  OR (outcome = 'failed' AND count(*) = 2)"
         )

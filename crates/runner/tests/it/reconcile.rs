@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{AnfrageId, JobId, TenantId};
+use idemstage_domain::{ItemId, JobId, TenantId};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -76,18 +76,18 @@ async fn a_stage_whose_key_a_failing_job_held_runs_after_all() {
     let db = support::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
-    let key = format!("extract:{tenant}:{anfrage}");
+    let item = ItemId::new();
+    let key = format!("extract:{tenant}:{item}");
     insert_job(
         &mut conn,
         "extract",
         "t1",
         &key,
-        json!({ "tenant_id": "t1", "anfrage_id": anfrage.to_string(), "input_hash": "squat" }),
+        json!({ "tenant_id": "t1", "item_id": item.to_string(), "input_hash": "squat" }),
     )
     .await
     .unwrap();
-    support::send(&mut conn, &tenant, anfrage, &support::text(1)).await;
+    support::send(&mut conn, &tenant, item, &support::text(1)).await;
 
     let w = worker(
         db.pool(12).await,
@@ -98,7 +98,7 @@ async fn a_stage_whose_key_a_failing_job_held_runs_after_all() {
             .with_reconcile_interval(Some(Duration::from_millis(300))),
     );
     let check = support::wait_until(db.url(), "every stage final", 60, |c| {
-        c.anfragen_final == 1 && c.live_jobs == 0
+        c.items_final == 1 && c.live_jobs == 0
     })
     .await;
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
@@ -116,8 +116,8 @@ async fn a_stage_whose_key_a_failing_job_held_runs_after_all() {
     w.1.await.unwrap();
 }
 
-async fn open_anfragen(conn: &mut AsyncPgConnection) -> i64 {
-    count(conn, "SELECT 1 FROM anfragen_open").await
+async fn open_items(conn: &mut AsyncPgConnection) -> i64 {
+    count(conn, "SELECT 1 FROM items_open").await
 }
 
 /// Polls until `sql` counts `n` rows; panics after `secs`.
@@ -137,24 +137,24 @@ async fn wait_count(conn: &mut AsyncPgConnection, sql: &str, n: i64, secs: u64) 
 }
 
 /// The issue's own squatter (a payload that is no stage job, no tenant label)
-/// and one naming another anfrage are refused at the door: the stage's key is
+/// and one naming another item are refused at the door: the stage's key is
 /// the stage job's alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_cannot_squat_on_another_stage_jobs_key() {
     let db = support::db().await;
     let mut conn = db.conn().await;
-    let anfrage = AnfrageId::new();
-    let key = format!("extract:t1:{anfrage}");
+    let item = ItemId::new();
+    let key = format!("extract:t1:{item}");
     for (label, payload) in [
         ("", json!({ "not": "a stage job" })),
         ("t1", json!({ "tenant_id": "t1" })),
         (
             "t1",
-            json!({ "tenant_id": "t1", "anfrage_id": AnfrageId::new().to_string() }),
+            json!({ "tenant_id": "t1", "item_id": ItemId::new().to_string() }),
         ),
         (
             "t2",
-            json!({ "tenant_id": "t2", "anfrage_id": anfrage.to_string() }),
+            json!({ "tenant_id": "t2", "item_id": item.to_string() }),
         ),
     ] {
         let err = insert_job(&mut conn, "extract", label, &key, payload.clone())
@@ -167,7 +167,7 @@ async fn a_job_cannot_squat_on_another_stage_jobs_key() {
         );
     }
     assert_eq!(count(&mut conn, "SELECT 1 FROM jobs").await, 0);
-    assert_eq!(open_anfragen(&mut conn).await, 0);
+    assert_eq!(open_items(&mut conn).await, 0);
 }
 
 /// A stage whose job was deleted by hand (here while its queue was paused) runs
@@ -179,13 +179,13 @@ async fn a_stage_whose_job_was_deleted_by_hand_runs_again() {
     let db = support::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
+    let item = ItemId::new();
     let actor = idemstage_persistence::ops::Actor::parse("test").unwrap();
     let scope = idemstage_persistence::queue::Scope::Queue;
     idemstage_persistence::queue::pause(&mut conn, "extract", &scope, &actor)
         .await
         .unwrap();
-    support::send(&mut conn, &tenant, anfrage, &support::text(2)).await;
+    support::send(&mut conn, &tenant, item, &support::text(2)).await;
     let pool = idemstage_persistence::connect_pool(
         &db.worker_url(),
         idemstage_persistence::PoolConfig::default().with_max_size(12),
@@ -219,7 +219,7 @@ async fn a_stage_whose_job_was_deleted_by_hand_runs_again() {
         .unwrap();
     wait_count(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'extract' AND status = 'success'",
+        "SELECT 1 FROM stage_runs WHERE stage = 'extract' AND status = 'success'",
         1,
         75,
     )
@@ -235,15 +235,15 @@ async fn a_stage_whose_job_was_deleted_by_hand_runs_again() {
 
 /// Final stages are never sent again: a stage that ended `dead` (only the
 /// operator's retry revives it), and the stage after a success that stopped the
-/// anfrage (infeasible: `StageFlow::Stop`). The reconciler settles both
-/// anfragen, and nothing runs that did not before.
+/// item (infeasible: `StageFlow::Stop`). The reconciler settles both
+/// items, and nothing runs that did not before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_stages_and_stages_after_a_stop_are_not_sent_again() {
     let db = support::db().await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
     // Infeasible: a unit nobody prices.
-    let stopped = AnfrageId::new();
+    let stopped = ItemId::new();
     support::send(&mut conn, &tenant, stopped, "3 Fass Bier").await;
     let w = worker(
         db.pool(12).await,
@@ -253,17 +253,17 @@ async fn dead_stages_and_stages_after_a_stop_are_not_sent_again() {
             .with_queue(fast_queue())
             .with_reconcile_interval(Some(Duration::from_millis(200))),
     );
-    let check = support::wait_until(db.url(), "the infeasible anfrage final", 60, |c| {
+    let check = support::wait_until(db.url(), "the infeasible item final", 60, |c| {
         c.is_quiet() && c.infeasible == 1
     })
     .await;
     assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
-    wait_count(&mut conn, "SELECT 1 FROM anfragen_open", 0, 30).await;
+    wait_count(&mut conn, "SELECT 1 FROM items_open", 0, 30).await;
     w.0.cancel();
     w.1.await.unwrap();
 
     // Every body crashes: intake ends dead.
-    let dead = AnfrageId::new();
+    let dead = ItemId::new();
     support::send(&mut conn, &tenant, dead, &support::text(3)).await;
     let mut options = idemstage_stage::Pipeline::default_send_options();
     options.expire_in = Duration::from_millis(support::JOB_LEASE_MS);
@@ -285,12 +285,12 @@ async fn dead_stages_and_stages_after_a_stop_are_not_sent_again() {
     let handle = tokio::spawn(worker.run(stop.clone()));
     wait_count(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND status = 'dead'",
+        "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND status = 'dead'",
         1,
         60,
     )
     .await;
-    wait_count(&mut conn, "SELECT 1 FROM anfragen_open", 0, 30).await;
+    wait_count(&mut conn, "SELECT 1 FROM items_open", 0, 30).await;
     stop.cancel();
     handle.await.unwrap();
 
@@ -299,11 +299,11 @@ async fn dead_stages_and_stages_after_a_stop_are_not_sent_again() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'calculate'"
+            "SELECT 1 FROM stage_runs WHERE stage = 'calculate'"
         )
         .await,
         0,
-        "calculate ran after feasibility stopped the anfrage"
+        "calculate ran after feasibility stopped the item"
     );
     assert_eq!(
         count(&mut conn, "SELECT 1 FROM jobs WHERE queue = 'calculate'").await,
@@ -313,7 +313,7 @@ async fn dead_stages_and_stages_after_a_stop_are_not_sent_again() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND status = 'dead' AND attempts = max_attempts"
+            "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND status = 'dead' AND attempts = max_attempts"
         )
         .await,
         1

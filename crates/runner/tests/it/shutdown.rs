@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, StageError, StageName, StagePolicy, TenantId, WorkerId,
+    ClaimOutcome, ClaimRequest, ItemId, StageError, StageName, StagePolicy, TenantId, WorkerId,
 };
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::items::register_item;
 use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_runner::{Counters, PipelineWorker, PipelineWorkerConfig};
 use idemstage_stage::{first_job, Done, Pipeline, PrepareContext, Stage, StageRef};
@@ -63,12 +63,12 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
     .unwrap()])
     .unwrap();
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
-    let registered = register_anfrage(&mut conn, &tenant, &anfrage, "1 h Warten")
+    let item = ItemId::new();
+    let registered = register_item(&mut conn, &tenant, &item, "1 h Warten")
         .await
         .unwrap();
     let input_hash = registered.input_sha256().to_owned();
-    let job = first_job(&pipeline, tenant.clone(), anfrage, input_hash.clone());
+    let job = first_job(&pipeline, tenant.clone(), item, input_hash.clone());
     queue::send_in(&mut conn, &job).await.unwrap();
 
     let mut config = PipelineWorkerConfig::default().with_concurrency(1);
@@ -99,7 +99,7 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM pipeline_runs r JOIN pipeline_run_attempts a ON a.run_id = r.id
+            "SELECT 1 FROM stage_runs r JOIN stage_run_attempts a ON a.run_id = r.id
               WHERE r.status = 'running' AND r.lease_expires_at <= now()
                 AND r.max_attempts = 6 AND a.attempt = 1 AND a.outcome = 'abandoned'"
         )
@@ -115,7 +115,7 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
     let claim = repo
         .claim(&ClaimRequest {
             tenant,
-            anfrage,
+            item,
             stage: StageName::parse("stuck").unwrap(),
             input_hash,
             worker: WorkerId::generate(),

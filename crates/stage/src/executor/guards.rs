@@ -38,7 +38,7 @@ impl Drop for ReleaseOnDrop {
         self.tracker.spawn_on(
             async move {
                 match repo.release(&token, "released by a worker shutting down").await {
-                    Ok(_) => tracing::info!(stage = %token.stage, anfrage = %token.anfrage, "abandoned stage released"),
+                    Ok(_) => tracing::info!(stage = %token.stage, item = %token.item, "abandoned stage released"),
                     Err(e) => tracing::warn!(error = %e, "releasing an abandoned stage failed; its lease will run out"),
                 }
             }

@@ -29,7 +29,7 @@ use prepare::Prepare;
 pub enum ExecutionOutcome {
     /// The body ran and its writes committed with `status = 'success'`.
     Succeeded {
-        /// The run (`pipeline_runs` row) of this (tenant, anfrage, stage).
+        /// The run (`stage_runs` row) of this (tenant, item, stage).
         run_id: RunId,
         /// The attempt that succeeded (1 for the first), now the run's `success_attempt`.
         attempt: i32,
@@ -49,7 +49,7 @@ pub enum ExecutionOutcome {
         attempt: i32,
     },
     /// The upstream attempt this one read stopped being current before it could
-    /// commit (the upstream succeeded again; for the first stage, the anfrage's
+    /// commit (the upstream succeeded again; for the first stage, the item's
     /// input was replaced): nothing was written, the run is `stale` and runs again
     /// on the new upstream.
     UpstreamChanged {
@@ -168,7 +168,7 @@ impl Executor {
         self.execute(pipeline, stage, job, Some(lease)).await
     }
 
-    /// One execution inside its span (`stage` with tenant, anfrage, stage, and
+    /// One execution inside its span (`stage` with tenant, item, stage, and
     /// the attempt once claimed), counted and timed for the metrics.
     async fn execute(
         &self,
@@ -183,7 +183,7 @@ impl Executor {
         let span = tracing::warn_span!(
             "stage",
             tenant = %job.tenant_id,
-            anfrage = %job.anfrage_id,
+            item = %job.item_id,
             stage = %stage.name(),
             attempt = tracing::field::Empty,
         );
@@ -206,7 +206,7 @@ impl Executor {
         let policy = stage.policy().clone();
         let req = ClaimRequest {
             tenant: job.tenant_id.clone(),
-            anfrage: job.anfrage_id,
+            item: job.item_id,
             stage: stage.name().clone(),
             input_hash: job.input_hash.clone(),
             worker: self.worker.clone(),
@@ -237,7 +237,7 @@ impl Executor {
         let token = ClaimToken {
             run_id,
             tenant: job.tenant_id.clone(),
-            anfrage: job.anfrage_id,
+            item: job.item_id,
             stage: stage.name().clone(),
             attempt,
         };

@@ -61,7 +61,7 @@ impl Executor {
         let info = AttemptInfo {
             run_id: token.run_id,
             tenant: token.tenant.clone(),
-            anfrage: token.anfrage,
+            item: token.item,
             stage: token.stage.clone(),
             attempt: token.attempt,
             input_hash: job.input_hash.clone(),

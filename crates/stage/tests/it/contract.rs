@@ -1,5 +1,5 @@
 //! The typed stage contract: a stage reads exactly what its run is bound to (the
-//! anfrage's input, its upstream's output at the bound attempt), hands on its
+//! item's input, its upstream's output at the bound attempt), hands on its
 //! output, and a prepared value (a paid call) is reused by the next attempt of
 //! the same run on the same binding, and only then.
 
@@ -133,7 +133,7 @@ async fn output(f: &mut Fixture, stage: &str) -> Option<serde_json::Value> {
         output: Option<serde_json::Value>,
     }
     diesel::sql_query(format!(
-        "SELECT output FROM pipeline_runs WHERE stage = '{stage}'"
+        "SELECT output FROM stage_runs WHERE stage = '{stage}'"
     ))
     .get_result::<Row>(&mut f.conn)
     .await
@@ -146,7 +146,7 @@ async fn outputs_are_carried_to_the_next_stage_and_kept_with_their_attempt() {
     let mut f = fixture().await;
     let (shout, counter) = (Arc::new(Shout::default()), Arc::new(Count::default()));
     let pipeline = pipeline(&shout, &counter);
-    let job = f.anfrage("hallo welt").await;
+    let job = f.item("hallo welt").await;
     assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 1));
     assert!(succeeded(&run(&f, &pipeline, "count", &job).await, 1));
     assert_eq!(*counter.seen.lock().unwrap(), ["HALLO WELT!"]);
@@ -168,7 +168,7 @@ async fn a_downstream_stage_reads_its_bound_upstream_output_not_a_newer_one() {
         ..Count::default()
     });
     let pipeline = pipeline(&shout, &count);
-    let job = f.anfrage("eins").await;
+    let job = f.item("eins").await;
     assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 1));
 
     // `count` is claimed on shout's attempt 1 and has read its output ...
@@ -217,14 +217,14 @@ async fn an_attempt_whose_bound_upstream_attempt_is_gone_reads_nothing() {
     let mut f = fixture().await;
     let (shout, counter) = (Arc::new(Shout::default()), Arc::new(Count::default()));
     let pipeline = pipeline(&shout, &counter);
-    let job = f.anfrage("eins").await;
+    let job = f.item("eins").await;
     assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 1));
     // `count` claimed by hand on shout's attempt 1 ...
     let claimed = f
         .repo
         .claim(&ClaimRequest {
             tenant: job.tenant_id.clone(),
-            anfrage: job.anfrage_id,
+            item: job.item_id,
             stage: StageName::parse("count").unwrap(),
             input_hash: job.input_hash.clone(),
             worker: WorkerId::generate(),
@@ -242,7 +242,7 @@ async fn an_attempt_whose_bound_upstream_attempt_is_gone_reads_nothing() {
     let token = idemstage_domain::ClaimToken {
         run_id,
         tenant: job.tenant_id.clone(),
-        anfrage: job.anfrage_id,
+        item: job.item_id,
         stage: StageName::parse("count").unwrap(),
         attempt,
     };
@@ -267,7 +267,7 @@ async fn a_paid_call_is_reused_by_the_next_attempt_after_a_failed_commit() {
         ..Shout::default()
     });
     let pipeline = pipeline(&shout, &Arc::new(Count::default()));
-    let job = f.anfrage("teuer").await;
+    let job = f.item("teuer").await;
     assert!(matches!(
         run(&f, &pipeline, "shout", &job).await,
         ExecutionOutcome::Failed {
@@ -305,7 +305,7 @@ async fn a_paid_call_is_reused_after_the_worker_died_between_prepare_and_commit(
         ..Shout::default()
     });
     let pipeline = pipeline(&shout, &Arc::new(Count::default()));
-    let job = f.anfrage("teuer").await;
+    let job = f.item("teuer").await;
     // A worker prepared (paid) and is in its commit when it dies: its
     // transaction is gone with it, and its lease runs out.
     let dying = {
@@ -357,7 +357,7 @@ async fn a_paid_call_is_not_reused_when_the_upstream_or_the_input_changed() {
         ..Count::default()
     });
     let pipeline = pipeline(&shout, &count);
-    let job = f.anfrage("eins").await;
+    let job = f.item("eins").await;
     // shout: paid on "eins", commit failed; the input changes before attempt 2.
     assert!(matches!(
         run(&f, &pipeline, "shout", &job).await,
@@ -397,7 +397,7 @@ async fn a_stage_that_does_not_reuse_pays_on_every_attempt() {
         ..Shout::default()
     });
     let pipeline = pipeline(&shout, &Arc::new(Count::default()));
-    let job = f.anfrage("teuer").await;
+    let job = f.item("teuer").await;
     assert!(matches!(
         run(&f, &pipeline, "shout", &job).await,
         ExecutionOutcome::Failed { attempt: 1, .. }
@@ -428,22 +428,18 @@ impl Stage for Reader {
             #[diesel(sql_type = diesel::sql_types::BigInt)]
             n: i64,
         }
-        let anfragen = ctx
+        let items = ctx
             .read(async |conn| {
-                diesel::sql_query("SELECT count(*) AS n FROM anfragen")
+                diesel::sql_query("SELECT count(*) AS n FROM items")
                     .get_result::<N>(conn)
                     .await
             })
             .await?;
         let write = ctx
-            .read(async |conn| {
-                diesel::sql_query("DELETE FROM anfragen")
-                    .execute(conn)
-                    .await
-            })
+            .read(async |conn| diesel::sql_query("DELETE FROM items").execute(conn).await)
             .await;
         *self.seen.lock().unwrap() = Some((
-            anfragen.n,
+            items.n,
             write
                 .map(|n| n.to_string())
                 .unwrap_or_else(|e| e.to_string()),
@@ -462,12 +458,12 @@ async fn prepare_reads_its_tenants_rows_and_cannot_write() {
         seen: Mutex::new(None),
     });
     let pipeline = Pipeline::builder(reader.clone()).build().unwrap();
-    let job = f.anfrage("mine").await;
-    // Another tenant's anfrage: not visible to t1's stage.
-    register_anfrage(
+    let job = f.item("mine").await;
+    // Another tenant's item: not visible to t1's stage.
+    register_item(
         &mut f.conn,
         &TenantId::parse("t2").unwrap(),
-        &AnfrageId::new(),
+        &ItemId::new(),
         "theirs",
     )
     .await
@@ -476,7 +472,7 @@ async fn prepare_reads_its_tenants_rows_and_cannot_write() {
     let (n, write) = reader.seen.lock().unwrap().clone().unwrap();
     assert_eq!(n, 1);
     assert!(write.contains("read-only transaction"), "{write}");
-    assert_eq!(count(&mut f.conn, "SELECT 1 FROM anfragen").await, 2);
+    assert_eq!(count(&mut f.conn, "SELECT 1 FROM items").await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -484,14 +480,14 @@ async fn the_testkit_checker_holds_any_pipeline_to_the_cores_invariants() {
     let mut f = fixture().await;
     let (shout, counter) = (Arc::new(Shout::default()), Arc::new(Count::default()));
     let pipeline = pipeline(&shout, &counter);
-    let job = f.anfrage("eins").await;
+    let job = f.item("eins").await;
     assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 1));
     // count is expected now (shout succeeded and went on) and has not run: lost.
     let check = idemstage_testkit::check_pipeline(&mut f.conn, &pipeline)
         .await
         .unwrap();
     assert_eq!(
-        (check.anfragen, check.anfragen_final, check.lost_stages),
+        (check.items, check.items_final, check.lost_stages),
         (1, 0, 1)
     );
     assert!(!check.violations().is_empty());
@@ -502,7 +498,7 @@ async fn the_testkit_checker_holds_any_pipeline_to_the_cores_invariants() {
     assert_eq!(check.violations(), Vec::<String>::new());
     assert_eq!(check.stages_succeeded, 2);
     // A success that names an upstream attempt that is not the current one.
-    diesel::sql_query("UPDATE pipeline_runs SET upstream_attempt = 7 WHERE stage = 'count'")
+    diesel::sql_query("UPDATE stage_runs SET upstream_attempt = 7 WHERE stage = 'count'")
         .execute(&mut f.conn)
         .await
         .unwrap();

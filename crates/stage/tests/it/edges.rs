@@ -30,13 +30,13 @@ fn pipeline(chaos: Chaos, max_attempts: i32) -> Pipeline {
     example::pipeline_with(chaos, policy(max_attempts)).unwrap()
 }
 
-/// Replaces the anfrage's stored input as `start_in` under `Rerun` does (the
+/// Replaces the item's stored input as `start_in` under `Rerun` does (the
 /// same UPDATE), and returns the job that carries it.
 pub(crate) async fn set_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
     let hash = input_hash_of(text.as_bytes());
     diesel::sql_query(format!(
-        "UPDATE anfragen SET input_text = '{text}', input_sha256 = '{hash}' WHERE id = '{}'",
-        job.anfrage_id
+        "UPDATE items SET input_text = '{text}', input_sha256 = '{hash}' WHERE id = '{}'",
+        job.item_id
     ))
     .execute(&mut f.conn)
     .await
@@ -69,7 +69,7 @@ async fn status(f: &mut Fixture, stage: &str) -> String {
         status: String,
     }
     let s: S = diesel::sql_query(format!(
-        "SELECT status FROM pipeline_runs WHERE stage = '{stage}'"
+        "SELECT status FROM stage_runs WHERE stage = '{stage}'"
     ))
     .get_result(&mut f.conn)
     .await
@@ -81,7 +81,7 @@ async fn cancel(f: &mut Fixture, job: &StageJob) -> ops::CancelOutcome {
     ops::cancel(
         &mut f.conn,
         &job.tenant_id,
-        &job.anfrage_id,
+        &job.item_id,
         &Actor::parse("ops-bot").unwrap(),
     )
     .await
@@ -103,7 +103,7 @@ fn already_succeeded(outcome: &ExecutionOutcome) -> bool {
 async fn a_retrying_rerun_on_an_input_set_back_does_not_run_again() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 3);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &calm, &job).await;
 
     let changed = set_input(&mut f, &job, TEXT_2).await;
@@ -132,7 +132,7 @@ async fn a_retrying_rerun_on_an_input_set_back_does_not_run_again() {
         count(
             &mut f.conn,
             &format!(
-                "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND success_attempt = 1
+                "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND success_attempt = 1
                     AND attempts = 2 AND input_hash = '{}'",
                 back.input_hash
             )
@@ -149,7 +149,7 @@ async fn a_retrying_rerun_on_an_input_set_back_does_not_run_again() {
 async fn an_operator_retry_of_a_dead_rerun_on_an_input_set_back_does_not_run_again() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 1);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &calm, &job).await;
 
     let changed = set_input(&mut f, &job, TEXT_2).await;
@@ -163,7 +163,7 @@ async fn an_operator_retry_of_a_dead_rerun_on_an_input_set_back_does_not_run_aga
     ops::retry(
         &mut f.conn,
         &job.tenant_id,
-        &job.anfrage_id,
+        &job.item_id,
         None,
         &Actor::parse("ops-bot").unwrap(),
         &calm,
@@ -185,7 +185,7 @@ async fn a_cancelled_stage_stays_cancelled_when_its_upstream_reruns() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 3);
     let crashing = pipeline(Chaos::crashing(1.0), 3);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     assert!(matches!(
         run(&f, &calm, "intake", &job).await,
         ExecutionOutcome::Succeeded { .. }
@@ -231,7 +231,7 @@ async fn a_cancelled_stage_stays_cancelled_when_its_upstream_reruns() {
 async fn a_downstream_stage_reads_the_input_its_lineage_names() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 1);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     assert!(matches!(
         run(&f, &calm, "intake", &job).await,
         ExecutionOutcome::Succeeded { .. }
@@ -270,7 +270,7 @@ async fn a_downstream_stage_reads_the_input_its_lineage_names() {
 async fn the_checker_reports_results_not_computed_from_the_bound_input() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 1);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &calm, &job).await;
     let check = check_example_pipeline(&mut f.conn).await.unwrap();
     assert_eq!(check.unbound_results, 0, "{check:?}");
@@ -293,7 +293,7 @@ async fn the_checker_reports_results_not_computed_from_the_bound_input() {
 async fn an_attempt_never_finishes_before_it_starts() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 3);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     // Intake succeeds and sends extract's job; extract is only queued.
     assert!(matches!(
         run(&f, &calm, "intake", &job).await,
@@ -304,7 +304,7 @@ async fn an_attempt_never_finishes_before_it_starts() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE finished_at < started_at"
+            "SELECT 1 FROM stage_run_attempts WHERE finished_at < started_at"
         )
         .await,
         0
@@ -312,7 +312,7 @@ async fn an_attempt_never_finishes_before_it_starts() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE finished_at IS NULL"
+            "SELECT 1 FROM stage_run_attempts WHERE finished_at IS NULL"
         )
         .await,
         0
@@ -321,7 +321,7 @@ async fn an_attempt_never_finishes_before_it_starts() {
 
 /// A cancel right after a rerun on new input was sent (its job queued, not yet
 /// claimed) used to cancel only the job: the stage stayed `success` on the old
-/// input while the anfrage's stored input was the new one nothing would ever run
+/// input while the item's stored input was the new one nothing would ever run
 /// on. Now the stage ends `cancelled`, as when the rerun is cancelled running, and
 /// what it computed stays current.
 #[tokio::test]
@@ -329,12 +329,12 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
     use diesel_async::AsyncConnection;
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 3);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &calm, &job).await;
-    let (tenant, anfrage) = (job.tenant_id.clone(), job.anfrage_id);
+    let (tenant, item) = (job.tenant_id.clone(), job.item_id);
     f.conn
         .transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
-            Ok(idemstage_stage::start_in(conn, &calm, &tenant, &anfrage, TEXT_2).await?)
+            Ok(idemstage_stage::start_in(conn, &calm, &tenant, &item, TEXT_2).await?)
         })
         .await
         .unwrap();
@@ -351,7 +351,7 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'intake' AND success_attempt = 1"
+            "SELECT 1 FROM stage_runs WHERE stage = 'intake' AND success_attempt = 1"
         )
         .await,
         1
@@ -374,7 +374,7 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
 }
 
 /// The soak's find: a rerun on new input whose job was lost before its claim (a
-/// job deleted by hand) left the first stage `success` on an input the anfrage no
+/// job deleted by hand) left the first stage `success` on an input the item no
 /// longer holds, and the reconciler counted that as final: the new input never
 /// ran. Under `Rerun` it is a pending rerun, and its job is sent again.
 #[tokio::test]
@@ -387,11 +387,11 @@ async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
     f.conn = db.conn().await;
     let calm = pipeline(Chaos::default(), 3);
     let tenant = idemstage_domain::TenantId::parse("t1").unwrap();
-    let anfrage = idemstage_domain::AnfrageId::new();
+    let item = idemstage_domain::ItemId::new();
     for text in [TEXT_1, TEXT_2] {
         f.conn
             .transaction::<_, idemstage_persistence::TxError, _>(async |conn| {
-                Ok(idemstage_stage::start_in(conn, &calm, &tenant, &anfrage, text).await?)
+                Ok(idemstage_stage::start_in(conn, &calm, &tenant, &item, text).await?)
             })
             .await
             .unwrap();
@@ -402,7 +402,7 @@ async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
             let exec = idemstage_stage::Executor::new(repo, idemstage_domain::WorkerId::generate());
             let job = StageJob {
                 tenant_id: tenant.clone(),
-                anfrage_id: anfrage,
+                item_id: item,
                 input_hash: input_hash_of(TEXT_1.as_bytes()),
             };
             for stage in calm.stages() {
@@ -448,7 +448,7 @@ async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
 async fn a_cancel_leaves_a_later_stages_success_whose_job_names_another_hash() {
     let mut f = fixture().await;
     let calm = pipeline(Chaos::default(), 3);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &calm, &job).await;
     // The executor here completes no jobs: complete them, then send extract's job
     // again naming another hash (as a job written by hand may).

@@ -21,7 +21,7 @@ struct RunRow {
 }
 
 async fn run_row(conn: &mut AsyncPgConnection, stage: &str) -> RunRow {
-    diesel::sql_query("SELECT status, attempts, last_error FROM pipeline_runs WHERE stage = $1")
+    diesel::sql_query("SELECT status, attempts, last_error FROM stage_runs WHERE stage = $1")
         .bind::<Text, _>(stage)
         .get_result(conn)
         .await
@@ -41,7 +41,7 @@ async fn a_statement_the_driver_cannot_encode_is_a_database_error_not_unavailabl
             (
                 d::id.eq(idemstage_domain::RowId::new().to_string()),
                 d::tenant_id.eq("t1"),
-                d::anfrage_id.eq(AnfrageId::new().to_string()),
+                d::item_id.eq(ItemId::new().to_string()),
                 d::sha256.eq(format!("{i:064x}")),
                 d::s3_key.eq("k"),
                 d::size_bytes.eq(1i64),
@@ -126,7 +126,7 @@ async fn run_until_final(
 #[tokio::test]
 async fn a_stage_interrupted_every_time_ends_dead_after_its_bound() {
     let mut f = fixture().await;
-    let job = f.anfrage("1 Stk Warten").await;
+    let job = f.item("1 Stk Warten").await;
     let outcomes = run_until_final(&f, StagePolicy::default().with_max_attempts(1), &job, 40).await;
     let kinds: Vec<&str> = outcomes
         .iter()
@@ -150,7 +150,7 @@ async fn a_stage_interrupted_every_time_ends_dead_after_its_bound() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_run_attempts WHERE outcome = 'abandoned' AND attempt <= 5"
+            "SELECT 1 FROM stage_run_attempts WHERE outcome = 'abandoned' AND attempt <= 5"
         )
         .await,
         5
@@ -158,7 +158,7 @@ async fn a_stage_interrupted_every_time_ends_dead_after_its_bound() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_run_attempts
+            "SELECT 1 FROM stage_run_attempts
               WHERE attempt = 6 AND outcome = 'failed' AND error LIKE '%statement timeout%'"
         )
         .await,
@@ -172,7 +172,7 @@ async fn a_stage_interrupted_every_time_ends_dead_after_its_bound() {
 #[tokio::test]
 async fn the_bound_on_interruptions_in_a_row_is_the_stages_policy() {
     let mut f = fixture().await;
-    let job = f.anfrage("1 Stk Warten").await;
+    let job = f.item("1 Stk Warten").await;
     let policy = StagePolicy::default()
         .with_max_attempts(2)
         .with_max_interruptions(1);
@@ -203,7 +203,7 @@ async fn the_bound_on_interruptions_in_a_row_is_the_stages_policy() {
         "{error}"
     );
 
-    let job = f.anfrage("2 Stk Warten").await;
+    let job = f.item("2 Stk Warten").await;
     let stage = StageRef::new(AlwaysInterrupted {
         policy: StagePolicy::default().with_max_interruptions(-1),
     })
@@ -221,10 +221,7 @@ async fn the_bound_on_interruptions_in_a_row_is_the_stages_policy() {
     assert_eq!(
         count(
             &mut f.conn,
-            &format!(
-                "SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{}'",
-                job.anfrage_id
-            )
+            &format!("SELECT 1 FROM stage_runs WHERE item_id = '{}'", job.item_id)
         )
         .await,
         0

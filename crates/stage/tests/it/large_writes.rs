@@ -22,7 +22,7 @@ async fn a_72000_line_input_runs_through_every_stage_of_the_example() {
     let pipeline = example::pipeline(Chaos::default());
     let text = large_text(72_000);
     assert!(text.len() < 1 << 20, "{} bytes", text.len());
-    let job = f.anfrage(&text).await;
+    let job = f.item(&text).await;
     let exec = f.executor();
     let started = Instant::now();
     for stage in pipeline.stages() {
@@ -55,7 +55,7 @@ async fn a_72000_line_input_runs_through_every_stage_of_the_example() {
     assert_eq!(check.stages_succeeded, 4);
 }
 
-/// Upserts `rows` as the anfrage's extracted positions (`upsert_extraktionen`,
+/// Upserts `rows` as the item's extracted positions (`upsert_extraktionen`,
 /// chunked), recording what the upsert did.
 struct Upsert {
     name: StageName,
@@ -111,7 +111,7 @@ async fn the_chunked_upsert_writes_and_shrinks_a_child_set_of_any_size() {
         StageRef::named(shrink.name.as_str(), shrink.clone()).unwrap(),
     ])
     .unwrap();
-    let job = f.anfrage("1 Stk Wachsen").await;
+    let job = f.item("1 Stk Wachsen").await;
     let exec = f.executor();
     for stage in pipeline.stages() {
         let outcome = exec.run(&pipeline, stage, &job).await.unwrap();
@@ -128,7 +128,7 @@ async fn the_chunked_upsert_writes_and_shrinks_a_child_set_of_any_size() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM anfrage_extraktionen e JOIN pipeline_runs r ON r.id = e.run_id
+            "SELECT 1 FROM anfrage_extraktionen e JOIN stage_runs r ON r.id = e.run_id
               WHERE r.stage = 'shrink' AND e.description LIKE 'new %'"
         )
         .await,

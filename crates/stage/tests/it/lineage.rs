@@ -30,13 +30,13 @@ fn rerunning_pipeline(max_attempts: i32) -> Pipeline {
     .unwrap()
 }
 
-/// Replaces the anfrage's stored input (as a rerun with new input does) and returns
+/// Replaces the item's stored input (as a rerun with new input does) and returns
 /// the job that carries it.
 async fn replace_input(f: &mut Fixture, job: &StageJob, text: &str) -> StageJob {
     diesel::sql_query(format!(
-        "UPDATE anfragen SET input_text = '{text}', input_sha256 = '{}' WHERE id = '{}'",
+        "UPDATE items SET input_text = '{text}', input_sha256 = '{}' WHERE id = '{}'",
         input_hash_of(text.as_bytes()),
-        job.anfrage_id
+        job.item_id
     ))
     .execute(&mut f.conn)
     .await
@@ -65,7 +65,7 @@ async fn run_all(f: &Fixture, pipeline: &Pipeline, job: &StageJob) {
 async fn a_stage_sent_before_its_upstream_ran_is_not_run() {
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     let exec = f.executor();
     let calculate = pipeline.stage("calculate").unwrap();
     let early = exec.run(&pipeline, calculate, &job).await.unwrap();
@@ -80,7 +80,7 @@ async fn a_stage_sent_before_its_upstream_ran_is_not_run() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'calculate'"
+            "SELECT 1 FROM stage_runs WHERE stage = 'calculate'"
         )
         .await,
         0,
@@ -106,7 +106,7 @@ async fn a_stage_sent_before_its_upstream_ran_is_not_run() {
 async fn a_rerun_that_dies_invalidates_nothing() {
     let mut f = fixture().await;
     let pipeline = rerunning_pipeline(2);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &pipeline, &job).await;
     // Blank input: intake's rerun fails permanently (the input is refused).
     let changed = replace_input(&mut f, &job, "   ").await;
@@ -119,7 +119,7 @@ async fn a_rerun_that_dies_invalidates_nothing() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE status = 'success'"
+            "SELECT 1 FROM stage_runs WHERE status = 'success'"
         )
         .await,
         3,
@@ -136,7 +136,7 @@ async fn a_rerun_that_dies_invalidates_nothing() {
 async fn a_rerun_gives_the_downstream_stages_a_fresh_attempt_budget() {
     let mut f = fixture().await;
     let pipeline = rerunning_pipeline(1);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &pipeline, &job).await;
     let changed = replace_input(&mut f, &job, TEXT_2).await;
     run_all(&f, &pipeline, &changed).await;
@@ -162,7 +162,7 @@ async fn a_rerun_gives_the_downstream_stages_a_fresh_attempt_budget() {
 async fn a_downstream_stage_never_commits_on_an_outdated_upstream() {
     let mut f = fixture().await;
     let pipeline = rerunning_pipeline(5);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     run_all(&f, &pipeline, &job).await;
     let exec = f.executor();
     let changed = replace_input(&mut f, &job, TEXT_2).await;
@@ -194,7 +194,7 @@ async fn a_downstream_stage_never_commits_on_an_outdated_upstream() {
         count(
             &mut f.conn,
             &format!(
-                "SELECT 1 FROM pipeline_runs WHERE status = 'success' AND input_hash = '{}'",
+                "SELECT 1 FROM stage_runs WHERE status = 'success' AND input_hash = '{}'",
                 changed.input_hash
             )
         )
@@ -223,7 +223,7 @@ async fn an_input_replaced_while_the_body_runs_leaves_the_run_stale_and_unwritte
     // The gate's body waits for the test: the input changes between its claim
     // and its commit.
     let (gate, pipeline) = crate::gate(30_000, 30_000);
-    let job = f.anfrage(TEXT_1).await;
+    let job = f.item(TEXT_1).await;
     let exec = f.executor();
     let running = {
         let (pipeline, job) = (pipeline.clone(), job.clone());
@@ -241,7 +241,7 @@ async fn an_input_replaced_while_the_body_runs_leaves_the_run_stale_and_unwritte
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'gate' AND status = 'stale' \
+            "SELECT 1 FROM stage_runs WHERE stage = 'gate' AND status = 'stale' \
                AND success_attempt IS NULL AND last_error LIKE '%changed before it committed%'"
         )
         .await,

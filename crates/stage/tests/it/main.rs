@@ -7,11 +7,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    AnfrageId, ClaimOutcome, ClaimRequest, SkipReason, StageError, StageName, StagePolicy,
-    TenantId, WorkerId,
+    ClaimOutcome, ClaimRequest, ItemId, SkipReason, StageError, StageName, StagePolicy, TenantId,
+    WorkerId,
 };
 use idemstage_example::{self as example, Chaos};
-use idemstage_persistence::anfragen::register_anfrage;
+use idemstage_persistence::items::register_item;
 use idemstage_persistence::{queue, FencedTx, PgRunRepository};
 use idemstage_stage::{
     first_job, Done, ExecutionOutcome, Executor, JobLease, Pipeline, PrepareContext, Stage,
@@ -49,15 +49,15 @@ pub(crate) async fn fixture() -> Fixture {
 }
 
 impl Fixture {
-    pub(crate) async fn anfrage(&mut self, text: &str) -> StageJob {
+    pub(crate) async fn item(&mut self, text: &str) -> StageJob {
         let tenant = TenantId::parse("t1").unwrap();
-        let anfrage = AnfrageId::new();
-        let registered = register_anfrage(&mut self.conn, &tenant, &anfrage, text)
+        let item = ItemId::new();
+        let registered = register_item(&mut self.conn, &tenant, &item, text)
             .await
             .unwrap();
         StageJob {
             tenant_id: tenant,
-            anfrage_id: anfrage,
+            item_id: item,
             input_hash: registered.input_sha256().to_owned(),
         }
     }
@@ -72,7 +72,7 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
     let job = f
-        .anfrage("10 Stk Schrauben M8\n2,5 m Kabel NYM\n1 h Montage")
+        .item("10 Stk Schrauben M8\n2,5 m Kabel NYM\n1 h Montage")
         .await;
     let exec = f.executor();
     for stage in pipeline.stages() {
@@ -113,7 +113,7 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
             c,
             &format!(
                 "SELECT * FROM jobs WHERE singleton_key = 'extract:t1:{}'",
-                job.anfrage_id
+                job.item_id
             )
         )
         .await,
@@ -137,7 +137,7 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
     let check = idemstage_example::check_example_pipeline(c).await.unwrap();
     assert_eq!(check.violations(), Vec::<String>::new());
     assert_eq!(
-        (check.anfragen, check.anfragen_final, check.stages_succeeded),
+        (check.items, check.items_final, check.stages_succeeded),
         (1, 1, 4)
     );
 }
@@ -146,7 +146,7 @@ async fn the_example_pipeline_runs_stage_by_stage_and_hands_off_in_the_same_tran
 async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
-    let job = f.anfrage("10 Stk Schrauben").await;
+    let job = f.item("10 Stk Schrauben").await;
     let exec = f.executor();
     exec.run(&pipeline, pipeline.first_stage(), &job)
         .await
@@ -154,11 +154,11 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
     let check = idemstage_example::check_example_pipeline(&mut f.conn)
         .await
         .unwrap();
-    // extract never ran: a lost stage, the anfrage not final (feasibility, whose
+    // extract never ran: a lost stage, the item not final (feasibility, whose
     // upstream has no success, is not expected yet).
-    assert_eq!((check.lost_stages, check.anfragen_final), (1, 0));
+    assert_eq!((check.lost_stages, check.items_final), (1, 0));
     // A row claiming to come from an attempt that did not succeed is caught.
-    diesel::sql_query("UPDATE audit_log SET attempt = attempt + 1 WHERE action = 'anfrage.intake'")
+    diesel::sql_query("UPDATE audit_log SET attempt = attempt + 1 WHERE action = 'item.intake'")
         .execute(&mut f.conn)
         .await
         .unwrap();
@@ -172,10 +172,10 @@ async fn the_after_the_fact_check_sees_lost_stages_and_foreign_writes() {
 }
 
 #[tokio::test]
-async fn an_infeasible_anfrage_stops_before_calculate() {
+async fn an_infeasible_item_stops_before_calculate() {
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
-    let job = f.anfrage("3 Fass Öl\nMontage").await;
+    let job = f.item("3 Fass Öl\nMontage").await;
     let exec = f.executor();
     for name in ["intake", "extract"] {
         let stage = pipeline.stage(name).unwrap();
@@ -213,7 +213,7 @@ async fn an_infeasible_anfrage_stops_before_calculate() {
 async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
     let mut f = fixture().await;
     let crashing = example::pipeline(Chaos::crashing(1.0));
-    let job = f.anfrage("10 Stk Schrauben").await;
+    let job = f.item("10 Stk Schrauben").await;
     let exec = f.executor();
     let intake = crashing.stage("intake").unwrap();
     // Crash rate 1: every attempt fails after part of its writes (panic or error).
@@ -247,7 +247,7 @@ async fn a_crash_mid_way_rolls_back_partial_writes_and_counts_as_an_attempt() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT * FROM pipeline_run_attempts WHERE outcome = 'failed'"
+            "SELECT * FROM stage_run_attempts WHERE outcome = 'failed'"
         )
         .await,
         2
@@ -298,7 +298,7 @@ fn gate(lease_ms: u64, timeout_ms: u64) -> (Arc<Gate>, Pipeline) {
 async fn the_heartbeat_keeps_a_long_body_in_flight() {
     let mut f = fixture().await;
     let (stage, pipeline) = gate(400, 60_000);
-    let job = f.anfrage("1 h Warten").await;
+    let job = f.item("1 h Warten").await;
     let running = {
         let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
         tokio::spawn(async move {
@@ -312,7 +312,7 @@ async fn the_heartbeat_keeps_a_long_body_in_flight() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while count(
         c,
-        "SELECT 1 FROM pipeline_runs WHERE now() > started_at + interval '1200 milliseconds'",
+        "SELECT 1 FROM stage_runs WHERE now() > started_at + interval '1200 milliseconds'",
     )
     .await
         == 0
@@ -322,7 +322,7 @@ async fn the_heartbeat_keeps_a_long_body_in_flight() {
     }
     let other = ClaimRequest {
         tenant: job.tenant_id.clone(),
-        anfrage: job.anfrage_id,
+        item: job.item_id,
         stage: StageName::parse("gate").unwrap(),
         input_hash: job.input_hash.clone(),
         worker: WorkerId::generate(),
@@ -347,7 +347,7 @@ async fn the_heartbeat_keeps_a_long_body_in_flight() {
 async fn a_body_that_never_returns_times_out_as_a_failed_attempt() {
     let mut f = fixture().await;
     let (_stage, pipeline) = gate(1_000, 200);
-    let job = f.anfrage("1 h Warten").await;
+    let job = f.item("1 h Warten").await;
     let outcome = f
         .executor()
         .run(&pipeline, &pipeline.stages()[0], &job)
@@ -368,7 +368,7 @@ async fn a_body_that_never_returns_times_out_as_a_failed_attempt() {
 
 #[tokio::test]
 async fn a_malformed_payload_is_a_clear_error() {
-    let bad = serde_json::json!({ "tenant_id": "t1", "anfrage_id": "nope", "input_hash": "x" });
+    let bad = serde_json::json!({ "tenant_id": "t1", "item_id": "nope", "input_hash": "x" });
     let err = StageJob::from_payload("extract", &bad)
         .unwrap_err()
         .to_string();
@@ -391,7 +391,7 @@ async fn a_malformed_payload_is_a_clear_error() {
 async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
     let mut f = fixture().await;
     let (stage, pipeline) = gate(300, 60_000);
-    let job = f.anfrage("1 h Warten").await;
+    let job = f.item("1 h Warten").await;
     let running = {
         let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
         tokio::spawn(async move {
@@ -406,7 +406,7 @@ async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while count(
         &mut f.conn,
-        "SELECT 1 FROM pipeline_runs WHERE status = 'running' AND lease_expires_at < now()",
+        "SELECT 1 FROM stage_runs WHERE status = 'running' AND lease_expires_at < now()",
     )
     .await
         == 0
@@ -420,7 +420,7 @@ async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
     // And another worker can take the stage over.
     let req = ClaimRequest {
         tenant: job.tenant_id.clone(),
-        anfrage: job.anfrage_id,
+        item: job.item_id,
         stage: StageName::parse("gate").unwrap(),
         input_hash: job.input_hash.clone(),
         worker: WorkerId::generate(),
@@ -440,7 +440,7 @@ async fn an_execution_dropped_mid_body_stops_renewing_its_lease() {
 async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
-    let job = f.anfrage("10 Stk Schrauben M8").await;
+    let job = f.item("10 Stk Schrauben M8").await;
     let exec = f.executor();
     let [intake, extract, ..] = pipeline.stages() else {
         panic!("the example pipeline has four stages")
@@ -448,7 +448,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
     let sent = first_job(
         &pipeline,
         job.tenant_id.clone(),
-        job.anfrage_id,
+        job.item_id,
         job.input_hash.clone(),
     );
     queue::send_in(&mut f.conn, &sent).await.unwrap();
@@ -475,10 +475,10 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         "{outcome:?}"
     );
     let same_transaction = format!(
-        "SELECT 1 FROM jobs j JOIN pipeline_runs r
-             ON r.anfrage_id = '{}' AND r.stage = 'intake' AND r.status = 'success'
+        "SELECT 1 FROM jobs j JOIN stage_runs r
+             ON r.item_id = '{}' AND r.stage = 'intake' AND r.status = 'success'
           WHERE j.id = '{}' AND j.state = 'completed' AND j.completed_at = r.finished_at",
-        job.anfrage_id, fetched.id
+        job.item_id, fetched.id
     );
     assert_eq!(count(&mut f.conn, &same_transaction).await, 1);
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use idemstage::ops::{self, Actor, RetryOutcome};
-use idemstage_domain::{AnfrageId, StagePolicy, TenantId};
+use idemstage_domain::{ItemId, StagePolicy, TenantId};
 use idemstage_example::{self as example, Chaos};
 use idemstage_harness::example::{
     assert_quiet_and_sound, send, start_pipeline_worker, stop_pipeline_worker, text, wait_until,
@@ -16,8 +16,8 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     let pool = db.pool(8).await;
     let mut conn = db.conn().await;
     let tenant = TenantId::parse("t1").unwrap();
-    let anfrage = AnfrageId::new();
-    send(&mut conn, &tenant, anfrage, &text(1)).await;
+    let item = ItemId::new();
+    send(&mut conn, &tenant, item, &text(1)).await;
 
     // Every body crashes and a stage has one attempt: intake dies.
     let policy = StagePolicy::default().with_max_attempts(1);
@@ -36,7 +36,7 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     let outcome = ops::retry(
         &mut conn,
         &tenant,
-        &anfrage,
+        &item,
         None,
         &Actor::parse("ops-bot").unwrap(),
         &pipeline,
@@ -58,8 +58,8 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     let history = idemstage_testkit::count(
         &mut conn,
         &format!(
-            "SELECT 1 FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id \
-              WHERE r.anfrage_id = '{anfrage}' AND r.stage = 'intake' \
+            "SELECT 1 FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id \
+              WHERE r.item_id = '{item}' AND r.stage = 'intake' \
                 AND ((a.attempt = 1 AND a.outcome = 'failed') \
                   OR (a.attempt = 2 AND a.outcome = 'success'))"
         ),

@@ -18,10 +18,10 @@ struct RunRow {
 
 async fn run_of(f: &mut Fixture, job: &StageJob, stage: &str) -> RunRow {
     diesel::sql_query(
-        "SELECT status::text, attempts, last_error FROM pipeline_runs
-          WHERE anfrage_id = $1 AND stage = $2",
+        "SELECT status::text, attempts, last_error FROM stage_runs
+          WHERE item_id = $1 AND stage = $2",
     )
-    .bind::<Text, _>(job.anfrage_id.to_string())
+    .bind::<Text, _>(job.item_id.to_string())
     .bind::<Text, _>(stage)
     .get_result(&mut f.conn)
     .await
@@ -29,12 +29,12 @@ async fn run_of(f: &mut Fixture, job: &StageJob, stage: &str) -> RunRow {
 }
 
 #[tokio::test]
-async fn an_out_of_range_quantity_makes_the_anfrage_infeasible_with_its_reason() {
+async fn an_out_of_range_quantity_makes_the_item_infeasible_with_its_reason() {
     let mut f = fixture().await;
     let pipeline = example::pipeline(Chaos::default());
     // 1e999 parses as infinity; 10 Stk is fine.
     let job = f
-        .anfrage("1e300 stk Schrauben\n1e999 Stk Muttern\n10 Stk Scheiben")
+        .item("1e300 stk Schrauben\n1e999 Stk Muttern\n10 Stk Scheiben")
         .await;
     let exec = f.executor();
     for name in ["intake", "extract", "feasibility"] {
@@ -87,7 +87,7 @@ async fn an_out_of_range_quantity_makes_the_anfrage_infeasible_with_its_reason()
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT * FROM pipeline_run_attempts WHERE outcome <> 'success'"
+            "SELECT * FROM stage_run_attempts WHERE outcome <> 'success'"
         )
         .await,
         0
@@ -111,7 +111,7 @@ async fn calculate_fails_once_and_permanently_when_the_cents_overflow() {
         ),
         ("6e16", "total overflows i64 cents at position 1"),
     ] {
-        let job = f.anfrage("1 stk Schrauben\n1 stk Muttern").await;
+        let job = f.item("1 stk Schrauben\n1 stk Muttern").await;
         // Lineage: calculate runs only on a feasibility success, so the rows are
         // made huge after feasibility judged them (as a buggy upstream might).
         for name in ["intake", "extract", "feasibility"] {
@@ -120,9 +120,9 @@ async fn calculate_fails_once_and_permanently_when_the_cents_overflow() {
                 .unwrap();
         }
         diesel::sql_query(format!(
-            "UPDATE anfrage_extraktionen SET quantity = {quantity} WHERE anfrage_id = $1"
+            "UPDATE anfrage_extraktionen SET quantity = {quantity} WHERE item_id = $1"
         ))
-        .bind::<Text, _>(job.anfrage_id.to_string())
+        .bind::<Text, _>(job.item_id.to_string())
         .execute(&mut f.conn)
         .await
         .unwrap();
@@ -162,7 +162,7 @@ async fn calculate_fails_once_and_permanently_when_the_cents_overflow() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT * FROM pipeline_run_attempts WHERE error LIKE '%panicked%'"
+            "SELECT * FROM stage_run_attempts WHERE error LIKE '%panicked%'"
         )
         .await,
         0

@@ -52,7 +52,7 @@ async fn a_rate_limited_attempt_keeps_the_budget_and_holds_the_stages_bucket() {
         calls: AtomicUsize::new(0),
     });
     let pipeline = Pipeline::builder(stage.clone()).build().unwrap();
-    let job = f.anfrage("1 Stk Anruf").await;
+    let job = f.item("1 Stk Anruf").await;
     let exec = f.executor();
 
     let outcome = exec
@@ -70,7 +70,7 @@ async fn a_rate_limited_attempt_keeps_the_budget_and_holds_the_stages_bucket() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_runs WHERE stage = 'limited' AND max_attempts - attempts = 2"
+            "SELECT 1 FROM stage_runs WHERE stage = 'limited' AND max_attempts - attempts = 2"
         )
         .await,
         1
@@ -102,7 +102,7 @@ async fn a_rate_limited_attempt_keeps_the_budget_and_holds_the_stages_bucket() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id \
+            "SELECT 1 FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id \
               WHERE r.stage = 'limited' AND a.attempt = 1 AND a.outcome = 'abandoned'"
         )
         .await,

@@ -36,9 +36,9 @@ async fn book_reads_the_vendor_output_it_is_bound_to() {
         .then(book.clone())
         .build()
         .unwrap();
-    let (acme, anfrage) = (tenant("acme"), AnfrageId::new());
+    let (acme, item) = (tenant("acme"), ItemId::new());
     let (job, _) = f
-        .start(&pipeline, &acme, &anfrage, &invoice_text("Alpha GmbH", "1"))
+        .start(&pipeline, &acme, &item, &invoice_text("Alpha GmbH", "1"))
         .await;
     for stage in ["parse", "vendor"] {
         assert!(matches!(
@@ -59,7 +59,7 @@ async fn book_reads_the_vendor_output_it_is_bound_to() {
 
     // The invoice again, from another vendor: parse (Rerun) and vendor run again.
     let (job, started) = f
-        .start(&pipeline, &acme, &anfrage, &invoice_text("Beta AG", "1"))
+        .start(&pipeline, &acme, &item, &invoice_text("Beta AG", "1"))
         .await;
     assert!(matches!(
         started.registered,
@@ -118,10 +118,10 @@ async fn book_reads_the_vendor_output_it_is_bound_to() {
     // Through the core: book's run is bound to vendor's success (attempt 2), whose
     // kept output is what book read.
     let runs: Vec<Run> = idemstage::diesel::sql_query(
-        "SELECT stage, success_attempt, upstream_attempt, output FROM pipeline_runs
-          WHERE anfrage_id = $1 ORDER BY stage",
+        "SELECT stage, success_attempt, upstream_attempt, output FROM stage_runs
+          WHERE item_id = $1 ORDER BY stage",
     )
-    .bind::<Text, _>(anfrage.to_string())
+    .bind::<Text, _>(item.to_string())
     .load(&mut f.conn)
     .await
     .unwrap();

@@ -26,12 +26,12 @@ async fn invoices_of_two_tenants_book_with_their_own_vendors() {
         (&a, "acme  gmbh", "A-2"),
         (&b, "ACME GmbH", "B-1"),
     ] {
-        let anfrage = AnfrageId::new();
+        let item = ItemId::new();
         let (job, _) = f
-            .start(&pipeline, tenant, &anfrage, &invoice_text(vendor, number))
+            .start(&pipeline, tenant, &item, &invoice_text(vendor, number))
             .await;
         f.run_all(&pipeline, &job).await;
-        booked.push((tenant.clone(), anfrage, number));
+        booked.push((tenant.clone(), item, number));
     }
     assert_eq!(directory.calls(), 3);
 
@@ -64,10 +64,10 @@ async fn invoices_of_two_tenants_book_with_their_own_vendors() {
     );
 
     // Each invoice booked for its tenant's vendor, with its two lines.
-    for (tenant, anfrage, number) in booked {
+    for (tenant, item, number) in booked {
         let (vendor_id, stored_number, total): (i64, String, i64) = invoices::table
             .filter(invoices::tenant_id.eq(tenant.as_str()))
-            .filter(invoices::anfrage_id.eq(anfrage.to_string()))
+            .filter(invoices::item_id.eq(item.to_string()))
             .select((invoices::vendor_id, invoices::number, invoices::total_cents))
             .get_result(&mut f.conn)
             .await
@@ -78,7 +78,7 @@ async fn invoices_of_two_tenants_book_with_their_own_vendors() {
             (vendor_of_tenant, number, 4250)
         );
         let lines: Vec<(i32, String)> = invoice_lines::table
-            .filter(invoice_lines::anfrage_id.eq(anfrage.to_string()))
+            .filter(invoice_lines::item_id.eq(item.to_string()))
             .order(invoice_lines::position)
             .select((invoice_lines::position, invoice_lines::description))
             .load(&mut f.conn)
@@ -93,13 +93,13 @@ async fn a_duplicate_send_books_once() {
     let mut f = fixture().await;
     let directory = Arc::new(VendorDirectory::default());
     let pipeline = invoice_pipeline::pipeline_with(directory.clone());
-    let (acme, anfrage) = (tenant("acme"), AnfrageId::new());
+    let (acme, item) = (tenant("acme"), ItemId::new());
     let text = invoice_text("Beta AG", "7");
 
     // Sent twice: the second send finds the first job live.
-    let (job, first) = f.start(&pipeline, &acme, &anfrage, &text).await;
+    let (job, first) = f.start(&pipeline, &acme, &item, &text).await;
     assert!(matches!(first.sent, SendResult::Sent(_)), "{first:?}");
-    let (again, second) = f.start(&pipeline, &acme, &anfrage, &text).await;
+    let (again, second) = f.start(&pipeline, &acme, &item, &text).await;
     assert_eq!(again, job);
     assert!(matches!(second.sent, SendResult::Duplicate), "{second:?}");
     f.run_all(&pipeline, &job).await;
@@ -117,7 +117,7 @@ async fn a_duplicate_send_books_once() {
         );
     }
     // And sent once more after it finished: nothing runs.
-    let (_, third) = f.start(&pipeline, &acme, &anfrage, &text).await;
+    let (_, third) = f.start(&pipeline, &acme, &item, &text).await;
     assert!(!matches!(third.sent, SendResult::Sent(_)), "{third:?}");
 
     assert_eq!(directory.calls(), 1);
@@ -125,7 +125,7 @@ async fn a_duplicate_send_books_once() {
     assert_eq!(f.count("SELECT 1 FROM invoices").await, 1);
     assert_eq!(f.count("SELECT 1 FROM invoice_lines").await, 2);
     assert_eq!(
-        f.count("SELECT 1 FROM pipeline_run_attempts WHERE outcome = 'success'")
+        f.count("SELECT 1 FROM stage_run_attempts WHERE outcome = 'success'")
             .await,
         3
     );
@@ -144,7 +144,7 @@ async fn a_vendor_commit_that_fails_once_does_not_pay_the_lookup_twice() {
         .start(
             &pipeline,
             &tenant("acme"),
-            &AnfrageId::new(),
+            &ItemId::new(),
             &invoice_text("Gamma KG", "9"),
         )
         .await;

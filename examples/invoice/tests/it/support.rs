@@ -1,4 +1,4 @@
-//! What the tests share: a database, an executor, starting an anfrage, running
+//! What the tests share: a database, an executor, starting an item, running
 //! every stage in order, counting rows as the superuser, and stage wrappers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,15 +53,15 @@ impl Fixture {
         &self,
         pipeline: &Pipeline,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         text: &str,
     ) -> (StageJob, idemstage::StartOutcome) {
-        let started = start(&self.pool, pipeline, tenant, anfrage, text)
+        let started = start(&self.pool, pipeline, tenant, item, text)
             .await
             .unwrap();
         let job = StageJob {
             tenant_id: tenant.clone(),
-            anfrage_id: *anfrage,
+            item_id: *item,
             input_hash: started.registered.input_sha256().to_owned(),
         };
         (job, started)

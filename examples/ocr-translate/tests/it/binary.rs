@@ -15,7 +15,7 @@ fn ocr_translate(db: &TestDb, args: &[&str]) -> Output {
         .expect("run ocr-translate")
 }
 
-const ANFRAGE: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
+const ITEM: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_migrates_enqueues_works_and_reports_this_pipeline() {
@@ -33,8 +33,8 @@ async fn the_binary_migrates_enqueues_works_and_reports_this_pipeline() {
             "enqueue",
             "--tenant",
             "t1",
-            "--anfrage",
-            ANFRAGE,
+            "--item",
+            ITEM,
             "--text",
             "erste seite\n\nzweite seite",
         ],
@@ -58,7 +58,7 @@ async fn the_binary_migrates_enqueues_works_and_reports_this_pipeline() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while count(
         &mut conn,
-        "SELECT 1 FROM pipeline_runs WHERE stage = 'translate' AND status = 'success'",
+        "SELECT 1 FROM stage_runs WHERE stage = 'translate' AND status = 'success'",
     )
     .await
         == 0

@@ -37,7 +37,7 @@ async fn a_failed_attempt_rolls_back_its_replacement_of_pages_and_translations()
     let mut f = fixture().await;
     let healthy = pipeline();
     let exec = f.executor();
-    let job = f.anfrage(&healthy, &tenant("acme"), TEXT_1).await;
+    let job = f.item(&healthy, &tenant("acme"), TEXT_1).await;
     for stage in healthy.stages() {
         let outcome = exec.run(&healthy, stage, &job).await.unwrap();
         assert!(
@@ -54,7 +54,7 @@ async fn a_failed_attempt_rolls_back_its_replacement_of_pages_and_translations()
 
     // New input (ocr reruns on it), and ocr fails after replacing the pages.
     let (changed, registered) = f
-        .start(&healthy, &job.tenant_id, &job.anfrage_id, TEXT_2)
+        .start(&healthy, &job.tenant_id, &job.item_id, TEXT_2)
         .await;
     assert!(matches!(registered, RegisterOutcome::Replaced { .. }));
     let failing = failing_ocr();
@@ -128,8 +128,8 @@ async fn a_failed_attempt_rolls_back_its_replacement_of_pages_and_translations()
     assert_eq!(
         f.count_for(
             &job,
-            "SELECT 1 FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
-              WHERE r.anfrage_id = '{anfrage}' AND a.outcome = 'failed'"
+            "SELECT 1 FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
+              WHERE r.item_id = '{item}' AND a.outcome = 'failed'"
         )
         .await,
         2
@@ -147,7 +147,7 @@ async fn a_panic_after_the_writes_leaves_none_of_the_attempts_rows() {
         translate: Some(Fault::panic()),
     });
     let exec = f.executor();
-    let job = f.anfrage(&healthy, &tenant("acme"), TEXT_1).await;
+    let job = f.item(&healthy, &tenant("acme"), TEXT_1).await;
 
     match exec
         .run(&panicking, panicking.first_stage(), &job)
@@ -221,7 +221,7 @@ async fn a_connection_killed_mid_transaction_leaves_none_of_its_rows() {
         .then(Translate::new(None))
         .build()
         .unwrap();
-    let job = f.anfrage(&pipeline, &tenant("acme"), TEXT_1).await;
+    let job = f.item(&pipeline, &tenant("acme"), TEXT_1).await;
     let running = {
         let (exec, pipeline, job) = (f.executor(), pipeline.clone(), job.clone());
         tokio::spawn(async move {
@@ -304,7 +304,7 @@ async fn a_fenced_attempt_writes_nothing_after_a_takeover() {
         .then(translate.clone())
         .build()
         .unwrap();
-    let job = f.anfrage(&pipeline, &tenant("acme"), TEXT_1).await;
+    let job = f.item(&pipeline, &tenant("acme"), TEXT_1).await;
 
     for (stage, held) in [(OCR, &ocr.hold), (TRANSLATE, &translate.hold)] {
         let stale = {
@@ -317,9 +317,9 @@ async fn a_fenced_attempt_writes_nothing_after_a_takeover() {
         held.started.notified().await;
         // The stale worker's lease runs out (on the database clock).
         diesel::sql_query(format!(
-            "UPDATE pipeline_runs SET lease_expires_at = clock_timestamp() - interval '1 second'
-              WHERE anfrage_id = '{}' AND stage = '{stage}' AND status = 'running'",
-            job.anfrage_id
+            "UPDATE stage_runs SET lease_expires_at = clock_timestamp() - interval '1 second'
+              WHERE item_id = '{}' AND stage = '{stage}' AND status = 'running'",
+            job.item_id
         ))
         .execute(&mut f.conn)
         .await

@@ -28,10 +28,10 @@ struct Seen {
 }
 
 /// Tenant B's probe: reads the team's tables with no tenant filter, then tries to
-/// change tenant A's rows (by A's anfrage id), then to write a row as tenant A.
+/// change tenant A's rows (by A's item id), then to write a row as tenant A.
 /// Ends in an error, so that its transaction rolls back in any case.
 struct Probe {
-    a_anfrage: String,
+    a_item: String,
     seen: Mutex<Seen>,
 }
 
@@ -70,18 +70,18 @@ impl Stage for Probe {
                 .await
                 .map_err(db)?,
             a_pages_by_id: p::ocr_pages
-                .filter(p::anfrage_id.eq(&self.a_anfrage))
+                .filter(p::item_id.eq(&self.a_item))
                 .count()
                 .get_result(tx.conn())
                 .await
                 .map_err(db)?,
-            a_pages_updated: diesel::update(p::ocr_pages.filter(p::anfrage_id.eq(&self.a_anfrage)))
+            a_pages_updated: diesel::update(p::ocr_pages.filter(p::item_id.eq(&self.a_item)))
                 .set(p::text.eq("overwritten by b"))
                 .execute(tx.conn())
                 .await
                 .map_err(db)?,
             a_translations_deleted: diesel::delete(
-                t::translations.filter(t::anfrage_id.eq(&self.a_anfrage)),
+                t::translations.filter(t::item_id.eq(&self.a_item)),
             )
             .execute(tx.conn())
             .await
@@ -93,7 +93,7 @@ impl Stage for Probe {
             .values((
                 p::id.eq(idemstage::RowId::new().to_string()),
                 p::tenant_id.eq("tenant-a"),
-                p::anfrage_id.eq(&self.a_anfrage),
+                p::item_id.eq(&self.a_item),
                 p::page.eq(99),
                 p::text.eq("planted by b"),
             ))
@@ -113,8 +113,8 @@ async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
     let mut f = fixture().await;
     let pipeline = pipeline();
     let exec = f.executor();
-    let a = f.anfrage(&pipeline, &tenant("tenant-a"), TEXT_1).await;
-    let b = f.anfrage(&pipeline, &tenant("tenant-b"), TEXT_2).await;
+    let a = f.item(&pipeline, &tenant("tenant-a"), TEXT_1).await;
+    let b = f.item(&pipeline, &tenant("tenant-b"), TEXT_2).await;
     for job in [&a, &b] {
         for stage in pipeline.stages() {
             assert!(matches!(
@@ -124,11 +124,11 @@ async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
         }
     }
     let probe = Arc::new(Probe {
-        a_anfrage: a.anfrage_id.to_string(),
+        a_item: a.item_id.to_string(),
         seen: Mutex::default(),
     });
     let probing = Pipeline::builder(probe.clone()).build().unwrap();
-    let probe_job = f.anfrage(&probing, &tenant("tenant-b"), "probe").await;
+    let probe_job = f.item(&probing, &tenant("tenant-b"), "probe").await;
     let outcome = exec
         .run(&probing, probing.first_stage(), &probe_job)
         .await
@@ -171,14 +171,14 @@ async fn a_stage_of_tenant_b_sees_and_changes_none_of_tenant_as_rows() {
 }
 
 /// The team's own read outside a stage, as its API would do it: scoped to
-/// tenant B, it finds none of A's pages, even by A's anfrage id, and all of B's.
+/// tenant B, it finds none of A's pages, even by A's item id, and all of B's.
 #[tokio::test]
 async fn a_tenant_transaction_of_the_team_sees_only_its_tenants_rows() {
     let mut f = fixture().await;
     let pipeline = pipeline();
     let exec = f.executor();
-    let a = f.anfrage(&pipeline, &tenant("tenant-a"), TEXT_1).await;
-    let b = f.anfrage(&pipeline, &tenant("tenant-b"), TEXT_2).await;
+    let a = f.item(&pipeline, &tenant("tenant-a"), TEXT_1).await;
+    let b = f.item(&pipeline, &tenant("tenant-b"), TEXT_2).await;
     for job in [&a, &b] {
         assert!(matches!(
             exec.run(&pipeline, pipeline.first_stage(), job)
@@ -187,7 +187,7 @@ async fn a_tenant_transaction_of_the_team_sees_only_its_tenants_rows() {
             ExecutionOutcome::Succeeded { .. }
         ));
     }
-    let a_anfrage = a.anfrage_id.to_string();
+    let a_item = a.item_id.to_string();
     let (all, a_by_id) = idemstage::tenant_transaction::<_, diesel::result::Error, _>(
         &mut f.conn,
         &tenant("tenant-b"),
@@ -197,7 +197,7 @@ async fn a_tenant_transaction_of_the_team_sees_only_its_tenants_rows() {
                 .load(conn)
                 .await?;
             let a_by_id: i64 = ocr_pages::table
-                .filter(ocr_pages::anfrage_id.eq(&a_anfrage))
+                .filter(ocr_pages::item_id.eq(&a_item))
                 .count()
                 .get_result(conn)
                 .await?;

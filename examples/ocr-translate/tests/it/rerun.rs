@@ -13,7 +13,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
     let mut f = fixture().await;
     let pipeline = pipeline();
     let exec = f.executor();
-    let job = f.anfrage(&pipeline, &tenant("team-b"), TEXT_1).await;
+    let job = f.item(&pipeline, &tenant("team-b"), TEXT_1).await;
     let [ocr, translate] = pipeline.stages() else {
         panic!("two stages")
     };
@@ -33,7 +33,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
         f.count_for(
             &job,
             "SELECT 1 FROM jobs WHERE queue = 'translate'
-                AND singleton_key = 'translate:team-b:{anfrage}'"
+                AND singleton_key = 'translate:team-b:{item}'"
         )
         .await,
         1
@@ -41,7 +41,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
 
     // The same input again: nothing to do.
     let (same, registered) = f
-        .start(&pipeline, &job.tenant_id, &job.anfrage_id, TEXT_1)
+        .start(&pipeline, &job.tenant_id, &job.item_id, TEXT_1)
         .await;
     assert!(matches!(
         registered,
@@ -56,7 +56,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
     ));
 
     // New input, as `idemstage::start` sends it: the input is replaced.
-    let started = idemstage::start(&f.pool, &pipeline, &job.tenant_id, &job.anfrage_id, TEXT_2)
+    let started = idemstage::start(&f.pool, &pipeline, &job.tenant_id, &job.item_id, TEXT_2)
         .await
         .unwrap();
     assert!(matches!(
@@ -100,9 +100,9 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
         f.count_for(
             &job,
             &format!(
-                "SELECT 1 FROM pipeline_runs o
-                   JOIN pipeline_runs r ON r.tenant_id = o.tenant_id AND r.anfrage_id = o.anfrage_id
-                  WHERE o.anfrage_id = '{{anfrage}}' AND o.stage = '{OCR}' AND r.stage = '{TRANSLATE}'
+                "SELECT 1 FROM stage_runs o
+                   JOIN stage_runs r ON r.tenant_id = o.tenant_id AND r.item_id = o.item_id
+                  WHERE o.item_id = '{{item}}' AND o.stage = '{OCR}' AND r.stage = '{TRANSLATE}'
                     AND o.status = 'success' AND r.status = 'success'
                     AND r.upstream_stage = '{OCR}' AND r.upstream_attempt = o.success_attempt
                     AND o.output = '{}'::jsonb AND r.output = '2'::jsonb",
@@ -117,7 +117,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
         f.count_for(
             &job,
             &format!(
-                "SELECT 1 FROM pipeline_runs WHERE anfrage_id = '{{anfrage}}'
+                "SELECT 1 FROM stage_runs WHERE item_id = '{{item}}'
                     AND status = 'success' AND input_hash = '{}'",
                 changed.input_hash
             )

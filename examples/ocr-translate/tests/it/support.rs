@@ -1,5 +1,5 @@
 //! What the tests share: a database with the core's and this pipeline's
-//! migrations, executors, starting anfragen as `idemstage::start` does, reading
+//! migrations, executors, starting items as `idemstage::start` does, reading
 //! the team's tables as the superuser (no row-level security), and stage
 //! wrappers that hold an execution at a point of the test's choosing.
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use diesel::prelude::*;
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::{
-    async_trait, start, AnfrageId, Done, Executor, FencedTx, PgPool, PgRunRepository, Pipeline,
+    async_trait, start, Done, Executor, FencedTx, ItemId, PgPool, PgRunRepository, Pipeline,
     PrepareContext, RegisterOutcome, Stage, StageError, StageJob, StagePolicy, TenantId, WorkerId,
 };
 use idemstage_testkit::TestDb;
@@ -52,28 +52,26 @@ impl Fixture {
         &self,
         pipeline: &Pipeline,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         text: &str,
     ) -> (StageJob, RegisterOutcome) {
-        let started = start(&self.pool, pipeline, tenant, anfrage, text)
+        let started = start(&self.pool, pipeline, tenant, item, text)
             .await
             .unwrap();
         let job = StageJob {
             tenant_id: tenant.clone(),
-            anfrage_id: *anfrage,
+            item_id: *item,
             input_hash: started.registered.input_sha256().to_owned(),
         };
         (job, started.registered)
     }
 
-    /// A new anfrage of `tenant`, started.
-    pub async fn anfrage(&self, pipeline: &Pipeline, tenant: &TenantId, text: &str) -> StageJob {
-        self.start(pipeline, tenant, &AnfrageId::new(), text)
-            .await
-            .0
+    /// A new item of `tenant`, started.
+    pub async fn item(&self, pipeline: &Pipeline, tenant: &TenantId, text: &str) -> StageJob {
+        self.start(pipeline, tenant, &ItemId::new(), text).await.0
     }
 
-    /// The anfrage's pages as stored, each with ocr's last successful attempt
+    /// The item's pages as stored, each with ocr's last successful attempt
     /// (the core's record; see [`Fixture::success_attempt`]): (page, text,
     /// attempt).
     pub async fn pages(&mut self, job: &StageJob) -> Vec<(i32, String, i32)> {
@@ -81,7 +79,7 @@ impl Fixture {
         let attempt = self.success_attempt(job, ocr_translate::OCR).await;
         let rows: Vec<(i32, String)> = p::ocr_pages
             .filter(p::tenant_id.eq(job.tenant_id.as_str()))
-            .filter(p::anfrage_id.eq(job.anfrage_id.to_string()))
+            .filter(p::item_id.eq(job.item_id.to_string()))
             .order(p::page)
             .select((p::page, p::text))
             .load(&mut self.conn)
@@ -92,8 +90,8 @@ impl Fixture {
             .collect()
     }
 
-    /// The last attempt of the anfrage's run of `stage` that succeeded, and the
-    /// upstream attempt it read (the core's record, `pipeline_run_attempts`): the
+    /// The last attempt of the item's run of `stage` that succeeded, and the
+    /// upstream attempt it read (the core's record, `stage_run_attempts`): the
     /// attempt whose rows the team's tables hold, since only a success commits
     /// any. (0, 0) for none.
     pub async fn success_attempt(&mut self, job: &StageJob, stage: &str) -> (i32, i32) {
@@ -106,13 +104,13 @@ impl Fixture {
         }
         let found: Option<Attempts> = diesel::sql_query(
             "SELECT a.attempt AS success, COALESCE(a.upstream_attempt, 0) AS upstream
-               FROM pipeline_run_attempts a JOIN pipeline_runs r ON r.id = a.run_id
-              WHERE r.tenant_id = $1 AND r.anfrage_id = $2 AND r.stage = $3
+               FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
+              WHERE r.tenant_id = $1 AND r.item_id = $2 AND r.stage = $3
                 AND a.outcome = 'success'
               ORDER BY a.attempt DESC LIMIT 1",
         )
         .bind::<diesel::sql_types::Text, _>(job.tenant_id.as_str())
-        .bind::<diesel::sql_types::Text, _>(job.anfrage_id.to_string())
+        .bind::<diesel::sql_types::Text, _>(job.item_id.to_string())
         .bind::<diesel::sql_types::Text, _>(stage)
         .get_result(&mut self.conn)
         .await
@@ -121,18 +119,18 @@ impl Fixture {
         found.map_or((0, 0), |a| (a.success, a.upstream))
     }
 
-    /// The anfrage's page ids as stored.
+    /// The item's page ids as stored.
     pub async fn page_ids(&mut self, job: &StageJob) -> Vec<String> {
         use ocr_pages::dsl as p;
         p::ocr_pages
-            .filter(p::anfrage_id.eq(job.anfrage_id.to_string()))
+            .filter(p::item_id.eq(job.item_id.to_string()))
             .select(p::id)
             .load(&mut self.conn)
             .await
             .unwrap()
     }
 
-    /// The anfrage's translations as stored, each with translate's last
+    /// The item's translations as stored, each with translate's last
     /// successful attempt and the ocr attempt it read (the core's record; see
     /// [`Fixture::success_attempt`]): (page, text, attempt, ocr_attempt).
     pub async fn translations(&mut self, job: &StageJob) -> Vec<(i32, String, i32, i32)> {
@@ -140,7 +138,7 @@ impl Fixture {
         let (attempt, ocr_attempt) = self.success_attempt(job, ocr_translate::TRANSLATE).await;
         let rows: Vec<(i32, String)> = t::translations
             .filter(t::tenant_id.eq(job.tenant_id.as_str()))
-            .filter(t::anfrage_id.eq(job.anfrage_id.to_string()))
+            .filter(t::item_id.eq(job.item_id.to_string()))
             .order(t::page)
             .select((t::page, t::text))
             .load(&mut self.conn)
@@ -151,15 +149,15 @@ impl Fixture {
             .collect()
     }
 
-    /// The status of the anfrage's run of `stage`.
+    /// The status of the item's run of `stage`.
     pub async fn status(&mut self, job: &StageJob, stage: &str) -> String {
         #[derive(QueryableByName)]
         struct Status {
             #[diesel(sql_type = diesel::sql_types::Text)]
             status: String,
         }
-        diesel::sql_query("SELECT status FROM pipeline_runs WHERE anfrage_id = $1 AND stage = $2")
-            .bind::<diesel::sql_types::Text, _>(job.anfrage_id.to_string())
+        diesel::sql_query("SELECT status FROM stage_runs WHERE item_id = $1 AND stage = $2")
+            .bind::<diesel::sql_types::Text, _>(job.item_id.to_string())
             .bind::<diesel::sql_types::Text, _>(stage)
             .get_result::<Status>(&mut self.conn)
             .await
@@ -167,11 +165,11 @@ impl Fixture {
             .status
     }
 
-    /// `SELECT count(*)` of `sql` with `{anfrage}` replaced by the job's anfrage.
+    /// `SELECT count(*)` of `sql` with `{item}` replaced by the job's item.
     pub async fn count_for(&mut self, job: &StageJob, sql: &str) -> i64 {
         count(
             &mut self.conn,
-            &sql.replace("{anfrage}", &job.anfrage_id.to_string()),
+            &sql.replace("{item}", &job.item_id.to_string()),
         )
         .await
     }

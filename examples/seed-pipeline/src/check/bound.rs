@@ -1,6 +1,6 @@
 //! The checker's test of results against the input their run is bound to: each
 //! current result of extract, feasibility and calculate is computed again from the
-//! text of its run's `input_hash` (the anfrage's stored input, or the replaced one
+//! text of its run's `input_hash` (the item's stored input, or the replaced one
 //! the core keeps) and compared with what the database holds.
 
 use std::collections::HashMap;
@@ -14,28 +14,28 @@ use crate::stages::{extract_positions, feasibility_reasons, price_positions};
 use crate::tables::Extraktion;
 
 /// Every current success of a stage after intake, with the text its run is bound
-/// to (NULL if neither the anfrage nor its kept inputs hold that hash) and the
+/// to (NULL if neither the item nor its kept inputs hold that hash) and the
 /// stage's result (feasibility's flag, calculate's total).
 const BOUND_SQL: &str = "
 SELECT r.id AS run_id, r.stage,
        coalesce(a.input_text, i.input_text) AS input_text,
        f.feasible, c.total_cents
-  FROM pipeline_runs r
-  LEFT JOIN anfragen a ON a.tenant_id = r.tenant_id AND a.id = r.anfrage_id
+  FROM stage_runs r
+  LEFT JOIN items a ON a.tenant_id = r.tenant_id AND a.id = r.item_id
                       AND a.input_sha256 = r.input_hash
-  LEFT JOIN anfrage_inputs i ON i.tenant_id = r.tenant_id AND i.anfrage_id = r.anfrage_id
+  LEFT JOIN item_inputs i ON i.tenant_id = r.tenant_id AND i.item_id = r.item_id
                             AND i.input_sha256 = r.input_hash
   LEFT JOIN feasibility_results f ON r.stage = 'feasibility' AND f.tenant_id = r.tenant_id
-                                 AND f.anfrage_id = r.anfrage_id
+                                 AND f.item_id = r.item_id
   LEFT JOIN calculation_results c ON r.stage = 'calculate' AND c.tenant_id = r.tenant_id
-                                 AND c.anfrage_id = r.anfrage_id
+                                 AND c.item_id = r.item_id
  WHERE r.status = 'success' AND r.stage IN ('extract', 'feasibility', 'calculate')";
 
 /// The positions of every current extract success, in order.
 const POSITIONS_SQL: &str = "
 SELECT x.run_id, x.position_index, x.description, x.quantity, x.unit
   FROM anfrage_extraktionen x
-  JOIN pipeline_runs r ON r.id = x.run_id AND r.success_attempt = x.attempt
+  JOIN stage_runs r ON r.id = x.run_id AND r.success_attempt = x.attempt
  WHERE r.status = 'success'
  ORDER BY x.run_id, x.position_index";
 

@@ -12,7 +12,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemstage::serde_json;
-use idemstage::{AnfrageId, StageError, TenantId};
+use idemstage::{ItemId, StageError, TenantId};
 
 use super::{ErrorBody, ExtractRequest, ExtractResponse, EXTRACT_PATH, RETRY_AFTER_MS};
 use crate::tables::Extraktion;
@@ -74,7 +74,7 @@ impl LlmClient {
         self.timeout
     }
 
-    /// The positions the service extracts from `text` (for `tenant`'s `anfrage`):
+    /// The positions the service extracts from `text` (for `tenant`'s `item`):
     /// the same as [`extract_positions`](crate::extract_positions)`(text)` when
     /// the service is an [`LlmServer`](super::LlmServer).
     ///
@@ -92,14 +92,14 @@ impl LlmClient {
     pub async fn extract(
         &self,
         tenant: &TenantId,
-        anfrage: &AnfrageId,
+        item: &ItemId,
         text: &str,
     ) -> Result<Vec<Extraktion>, StageError> {
         let uri = self.extract_uri()?;
-        let anfrage = anfrage.to_string();
+        let item = item.to_string();
         let body = serde_json::to_vec(&ExtractRequest {
             tenant: Cow::Borrowed(tenant.as_str()),
-            anfrage: Cow::Borrowed(&anfrage),
+            item: Cow::Borrowed(&item),
             text: Cow::Borrowed(text),
         })
         .map_err(|e| StageError::Permanent(format!("cannot write the LLM request: {e}").into()))?;

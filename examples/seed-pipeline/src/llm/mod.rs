@@ -24,11 +24,11 @@
 //! Request, `POST /v1/extract` with a JSON body:
 //!
 //! ```json
-//! { "tenant": "acme", "anfrage": "01JABCDEFGHJKMNPQRSTVWXYZ0", "text": "10 Stk Schrauben M8" }
+//! { "tenant": "acme", "item": "01JABCDEFGHJKMNPQRSTVWXYZ0", "text": "10 Stk Schrauben M8" }
 //! ```
 //!
-//! `tenant` must be a valid [`TenantId`](idemstage::TenantId), `anfrage` a valid
-//! [`AnfrageId`](idemstage::AnfrageId) and `text` at most [`MAX_TEXT_BYTES`]; the
+//! `tenant` must be a valid [`TenantId`](idemstage::TenantId), `item` a valid
+//! [`ItemId`](idemstage::ItemId) and `text` at most [`MAX_TEXT_BYTES`]; the
 //! positions depend on `text` alone. Answers:
 //!
 //! - `200` with `{ "positions": [ { "position_index": 0, "description":
@@ -58,8 +58,8 @@
 //! )?;
 //! let client = LlmClient::new(server.url());
 //! let tenant = idemstage::TenantId::parse("acme")?;
-//! let anfrage = idemstage::AnfrageId::new();
-//! let positions = client.extract(&tenant, &anfrage, "10 Stk Schrauben M8").await?;
+//! let item = idemstage::ItemId::new();
+//! let positions = client.extract(&tenant, &item, "10 Stk Schrauben M8").await?;
 //! assert_eq!(positions, idemstage_example::extract_positions("10 Stk Schrauben M8"));
 //! println!("external calls paid: {}", server.calls());
 //! server.shutdown().await?;
@@ -78,7 +78,7 @@ pub use client::{LlmClient, DEFAULT_TIMEOUT};
 pub use server::{LlmConfig, LlmCounters, LlmServer};
 
 /// The longest `text` the service takes, in bytes: the core's limit on an
-/// anfrage's input (1 MiB). A longer one is answered 422.
+/// item's input (1 MiB). A longer one is answered 422.
 pub const MAX_TEXT_BYTES: usize = 1024 * 1024;
 
 /// The path of the extraction endpoint.
@@ -94,7 +94,7 @@ struct ExtractRequest<'a> {
     #[serde(borrow)]
     tenant: std::borrow::Cow<'a, str>,
     #[serde(borrow)]
-    anfrage: std::borrow::Cow<'a, str>,
+    item: std::borrow::Cow<'a, str>,
     #[serde(borrow)]
     text: std::borrow::Cow<'a, str>,
 }

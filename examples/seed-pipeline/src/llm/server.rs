@@ -16,7 +16,7 @@ use axum::routing::post;
 use axum::serve::ListenerExt;
 use axum::Router;
 use idemstage::serde_json;
-use idemstage::{AnfrageId, TenantId};
+use idemstage::{ItemId, TenantId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::oneshot;
@@ -309,7 +309,7 @@ fn answer(body: &[u8]) -> Result<ExtractResponse, String> {
     let request: ExtractRequest<'_> =
         serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
     TenantId::parse(&request.tenant).map_err(|e| format!("tenant: {e}"))?;
-    AnfrageId::parse(&request.anfrage).map_err(|e| format!("anfrage: {e}"))?;
+    ItemId::parse(&request.item).map_err(|e| format!("item: {e}"))?;
     if request.text.len() > MAX_TEXT_BYTES {
         return Err(format!(
             "text is {} bytes, more than the limit of {MAX_TEXT_BYTES}",

@@ -11,7 +11,7 @@ use hyper::{Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemstage::serde_json::{self, json};
-use idemstage::{AnfrageId, StageError, TenantId};
+use idemstage::{ItemId, StageError, TenantId};
 use idemstage_example::extract_positions;
 use idemstage_example::llm::{LlmClient, LlmConfig, LlmServer, MAX_TEXT_BYTES};
 
@@ -29,7 +29,7 @@ async fn extract(
     client: &LlmClient,
     text: &str,
 ) -> Result<Vec<idemstage_example::Extraktion>, StageError> {
-    client.extract(&tenant(), &AnfrageId::new(), text).await
+    client.extract(&tenant(), &ItemId::new(), text).await
 }
 
 /// A request as any client might send it: status, headers and body of the answer.
@@ -116,7 +116,7 @@ async fn every_nth_request_is_rate_limited_with_the_configured_wait() {
     // The 8th is answered, the 9th refused: its headers say 1.5 s both ways, in
     // whole seconds (rounded up) and in milliseconds.
     extract(&client, "1 Stk Schraube").await.unwrap();
-    let body = json!({ "tenant": "acme", "anfrage": AnfrageId::new().to_string(), "text": "x" });
+    let body = json!({ "tenant": "acme", "item": ItemId::new().to_string(), "text": "x" });
     let (status, headers, body) = post(&server, serde_json::to_vec(&body).unwrap()).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
     assert_eq!(headers["retry-after"], "2");
@@ -185,21 +185,21 @@ async fn a_request_the_service_refuses_is_permanent() {
     );
 
     // Whatever else is not a request is answered 422 with a JSON error.
-    let anfrage = AnfrageId::new().to_string();
+    let item = ItemId::new().to_string();
     let refused: [(Vec<u8>, &str); 4] = [
         (b"{\"tenant\": \"acme\"".to_vec(), "invalid request body"),
         (
-            serde_json::to_vec(&json!({ "tenant": "acme", "anfrage": anfrage })).unwrap(),
+            serde_json::to_vec(&json!({ "tenant": "acme", "item": item })).unwrap(),
             "missing field `text`",
         ),
         (
-            serde_json::to_vec(&json!({ "tenant": "Acme Corp", "anfrage": anfrage, "text": "" }))
+            serde_json::to_vec(&json!({ "tenant": "Acme Corp", "item": item, "text": "" }))
                 .unwrap(),
             "tenant",
         ),
         (
-            serde_json::to_vec(&json!({ "tenant": "acme", "anfrage": "42", "text": "" })).unwrap(),
-            "anfrage",
+            serde_json::to_vec(&json!({ "tenant": "acme", "item": "42", "text": "" })).unwrap(),
+            "item",
         ),
     ];
     for (body, reason) in refused {

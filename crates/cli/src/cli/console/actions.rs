@@ -11,18 +11,18 @@ use axum::response::Response;
 use axum::Extension;
 use idemstage::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
 use idemstage::queue::{self, PauseOutcome, ResumeOutcome, Scope};
-use idemstage::{AnfrageId, SendResult, TenantId};
+use idemstage::{ItemId, SendResult, TenantId};
 use serde::Deserialize;
 
 use super::auth::{check_csrf, Principal};
-use super::pages::{anfrage_href, done_page, known_stage, known_tenant, PageError};
+use super::pages::{done_page, item_href, known_stage, known_tenant, PageError};
 use super::Shared;
 
 #[derive(Deserialize)]
 pub(crate) struct ActionForm {
     csrf: Option<String>,
     tenant: Option<String>,
-    anfrage: Option<String>,
+    item: Option<String>,
     stage: Option<String>,
 }
 
@@ -48,13 +48,13 @@ fn admit(
     Ok(form)
 }
 
-fn ids(form: &ActionForm) -> Result<(TenantId, AnfrageId), PageError> {
-    let (Some(tenant), Some(anfrage)) = (field(&form.tenant), field(&form.anfrage)) else {
+fn ids(form: &ActionForm) -> Result<(TenantId, ItemId), PageError> {
+    let (Some(tenant), Some(item)) = (field(&form.tenant), field(&form.item)) else {
         return Err(PageError::bad_request(
-            "The form needs a tenant and an anfrage. Nothing was changed.",
+            "The form needs a tenant and an item. Nothing was changed.",
         ));
     };
-    Ok((TenantId::parse(tenant)?, AnfrageId::parse(anfrage)?))
+    Ok((TenantId::parse(tenant)?, ItemId::parse(item)?))
 }
 
 pub(crate) async fn retry(
@@ -63,7 +63,7 @@ pub(crate) async fn retry(
     form: Result<Form<ActionForm>, FormRejection>,
 ) -> Result<Response, PageError> {
     let form = admit(&console, &p, form)?;
-    let (tenant, anfrage) = ids(&form)?;
+    let (tenant, item) = ids(&form)?;
     let stage = field(&form.stage)
         .map(|s| known_stage(&console, s))
         .transpose()?;
@@ -71,15 +71,15 @@ pub(crate) async fn retry(
     let outcome = ops::retry(
         &mut conn,
         &tenant,
-        &anfrage,
+        &item,
         stage.as_ref(),
         &p.actor,
         &console.pipeline,
     )
     .await?;
     drop(conn);
-    tracing::info!(actor = %p.actor, %tenant, %anfrage, ?stage, "console: retry");
-    let back = (anfrage_href(&tenant, &anfrage), "The anfrage");
+    tracing::info!(actor = %p.actor, %tenant, %item, ?stage, "console: retry");
+    let back = (item_href(&tenant, &item), "The item");
     let (title, lines) = match &outcome {
         RetryOutcome::Retried { stages } => (
             "Retried",
@@ -91,7 +91,7 @@ pub(crate) async fn retry(
                         SendResult::Duplicate => "its live job".into(),
                     };
                     format!(
-                        "retried stage {} of anfrage {anfrage} (tenant {tenant}): attempts {}/{}, {job}",
+                        "retried stage {} of item {item} (tenant {tenant}): attempts {}/{}, {job}",
                         s.stage, s.attempts, s.max_attempts
                     )
                 })
@@ -103,15 +103,13 @@ pub(crate) async fn retry(
         } => (
             "Nothing to retry",
             vec![format!(
-                "stage {stage} of anfrage {anfrage} (tenant {tenant}) is {}: the workers retry it",
+                "stage {stage} of item {item} (tenant {tenant}) is {}: the workers retry it",
                 status.map_or("-".into(), |s| s.to_string())
             )],
         ),
         RetryOutcome::NothingToRetry { stage: None, .. } => (
             "Nothing to retry",
-            vec![format!(
-                "anfrage {anfrage} (tenant {tenant}) has no dead stage"
-            )],
+            vec![format!("item {item} (tenant {tenant}) has no dead stage")],
         ),
     };
     Ok(done_page(&console, &p, title, &lines, Some(back)))
@@ -123,11 +121,11 @@ pub(crate) async fn cancel(
     form: Result<Form<ActionForm>, FormRejection>,
 ) -> Result<Response, PageError> {
     let form = admit(&console, &p, form)?;
-    let (tenant, anfrage) = ids(&form)?;
+    let (tenant, item) = ids(&form)?;
     let mut conn = idemstage::get(&console.pool).await?;
-    let outcome = ops::cancel(&mut conn, &tenant, &anfrage, &p.actor).await?;
+    let outcome = ops::cancel(&mut conn, &tenant, &item, &p.actor).await?;
     drop(conn);
-    tracing::info!(actor = %p.actor, %tenant, %anfrage, "console: cancel");
+    tracing::info!(actor = %p.actor, %tenant, %item, "console: cancel");
     let (title, lines) =
         match &outcome {
             CancelOutcome::Cancelled { stages, jobs } => (
@@ -154,7 +152,7 @@ pub(crate) async fn cancel(
             CancelOutcome::NothingToCancel => (
                 "Nothing to cancel",
                 vec![format!(
-                    "every stage of anfrage {anfrage} (tenant {tenant}) is final"
+                    "every stage of item {item} (tenant {tenant}) is final"
                 )],
             ),
         };
@@ -163,7 +161,7 @@ pub(crate) async fn cancel(
         &p,
         title,
         &lines,
-        Some((anfrage_href(&tenant, &anfrage), "The anfrage")),
+        Some((item_href(&tenant, &item), "The item")),
     ))
 }
 

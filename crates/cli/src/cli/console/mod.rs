@@ -5,7 +5,7 @@
 //!   successes of the last minute; per stage its queue (ready, delayed, active,
 //!   the oldest ready job's age) and its pause; pause/resume per stage and per
 //!   (stage, tenant).
-//! - `GET /anfrage?tenant=T&anfrage=A` an anfrage's timeline (`ops::inspect`),
+//! - `GET /item?tenant=T&item=A` an item's timeline (`ops::inspect`),
 //!   with retry (per dead stage) and cancel.
 //! - `GET /dead[?tenant=T&stage=S]` the dead-letter list (`ops::dead`) with
 //!   retry and cancel.
@@ -169,7 +169,7 @@ async fn shutdown() {
 pub(crate) fn router(console: Shared) -> Router {
     let protected = Router::new()
         .route("/", get(pages::overview))
-        .route("/anfrage", get(pages::anfrage))
+        .route("/item", get(pages::item))
         .route("/dead", get(pages::dead))
         .route("/actions/retry", post(actions::retry))
         .route("/actions/cancel", post(actions::cancel))

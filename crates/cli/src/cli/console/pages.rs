@@ -10,10 +10,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use chrono::{DateTime, Utc};
-use idemstage::ops::{self, AnfrageTimeline, DeadFilter, OpsError};
+use idemstage::ops::{self, DeadFilter, ItemTimeline, OpsError};
 use idemstage::queue::{self, Scope};
 use idemstage::report;
-use idemstage::{AnfrageId, DomainError, RepoError, RunStatus, StageName, TenantId};
+use idemstage::{DomainError, ItemId, RepoError, RunStatus, StageName, TenantId};
 use maud::{html, Markup, DOCTYPE};
 use serde::Deserialize;
 
@@ -77,7 +77,7 @@ impl PageError {
 impl From<OpsError> for PageError {
     fn from(e: OpsError) -> Self {
         let status = match &e {
-            OpsError::AnfrageNotFound { .. }
+            OpsError::ItemNotFound { .. }
             | OpsError::UnknownStage(_)
             | OpsError::StageNotStarted { .. } => StatusCode::NOT_FOUND,
             OpsError::RetryRefused { .. } => StatusCode::CONFLICT,
@@ -93,7 +93,7 @@ impl From<OpsError> for PageError {
 }
 
 fn repo_status(repo: &RepoError, text: String) -> PageError {
-    let status = if matches!(repo, RepoError::AnfrageNotFound { .. }) {
+    let status = if matches!(repo, RepoError::ItemNotFound { .. }) {
         StatusCode::NOT_FOUND
     } else if repo.is_bad_request() {
         StatusCode::BAD_REQUEST
@@ -180,7 +180,7 @@ pub(crate) fn layout(
                         nav {
                             a href="/" { "Overview" }
                             a href="/dead" { "Dead letters" }
-                            a href="/anfrage" { "Anfrage" }
+                            a href="/item" { "Item" }
                             span.who { (p.actor.as_str()) @if read_only { " · read-only" } }
                             form.inline method="post" action="/logout" {
                                 (csrf_field(p))
@@ -252,10 +252,10 @@ fn age(seconds: f64) -> String {
     }
 }
 
-fn anfrage_link(tenant: &str, anfrage: &str) -> String {
+fn item_link(tenant: &str, item: &str) -> String {
     // Both are slugs and ULIDs (checked when they were written): no escaping needed
     // in a query string beyond what maud does for the attribute.
-    format!("/anfrage?tenant={tenant}&anfrage={anfrage}")
+    format!("/item?tenant={tenant}&item={item}")
 }
 
 /// The pipeline's stages in order, then any other stage that has runs.
@@ -442,13 +442,13 @@ fn change_text(c: &queue::ControlChange) -> String {
     }
 }
 
-fn search_form(tenant: &str, anfrage: &str) -> Markup {
+fn search_form(tenant: &str, item: &str) -> Markup {
     html! {
         section {
-            h2 { "Find an anfrage" }
-            form #search method="get" action="/anfrage" {
+            h2 { "Find an item" }
+            form #search method="get" action="/item" {
                 label { "Tenant " input #search-tenant type="text" name="tenant" value=(tenant) maxlength="63" required; }
-                label { "Anfrage " input #search-anfrage type="text" name="anfrage" value=(anfrage) maxlength="26" size="28" required; }
+                label { "Item " input #search-item type="text" name="item" value=(item) maxlength="26" size="28" required; }
                 button #search-go type="submit" { "Show" }
             }
         }
@@ -456,33 +456,33 @@ fn search_form(tenant: &str, anfrage: &str) -> Markup {
 }
 
 #[derive(Deserialize)]
-pub(crate) struct AnfrageQuery {
+pub(crate) struct ItemQuery {
     tenant: Option<String>,
-    anfrage: Option<String>,
+    item: Option<String>,
 }
 
-/// `GET /anfrage?tenant=T&anfrage=A`: the timeline; without both, the search.
-pub(crate) async fn anfrage(
+/// `GET /item?tenant=T&item=A`: the timeline; without both, the search.
+pub(crate) async fn item(
     State(console): State<Shared>,
     Extension(p): Extension<Principal>,
-    query: Result<Query<AnfrageQuery>, QueryRejection>,
+    query: Result<Query<ItemQuery>, QueryRejection>,
 ) -> Result<Response, PageError> {
     let Query(q) = query.map_err(PageError::from_query)?;
     let tenant = q.tenant.as_deref().map(str::trim).unwrap_or("");
-    let anfrage = q.anfrage.as_deref().map(str::trim).unwrap_or("");
-    if tenant.is_empty() && anfrage.is_empty() {
+    let item = q.item.as_deref().map(str::trim).unwrap_or("");
+    if tenant.is_empty() && item.is_empty() {
         let body = search_form("", "");
-        return Ok(layout("Anfrage", Some(&p), console.read_only, body).into_response());
+        return Ok(layout("Item", Some(&p), console.read_only, body).into_response());
     }
-    if tenant.is_empty() || anfrage.is_empty() {
+    if tenant.is_empty() || item.is_empty() {
         return Err(PageError::bad_request(
-            "Give both the tenant and the anfrage id.",
+            "Give both the tenant and the item id.",
         ));
     }
     let tenant = TenantId::parse(tenant)?;
-    let anfrage = AnfrageId::parse(anfrage)?;
+    let item = ItemId::parse(item)?;
     let mut conn = idemstage::get(&console.pool).await?;
-    let mut t = ops::inspect(&mut conn, &tenant, &anfrage).await?;
+    let mut t = ops::inspect(&mut conn, &tenant, &item).await?;
     drop(conn);
     let order = |s: &StageName| {
         console
@@ -494,18 +494,12 @@ pub(crate) async fn anfrage(
     };
     t.stages.sort_by_key(|s| order(&s.stage));
     let body = timeline(&console, &p, &t);
-    Ok(layout(
-        &format!("Anfrage {anfrage}"),
-        Some(&p),
-        console.read_only,
-        body,
-    )
-    .into_response())
+    Ok(layout(&format!("Item {item}"), Some(&p), console.read_only, body).into_response())
 }
 
-fn timeline(console: &Shared, p: &Principal, t: &AnfrageTimeline) -> Markup {
+fn timeline(console: &Shared, p: &Principal, t: &ItemTimeline) -> Markup {
     let tenant = t.tenant.as_str();
-    let anfrage = t.anfrage.to_string();
+    let item = t.item.to_string();
     let cancellable = t.stages.iter().any(|s| !s.status.is_final())
         || t.jobs
             .iter()
@@ -520,10 +514,10 @@ fn timeline(console: &Shared, p: &Principal, t: &AnfrageTimeline) -> Markup {
     let ro = console.read_only;
     html! {
         section {
-            h2 { "Anfrage " code #anfrage-id { (anfrage) } " of tenant " span.tenant #anfrage-tenant { (tenant) } }
+            h2 { "Item " code #item-id { (item) } " of tenant " span.tenant #item-tenant { (tenant) } }
             p { "input sha256 " code { (t.input_sha256) } ", registered " (time(&t.created_at)) ", read " (time(&t.read_at)) }
             @if !ro && cancellable {
-                (action_button(p, &format!("cancel-{tenant}-{anfrage}"), "/actions/cancel", &[("tenant", tenant), ("anfrage", &anfrage)], "Cancel this anfrage", "danger"))
+                (action_button(p, &format!("cancel-{tenant}-{item}"), "/actions/cancel", &[("tenant", tenant), ("item", &item)], "Cancel this item", "danger"))
             }
         }
         @for run in &t.stages {
@@ -542,7 +536,7 @@ fn timeline(console: &Shared, p: &Principal, t: &AnfrageTimeline) -> Markup {
                 }
                 @if let Some(e) = &run.last_error { p.error { "last error: " (e) } }
                 @if !ro && run.status == RunStatus::Dead {
-                    (action_button(p, &format!("retry-{tenant}-{anfrage}-{stage}"), "/actions/retry", &[("tenant", tenant), ("anfrage", &anfrage), ("stage", stage)], "Retry this stage", "retry"))
+                    (action_button(p, &format!("retry-{tenant}-{item}-{stage}"), "/actions/retry", &[("tenant", tenant), ("item", &item), ("stage", stage)], "Retry this stage", "retry"))
                 }
                 table.attempts {
                     thead { tr { th { "attempt" } th { "outcome" } th { "worker" } th { "started" } th { "finished" } th { "upstream attempt" } th { "error" } } }
@@ -596,7 +590,7 @@ pub(crate) struct DeadQuery {
     stage: Option<String>,
 }
 
-/// Checks a tenant the console is asked about: a slug that has anfragen (404
+/// Checks a tenant the console is asked about: a slug that has items (404
 /// otherwise).
 pub(crate) async fn known_tenant(console: &Shared, slug: &str) -> Result<TenantId, PageError> {
     let tenant = TenantId::parse(slug)?;
@@ -605,7 +599,7 @@ pub(crate) async fn known_tenant(console: &Shared, slug: &str) -> Result<TenantI
         return Err(PageError::new(
             StatusCode::NOT_FOUND,
             "Unknown tenant",
-            &format!("Tenant {tenant} has no anfragen. Nothing was changed."),
+            &format!("Tenant {tenant} has no items. Nothing was changed."),
         ));
     }
     Ok(tenant)
@@ -659,23 +653,23 @@ pub(crate) async fn dead(
             @else {
                 table #dead-stages {
                     thead { tr {
-                        th { "tenant" } th { "anfrage" } th { "stage" } th.num { "attempts" }
+                        th { "tenant" } th { "item" } th { "stage" } th.num { "attempts" }
                         th { "died" } th { "last error" } @if !ro { th { "" } }
                     } }
                     tbody {
                         @for d in &letters.stages {
-                            @let (tenant, anfrage, stage) = (d.tenant.as_str(), d.anfrage.to_string(), d.stage.as_str());
-                            tr #{"dead-" (tenant) "-" (anfrage) "-" (stage)} {
+                            @let (tenant, item, stage) = (d.tenant.as_str(), d.item.to_string(), d.stage.as_str());
+                            tr #{"dead-" (tenant) "-" (item) "-" (stage)} {
                                 td.tenant { (tenant) }
-                                td { a href=(anfrage_link(tenant, &anfrage)) { code { (anfrage) } } }
+                                td { a href=(item_link(tenant, &item)) { code { (item) } } }
                                 td { (stage) }
                                 td.num { (d.attempts) "/" (d.max_attempts) }
                                 td { (opt_time(&d.finished_at)) }
                                 td.error { (d.last_error.as_deref().unwrap_or("-")) }
                                 @if !ro {
                                     td.actions {
-                                        (action_button(&p, &format!("retry-{tenant}-{anfrage}-{stage}"), "/actions/retry", &[("tenant", tenant), ("anfrage", &anfrage), ("stage", stage)], "Retry", "retry"))
-                                        (action_button(&p, &format!("cancel-{tenant}-{anfrage}"), "/actions/cancel", &[("tenant", tenant), ("anfrage", &anfrage)], "Cancel anfrage", "danger"))
+                                        (action_button(&p, &format!("retry-{tenant}-{item}-{stage}"), "/actions/retry", &[("tenant", tenant), ("item", &item), ("stage", stage)], "Retry", "retry"))
+                                        (action_button(&p, &format!("cancel-{tenant}-{item}"), "/actions/cancel", &[("tenant", tenant), ("item", &item)], "Cancel item", "danger"))
                                     }
                                 }
                             }
@@ -687,12 +681,12 @@ pub(crate) async fn dead(
             @if letters.jobs.is_empty() { p { "No failed job." } }
             @else {
                 table #failed-jobs {
-                    thead { tr { th { "tenant" } th { "anfrage" } th { "job" } th { "queue" } th.num { "retries" } th { "failed" } th { "last error" } } }
+                    thead { tr { th { "tenant" } th { "item" } th { "job" } th { "queue" } th.num { "retries" } th { "failed" } th { "last error" } } }
                     tbody {
                         @for j in &letters.jobs {
                             tr {
                                 td.tenant { (j.tenant.as_deref().unwrap_or("-")) }
-                                td { (j.anfrage.as_deref().unwrap_or("-")) }
+                                td { (j.item.as_deref().unwrap_or("-")) }
                                 td { code { (j.id) } }
                                 td { (j.queue) }
                                 td.num { (j.retry_count) }
@@ -729,7 +723,7 @@ pub(crate) fn done_page(
     layout(title, Some(p), console.read_only, body).into_response()
 }
 
-/// A link to an anfrage's page.
-pub(crate) fn anfrage_href(tenant: &TenantId, anfrage: &AnfrageId) -> String {
-    anfrage_link(tenant.as_str(), &anfrage.to_string())
+/// A link to an item's page.
+pub(crate) fn item_href(tenant: &TenantId, item: &ItemId) -> String {
+    item_link(tenant.as_str(), &item.to_string())
 }

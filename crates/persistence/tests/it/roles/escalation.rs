@@ -3,7 +3,7 @@
 //! code as the tables' owner through the SECURITY DEFINER control-change trigger.
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
-use idemstage_domain::AnfrageId;
+use idemstage_domain::ItemId;
 use idemstage_persistence::roles::{check_worker_role, RoleCheck};
 use idemstage_testkit::{TEST_OPERATOR, TEST_WORKER};
 
@@ -15,10 +15,7 @@ pub(super) async fn login_role(
     group: &str,
     attributes: &str,
 ) -> String {
-    let name = format!(
-        "idemstage_t_{}",
-        AnfrageId::new().to_string().to_lowercase()
-    );
+    let name = format!("idemstage_t_{}", ItemId::new().to_string().to_lowercase());
     admin
         .batch_execute(&format!(
             "CREATE ROLE {name} LOGIN PASSWORD '{name}' {attributes} IN ROLE {group}"
@@ -143,7 +140,7 @@ async fn roles_that_can_make_themselves_the_owner_are_told_apart() {
 
 /// Issue 29, item 6: the escalation through the SECURITY DEFINER control-change
 /// trigger. A worker login role that owns the database (and so the schema
-/// `public`) replaces `public.idemstage_actor_tag()`, which 000150's trigger
+/// `public`) replaces `public.idemstage_actor_tag()`, which an earlier trigger
 /// called unqualified as the tables' owner, with code that switches row-level
 /// security off; an operator's `pause` then ran it as the owner. Now the trigger
 /// calls nothing outside `pg_catalog`, so the code runs only as the operator
@@ -154,7 +151,7 @@ async fn a_database_owner_cannot_run_its_code_as_the_tables_owner_through_a_cont
     use idemstage_persistence::queue::{pause, resume, Scope};
     let db = idemstage_testkit::TestDb::new().await;
     let mut admin = db.conn().await;
-    new_anfrage(&mut admin, &tenant("tb")).await;
+    new_item(&mut admin, &tenant("tb")).await;
     let evil = login_role(&mut admin, "idemstage_worker", "").await;
     admin
         .batch_execute(&format!(
@@ -169,18 +166,18 @@ async fn a_database_owner_cannot_run_its_code_as_the_tables_owner_through_a_cont
         check_worker_role(&mut e).await.unwrap(),
         RoleCheck::OwnsDatabase { .. }
     ));
-    // What runs: switch FORCE off on anfragen if it may, and say as whom it ran.
+    // What runs: switch FORCE off on items if it may, and say as whom it ran.
     e.batch_execute(
         "CREATE TABLE public.loot (who text, forced boolean);
          GRANT ALL ON public.loot TO PUBLIC;
          CREATE FUNCTION public.attack() RETURNS void LANGUAGE plpgsql AS $f$
          BEGIN
              BEGIN
-                 EXECUTE 'ALTER TABLE public.anfragen NO FORCE ROW LEVEL SECURITY';
+                 EXECUTE 'ALTER TABLE public.items NO FORCE ROW LEVEL SECURITY';
              EXCEPTION WHEN insufficient_privilege THEN NULL;
              END;
              INSERT INTO public.loot
-             SELECT current_user, relforcerowsecurity FROM pg_class WHERE relname = 'anfragen';
+             SELECT current_user, relforcerowsecurity FROM pg_class WHERE relname = 'items';
          END $f$;
          GRANT EXECUTE ON FUNCTION public.attack() TO PUBLIC;
          DROP FUNCTION public.idemstage_actor_tag();
@@ -205,7 +202,7 @@ async fn a_database_owner_cannot_run_its_code_as_the_tables_owner_through_a_cont
         0,
         "ran as the owner"
     );
-    let forced = "SELECT 1 FROM pg_class WHERE relname = 'anfragen' AND relforcerowsecurity";
+    let forced = "SELECT 1 FROM pg_class WHERE relname = 'items' AND relforcerowsecurity";
     assert_eq!(count(&mut admin, forced).await, 1);
     // Recorded as before, with the operator's actor.
     let changes = idemstage_persistence::queue::control_changes(&mut op, Some("intake"), 10)

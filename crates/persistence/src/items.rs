@@ -1,39 +1,39 @@
-//! Registering an anfrage and its input.
+//! Registering an item and its input.
 
 use diesel::prelude::*;
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
-    input_hash_of, AnfrageId, DomainError, InputChangePolicy, JobToSend, RepoError, SendResult,
+    input_hash_of, DomainError, InputChangePolicy, ItemId, JobToSend, RepoError, SendResult,
     TenantId,
 };
 use serde::Serialize;
 
 use crate::error::map_diesel_error;
-use crate::schema::anfragen;
+use crate::schema::items;
 
-/// The most input text an anfrage may carry.
+/// The most input text an item may carry.
 pub const MAX_INPUT_BYTES: usize = 1024 * 1024;
 
-/// What registering an anfrage did. Every variant names the SHA-256 (hex) of the
+/// What registering an item did. Every variant names the SHA-256 (hex) of the
 /// input stored afterwards ([`RegisterOutcome::input_sha256`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RegisterOutcome {
-    /// The anfrage was new: its row was inserted with this input.
+    /// The item was new: its row was inserted with this input.
     Created {
         /// SHA-256 (hex) of the input, now stored.
         input_sha256: String,
     },
-    /// Sending the same anfrage again is normal; `input_sha256` is the stored one.
+    /// Sending the same item again is normal; `input_sha256` is the stored one.
     AlreadyRegistered {
         /// SHA-256 (hex) of the stored input, which was left as it was.
         input_sha256: String,
         /// Whether the input passed has the stored hash. `false` only from
-        /// [`register_anfrage`]: [`register_input`] refuses or replaces a changed
+        /// [`register_item`]: [`register_input`] refuses or replaces a changed
         /// input instead.
         same_input: bool,
     },
-    /// The anfrage had another input, and its first stage's policy is `Rerun`: the
+    /// The item had another input, and its first stage's policy is `Rerun`: the
     /// stored text and hash were replaced by the new ones.
     Replaced {
         /// SHA-256 (hex) of the input that was replaced.
@@ -57,7 +57,7 @@ impl RegisterOutcome {
 
 /// Refuses an empty or oversized input, and one holding a NUL character, which
 /// PostgreSQL text cannot store (its 22021 error would come from the INSERT, and
-/// abort the caller's transaction). Checked again by `register_anfrage`; callers
+/// abort the caller's transaction). Checked again by `register_item`; callers
 /// use this to fail before they connect.
 pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
     if input_text.trim().is_empty() {
@@ -75,7 +75,7 @@ pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
     Ok(())
 }
 
-/// Registers an anfrage if new (insert-or-get on its id). An id that belongs to
+/// Registers an item if new (insert-or-get on its id). An id that belongs to
 /// another tenant is refused with `TenantMismatch`; nothing is written then.
 ///
 /// Never changes a stored input: another input is reported as
@@ -84,24 +84,24 @@ pub fn validate_input(input_text: &str) -> Result<(), DomainError> {
 /// `Invalid`. Runs in a transaction scoped to `tenant` (a savepoint inside the
 /// caller's transaction; the scope then lasts until the caller's transaction
 /// ends).
-pub async fn register_anfrage(
+pub async fn register_item(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     input_text: &str,
 ) -> Result<RegisterOutcome, RepoError> {
-    use anfragen::dsl as a;
+    use items::dsl as a;
     validate_input(input_text)?;
     let sha = input_hash_of(input_text.as_bytes());
-    let s3_key = format!("anfragen/{tenant}/{anfrage}/input.txt");
+    let s3_key = format!("items/{tenant}/{item}/input.txt");
     // Scoped to the tenant (row-level security): another tenant's row with this id
     // is invisible here, so a conflict with no visible row means "not yours".
     let existing =
         crate::tenant::transaction::<_, diesel::result::Error, _>(conn, tenant, async |conn| {
-            let inserted = diesel::insert_into(a::anfragen)
+            let inserted = diesel::insert_into(a::items)
                 .values((
                     a::tenant_id.eq(tenant.as_str()),
-                    a::id.eq(anfrage.to_string()),
+                    a::id.eq(item.to_string()),
                     a::input_text.eq(input_text),
                     a::input_sha256.eq(&sha),
                     a::s3_key.eq(&s3_key),
@@ -116,8 +116,8 @@ pub async fn register_anfrage(
             if inserted == 1 {
                 return Ok(None);
             }
-            a::anfragen
-                .filter(a::id.eq(anfrage.to_string()))
+            a::items
+                .filter(a::id.eq(item.to_string()))
                 .select((a::tenant_id, a::input_sha256))
                 .first::<(String, String)>(conn)
                 .await
@@ -134,30 +134,30 @@ pub async fn register_anfrage(
                 input_sha256: stored,
             })
         }
-        // Anfragen are never deleted: an id that conflicted but is not visible (or
+        // Items are never deleted: an id that conflicted but is not visible (or
         // visible under another tenant) belongs to another tenant.
         Some(_) => Err(RepoError::TenantMismatch {
             tenant: tenant.to_string(),
-            anfrage: anfrage.to_string(),
+            item: item.to_string(),
         }),
     }
 }
 
-/// Registers an anfrage with its input under the first stage's input policy: a new
-/// anfrage is created; the same input again is fine; another input is refused with
+/// Registers an item with its input under the first stage's input policy: a new
+/// item is created; the same input again is fine; another input is refused with
 /// `InputChanged` under `Reject` (nothing changes) and replaces the stored text and
 /// hash under `Rerun`. Run it inside the transaction that sends the first job.
-/// A replacement that races another one for the same anfrage is refused with
+/// A replacement that races another one for the same item is refused with
 /// `Conflict` (retryable) rather than overwriting it.
 pub async fn register_input(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     input_text: &str,
     policy: InputChangePolicy,
 ) -> Result<RegisterOutcome, RepoError> {
-    use anfragen::dsl as a;
-    let registered = register_anfrage(conn, tenant, anfrage, input_text).await?;
+    use items::dsl as a;
+    let registered = register_item(conn, tenant, item, input_text).await?;
     let RegisterOutcome::AlreadyRegistered {
         input_sha256: stored,
         same_input: false,
@@ -169,7 +169,7 @@ pub async fn register_input(
     if policy == InputChangePolicy::Reject {
         return Err(RepoError::InputChanged {
             tenant: tenant.to_string(),
-            anfrage: anfrage.to_string(),
+            item: item.to_string(),
             stored_hash: stored,
             new_hash: new,
         });
@@ -179,9 +179,9 @@ pub async fn register_input(
     let replaced =
         crate::tenant::transaction::<_, diesel::result::Error, _>(conn, tenant, async |conn| {
             diesel::update(
-                a::anfragen
+                a::items
                     .filter(a::tenant_id.eq(tenant.as_str()))
-                    .filter(a::id.eq(anfrage.to_string()))
+                    .filter(a::id.eq(item.to_string()))
                     .filter(a::input_sha256.eq(&stored)),
             )
             .set((a::input_text.eq(input_text), a::input_sha256.eq(&new)))
@@ -192,7 +192,7 @@ pub async fn register_input(
         .map_err(map_diesel_error)?;
     if replaced != 1 {
         return Err(RepoError::Conflict(
-            format!("the input of anfrage {anfrage} changed concurrently").into(),
+            format!("the input of item {item} changed concurrently").into(),
         ));
     }
     Ok(RegisterOutcome::Replaced {
@@ -212,7 +212,7 @@ pub struct StartOutcome {
     pub sent: SendResult,
 }
 
-/// Registers the anfrage's input (`register_input`) and sends its first stage's
+/// Registers the item's input (`register_input`) and sends its first stage's
 /// job, in the caller's transaction: both commit together or not at all. `job`
 /// builds the job from the stored input's hash. When the input was replaced and a
 /// job for the stage is still live (the send is a duplicate), that job is pointed
@@ -221,12 +221,12 @@ pub struct StartOutcome {
 pub async fn start_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
-    anfrage: &AnfrageId,
+    item: &ItemId,
     input_text: &str,
     policy: InputChangePolicy,
     job: impl FnOnce(&str) -> JobToSend,
 ) -> Result<StartOutcome, RepoError> {
-    let registered = register_input(conn, tenant, anfrage, input_text, policy).await?;
+    let registered = register_input(conn, tenant, item, input_text, policy).await?;
     let job = job(registered.input_sha256());
     let sent = crate::queue::send_in(conn, &job).await?;
     if let (RegisterOutcome::Replaced { .. }, SendResult::Duplicate, Some(key)) =

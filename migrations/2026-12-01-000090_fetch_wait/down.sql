@@ -1,1 +1,0 @@
-DROP FUNCTION idemstage_fetch_wait(text[]);

@@ -1,1 +1,0 @@
-GRANT UPDATE, DELETE ON public.audit_log TO idemstage_app;

@@ -1,3 +1,0 @@
-ALTER TABLE pipeline_runs
-    DROP COLUMN interrupted_attempt,
-    DROP COLUMN interruptions;

@@ -1,2 +1,0 @@
-DROP TABLE stage_checkpoints;
-ALTER TABLE pipeline_runs DROP COLUMN output;
