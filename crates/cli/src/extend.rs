@@ -7,7 +7,7 @@
 //! ```no_run
 //! use std::process::ExitCode;
 //!
-//! # fn my_pipeline() -> idemstage::Pipeline { panic!("the team's pipeline") }
+//! # fn my_pipeline() -> idemstage::pipeline::Pipeline { panic!("the team's pipeline") }
 //! fn main() -> ExitCode {
 //!     let matches = idemstage_cli::extend::command()
 //!         .subcommand(clap::Command::new("hello").about("Greets"))

@@ -2,7 +2,7 @@
 //! binary is one call for *its* pipeline and migrations:
 //!
 //! ```no_run
-//! # fn my_pipeline() -> idemstage::Pipeline { panic!("the team's pipeline") }
+//! # fn my_pipeline() -> idemstage::pipeline::Pipeline { panic!("the team's pipeline") }
 //! # const MIGRATIONS: diesel_migrations::EmbeddedMigrations =
 //! #     idemstage::diesel_migrations::embed_migrations!("../../migrations");
 //! fn main() -> std::process::ExitCode {
@@ -24,7 +24,7 @@ pub mod extend;
 use std::process::ExitCode;
 
 use diesel_migrations::EmbeddedMigrations;
-use idemstage::Pipeline;
+use idemstage::pipeline::Pipeline;
 
 /// What the command line runs: a team's pipeline and its migrations.
 pub struct App {

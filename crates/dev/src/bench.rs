@@ -11,17 +11,19 @@ use std::time::{Duration, Instant};
 
 use super::fixtures;
 use anyhow::{bail, Context};
-use idemstage::first_job;
+use idemstage::pipeline::first_job;
 use idemstage::queue::JobToSend;
 use idemstage::queue::LeaseCommit;
 use idemstage::runs::{ClaimOutcome, ClaimRequest};
+use idemstage::{db::PoolConfig, queue, runs::PgRunRepository};
 use idemstage::{
-    handler_fn, Counters, HandlerError, JobHandler, PipelineWorker, PipelineWorkerConfig,
-    QueueWorker, QueueWorkerConfig,
+    ids::JobId, ids::StageName, ids::TenantId, ids::WorkerId, queue::SendOptions,
+    queue::SendResult, queue::SkipReason, stage::StagePolicy,
 };
-use idemstage::{queue, PgRunRepository, PoolConfig};
 use idemstage::{
-    JobId, SendOptions, SendResult, SkipReason, StageName, StagePolicy, TenantId, WorkerId,
+    worker::handler_fn, worker::Counters, worker::HandlerError, worker::JobHandler,
+    worker::PipelineWorker, worker::PipelineWorkerConfig, worker::QueueWorker,
+    worker::QueueWorkerConfig,
 };
 use idemstage_example::check_example_pipeline;
 use idemstage_example::{self as example, Chaos};
@@ -160,8 +162,8 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
-    let mut conn = idemstage::connect(url).await?;
+    idemstage::db::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     // Every scenario starts by emptying the tables: never on a database that is not
     // obviously a benchmark database.
     let db = fixtures::current_database(&mut conn).await?;
@@ -257,10 +259,10 @@ where
 }
 
 async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::insert_numbered_items(&mut conn, TENANT, CLAIM_ITEMS, INPUT).await?;
-    let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
+    let input_hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
     fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ITEMS, SKIP_STAGE, &input_hash)
         .await?;
     fixtures::vacuum_analyze(&mut conn, &["items", "stage_runs", "stage_run_attempts"]).await?;
@@ -269,7 +271,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         return Ok(json!({ "scenario": "claim", "setup_only": true, "items": CLAIM_ITEMS }));
     }
 
-    let pool = idemstage::connect_pool(
+    let pool = idemstage::db::connect_pool(
         url,
         PoolConfig::default().with_max_size(args.concurrency as u32),
     )
@@ -352,7 +354,7 @@ const DRAIN_QUEUE: &str = "bench_drain";
 const LATENCY_QUEUE: &str = "bench_latency";
 
 async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::vacuum_analyze(&mut conn, &["jobs"]).await?;
     let mut violations = Vec::new();
@@ -366,7 +368,7 @@ async fn queue_bench(url: &str, args: &Args) -> anyhow::Result<serde_json::Value
     // Connected before the clock starts, as pg-boss's pool is.
     let mut conns = Vec::new();
     for _ in 0..args.concurrency {
-        conns.push(idemstage::connect(url).await?);
+        conns.push(idemstage::db::connect(url).await?);
     }
     let started = Instant::now();
     for mut c in conns {
@@ -604,7 +606,7 @@ async fn drain(
     insert_drain_jobs(conn, args.jobs).await?;
     let mut conns = Vec::new();
     for _ in 0..loops {
-        conns.push(idemstage::connect(url).await?);
+        conns.push(idemstage::db::connect(url).await?);
     }
     let completed = Arc::new(AtomicU64::new(0));
     let queues = vec![DRAIN_QUEUE.to_owned()];
@@ -669,7 +671,7 @@ pub(super) async fn bench_worker<H: JobHandler>(
     lease_commit: LeaseCommit,
     handler: H,
 ) -> anyhow::Result<QueueWorker<H>> {
-    let pool = idemstage::connect_pool(
+    let pool = idemstage::db::connect_pool(
         url,
         PoolConfig::default().with_max_size(args.concurrency as u32 + 2),
     )
@@ -698,7 +700,7 @@ async fn pickup_latency(
     let notifier = match wake {
         queue::Wake::InCommit => None,
         queue::Wake::AfterCommit => Some(queue::Notifier::new(
-            idemstage::connect_pool(url, PoolConfig::default().with_max_size(1)).await?,
+            idemstage::db::connect_pool(url, PoolConfig::default().with_max_size(1)).await?,
         )),
     };
     let handler = {
@@ -771,13 +773,13 @@ fn peak_rss_mb() -> Option<f64> {
 }
 
 async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     // Every item is feasible, so each runs all four stages.
     fixtures::insert_numbered_items(&mut conn, TENANT, args.items, INPUT).await?;
     let pipeline = example::pipeline(Chaos::default());
     let tenant = TenantId::parse(TENANT)?;
-    let input_hash = idemstage::input_hash_of(INPUT.as_bytes());
+    let input_hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
     let jobs: Vec<JobToSend> = (0..args.items)
         .map(|i| {
             first_job(
@@ -811,10 +813,10 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         )
         .with_wake(args.wake.into());
     let (pool_url, pooler) = match &args.pooler_url {
-        Some(pooled) => (pooled.as_str(), idemstage::Pooler::Transaction),
-        None => (url, idemstage::Pooler::None),
+        Some(pooled) => (pooled.as_str(), idemstage::db::Pooler::Transaction),
+        None => (url, idemstage::db::Pooler::None),
     };
-    let pool = idemstage::connect_pool(
+    let pool = idemstage::db::connect_pool(
         pool_url,
         PoolConfig::default()
             .with_max_size(config.pool_size())

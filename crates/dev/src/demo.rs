@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use super::fixtures;
 use anyhow::Context;
 use diesel_async::AsyncConnection;
-use idemstage::first_job;
 use idemstage::items::register_item;
-use idemstage::{runs::TxError, PoolConfig};
-use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage::{ItemId, SendResult, TenantId};
+use idemstage::pipeline::first_job;
+use idemstage::{db::PoolConfig, runs::TxError};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
+use idemstage::{worker::Counters, worker::PipelineWorker, worker::PipelineWorkerConfig};
 use idemstage_example::check_example_pipeline;
 use idemstage_example::{self as example, Chaos};
 use rand::seq::SliceRandom;
@@ -118,12 +118,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !(0.0..1.0).contains(&args.crash_rate) {
         return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
     }
-    idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
+    idemstage::db::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
     // The verdict is read from the whole database, so it must hold only this run's
     // rows: a demo database (`*_demo`) is emptied first (a second `cargo xtask
     // demo` on a cluster left running), any other one must be empty already.
     {
-        let mut conn = idemstage::connect(url).await?;
+        let mut conn = idemstage::db::connect(url).await?;
         let stale = check_example_pipeline(&mut conn).await?.items;
         if stale > 0 {
             let db = fixtures::current_database(&mut conn).await?;
@@ -171,13 +171,13 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         .context("starting the local LLM service")?;
     let pipeline = example::pipeline_with_llm(
         Chaos::crashing(args.crash_rate),
-        idemstage::StagePolicy::default(),
+        idemstage::stage::StagePolicy::default(),
         Some(example::llm::LlmClient::new(llm.url())),
     )?;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut workers = JoinSet::new();
     for _ in 0..args.workers {
-        let pool = idemstage::connect_pool(
+        let pool = idemstage::db::connect_pool(
             url,
             PoolConfig::default().with_max_size(args.concurrency as u32 * 2 + 2),
         )
@@ -204,7 +204,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
             url.to_owned(),
         );
         senders.spawn(async move {
-            let mut conn = idemstage::connect(&url).await?;
+            let mut conn = idemstage::db::connect(&url).await?;
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&a) = sends.get(i) else {
@@ -215,7 +215,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
                     &pipeline,
                     tenant.clone(),
                     *item,
-                    idemstage::input_hash_of(text.as_bytes()),
+                    idemstage::ids::input_hash_of(text.as_bytes()),
                 );
                 let sent = conn
                     .transaction::<_, TxError, _>(async |conn| {
@@ -247,7 +247,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         .expect("valid template")
         .progress_chars("=> "),
     );
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     let deadline = started + Duration::from_secs(args.timeout_s);
     let finished = loop {
         let check = check_example_pipeline(&mut conn).await?;

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use idemstage::queue::JobToSend;
 use idemstage::queue::{self, LeaseCommit};
-use idemstage::{handler_fn, HandlerError};
-use idemstage::{SendOptions, SendResult, TenantId};
+use idemstage::{ids::TenantId, queue::SendOptions, queue::SendResult};
+use idemstage::{worker::handler_fn, worker::HandlerError};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -57,7 +57,7 @@ struct Seen {
 }
 
 async fn run_mode(url: &str, args: &Args, fair: bool) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     let tenant = |slug: &str| fair.then(|| TenantId::parse(slug).expect("a valid slug"));
     insert_backlog(
         &mut conn,
@@ -105,7 +105,7 @@ async fn run_mode(url: &str, args: &Args, fair: bool) -> anyhow::Result<serde_js
     let mut senders = tokio::task::JoinSet::new();
     let rounds = (args.quiet_s * 1000.0 / QUIET_GAP.as_millis() as f64).ceil() as u64;
     for q in 0..QUIET_TENANTS as u64 {
-        let mut conn = idemstage::connect(url).await?;
+        let mut conn = idemstage::db::connect(url).await?;
         let tenant = tenant(&format!("quiet-{q}"));
         senders.spawn(async move {
             let mut sent = Vec::new();

@@ -4,8 +4,8 @@
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::map_diesel_error;
-use idemstage::{ItemId, RepoError};
+use idemstage::db::map_diesel_error;
+use idemstage::{db::RepoError, ids::ItemId};
 
 /// Numbered items have ids `lpad(ITEM_BASE + i, 26, '0')`: all digits and a
 /// leading `0`, so valid ULID text, and producible by pgbench scripts, which have
@@ -81,7 +81,7 @@ pub async fn insert_numbered_items_from(
     .bind::<Text, _>(tenant)
     .bind::<BigInt, _>((ITEM_BASE + from) as i64)
     .bind::<Text, _>(input_text)
-    .bind::<Text, _>(idemstage::input_hash_of(input_text.as_bytes()))
+    .bind::<Text, _>(idemstage::ids::input_hash_of(input_text.as_bytes()))
     .bind::<BigInt, _>(n as i64)
     .execute(conn)
     .await
@@ -171,7 +171,7 @@ mod tests {
     use diesel::sql_types::{BigInt, Text};
     use diesel::QueryableByName;
     use diesel_async::RunQueryDsl;
-    use idemstage::{InputChangePolicy, ItemId, TenantId};
+    use idemstage::{ids::ItemId, ids::TenantId, stage::InputChangePolicy};
 
     #[derive(QueryableByName)]
     struct Table {
@@ -202,7 +202,7 @@ mod tests {
                 &item,
                 text,
                 InputChangePolicy::Rerun,
-                |hash| idemstage::first_job(&pipeline, tenant.clone(), item, hash.into()),
+                |hash| idemstage::pipeline::first_job(&pipeline, tenant.clone(), item, hash.into()),
             )
             .await
             .unwrap();

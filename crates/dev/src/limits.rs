@@ -23,13 +23,16 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::first_job;
+use idemstage::db::PoolConfig;
+use idemstage::ids::TenantId;
 use idemstage::ops::Actor;
+use idemstage::pipeline::first_job;
 use idemstage::queue::JobToSend;
 use idemstage::queue::{self, Limits, Rate, Scope};
-use idemstage::PoolConfig;
-use idemstage::TenantId;
-use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
+use idemstage::{
+    worker::Counters, worker::PipelineWorker, worker::PipelineWorkerConfig,
+    worker::QueueWorkerConfig,
+};
 use idemstage_example::{self as example, check_example_pipeline, Chaos};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -66,10 +69,10 @@ async fn backlog(
     n: u64,
     job_lease: Duration,
 ) -> anyhow::Result<()> {
-    let mut send = idemstage::Pipeline::default_send_options();
+    let mut send = idemstage::pipeline::Pipeline::default_send_options();
     send.expire_in = job_lease;
     let pipeline = example::pipeline(Chaos::default()).with_send_options(send)?;
-    let hash = idemstage::input_hash_of(INPUT.as_bytes());
+    let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
     for (k, slug) in tenants.iter().enumerate() {
         let from = k as u64 * n;
         fixtures::insert_numbered_items_from(conn, slug, from, n, INPUT).await?;
@@ -136,7 +139,7 @@ pub async fn caps(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         ));
     }
     let stage = first_stage();
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     let per_tenant = args.caps_items;
     backlog(
@@ -284,7 +287,7 @@ async fn sample(
     killed: &AtomicBool,
     stop: &CancellationToken,
 ) -> anyhow::Result<(Maxima, Maxima)> {
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     let (mut before, mut after) = (Maxima::default(), Maxima::default());
     while !stop.is_cancelled() {
         let rows: Vec<Active> = diesel::sql_query(
@@ -327,7 +330,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         bail!(super::BadInput("--rate must be positive".into()));
     }
     let stage = first_stage();
-    let mut conn = idemstage::connect(url).await?;
+    let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     // Enough that the backlog outlasts the measured window.
     let window_s = (RATE_WARMUP + RATE_WINDOW).as_secs();
@@ -336,7 +339,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         &mut conn,
         &["bench"],
         n,
-        idemstage::Pipeline::default_send_options().expire_in,
+        idemstage::pipeline::Pipeline::default_send_options().expire_in,
     )
     .await?;
     queue::set_limits(
@@ -362,7 +365,7 @@ pub async fn rate(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         .with_concurrency(args.concurrency)
         .with_queue(QueueWorkerConfig::for_queues([stage.clone()]));
     let pool =
-        idemstage::connect_pool(url, PoolConfig::default().with_max_size(config.pool_size()))
+        idemstage::db::connect_pool(url, PoolConfig::default().with_max_size(config.pool_size()))
             .await?;
     let pipeline = example::pipeline(Chaos::default());
     let worker = PipelineWorker::new(pool, url, pipeline, config, counters.clone())?;

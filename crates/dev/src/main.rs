@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args as _, FromArgMatches as _, Subcommand as _};
-use idemstage::{InputChangePolicy, Pipeline, StagePolicy};
+use idemstage::{pipeline::Pipeline, stage::InputChangePolicy, stage::StagePolicy};
 use idemstage_cli::extend::{self, BadInput, GlobalArgs, WakeArg};
 use idemstage_example::{self as example, Chaos};
 

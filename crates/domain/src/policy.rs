@@ -24,7 +24,7 @@ pub enum InputChangePolicy {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage::{InputChangePolicy, StagePolicy};
+/// use idemstage::{stage::InputChangePolicy, stage::StagePolicy};
 /// let policy = StagePolicy::default()
 ///     .with_max_attempts(3)
 ///     .with_timeout(Duration::from_secs(60))

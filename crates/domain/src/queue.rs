@@ -22,7 +22,7 @@ pub use labels::stage_singleton_key;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage::SendOptions;
+/// use idemstage::queue::SendOptions;
 /// let options = SendOptions::default()
 ///     .with_singleton_key("invoice-42")
 ///     .with_retry_limit(5)

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage::first_job;
 use idemstage::items::register_item;
+use idemstage::pipeline::first_job;
 use idemstage::runs::TxError;
-use idemstage::{ItemId, SendResult, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
 use idemstage_example::{check_example_pipeline, Chaos, PipelineCheck};
 
 /// A fresh database with the core's and the example pipeline's migrations (from a
@@ -26,8 +26,8 @@ pub async fn db() -> idemstage_testkit::TestDb {
 pub const JOB_LEASE_MS: u64 = 3000;
 
 /// The example pipeline with a job lease of `JOB_LEASE_MS`.
-pub fn pipeline() -> idemstage::Pipeline {
-    let mut options = idemstage::Pipeline::default_send_options();
+pub fn pipeline() -> idemstage::pipeline::Pipeline {
+    let mut options = idemstage::pipeline::Pipeline::default_send_options();
     options.expire_in = Duration::from_millis(JOB_LEASE_MS);
     idemstage_example::pipeline(Chaos::default())
         .with_send_options(options)
@@ -52,7 +52,7 @@ pub async fn send(
         &pipeline,
         tenant.clone(),
         item,
-        idemstage::input_hash_of(text.as_bytes()),
+        idemstage::ids::input_hash_of(text.as_bytes()),
     );
     conn.transaction::<_, TxError, _>(async |conn| {
         register_item(conn, tenant, &item, text).await?;
@@ -74,7 +74,7 @@ pub async fn wait_until(
     loop {
         // Reconnect if the server went away.
         if conn.is_none() {
-            conn = idemstage::connect(url).await.ok();
+            conn = idemstage::db::connect(url).await.ok();
         }
         if let Some(c) = conn.as_mut() {
             match check_example_pipeline(c).await {
@@ -104,25 +104,26 @@ pub async fn assert_quiet_and_sound(url: &str, secs: u64) -> PipelineCheck {
 
 /// An in-process stage worker over `pipeline`, polling and maintaining often.
 pub fn start_pipeline_worker(
-    pool: idemstage::PgPool,
+    pool: idemstage::db::PgPool,
     url: &str,
-    pipeline: idemstage::Pipeline,
+    pipeline: idemstage::pipeline::Pipeline,
     concurrency: usize,
-    counters: std::sync::Arc<idemstage::Counters>,
+    counters: std::sync::Arc<idemstage::worker::Counters>,
 ) -> (
-    idemstage::CancellationToken,
-    tokio::task::JoinHandle<idemstage::WorkerStatsSnapshot>,
+    idemstage::worker::CancellationToken,
+    tokio::task::JoinHandle<idemstage::worker::WorkerStatsSnapshot>,
 ) {
-    let config = idemstage::PipelineWorkerConfig::default()
+    let config = idemstage::worker::PipelineWorkerConfig::default()
         .with_concurrency(concurrency)
         .with_queue(
-            idemstage::QueueWorkerConfig::default()
+            idemstage::worker::QueueWorkerConfig::default()
                 .with_poll_interval(Duration::from_millis(200))
                 .with_maintenance_interval(Duration::from_millis(1000))
                 .with_error_backoff(Duration::from_millis(20), Duration::from_millis(500)),
         );
-    let worker = idemstage::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
-    let stop = idemstage::CancellationToken::new();
+    let worker =
+        idemstage::worker::PipelineWorker::new(pool, url, pipeline, config, counters).unwrap();
+    let stop = idemstage::worker::CancellationToken::new();
     let handle = tokio::spawn(worker.run(stop.clone()));
     (stop, handle)
 }
@@ -130,10 +131,10 @@ pub fn start_pipeline_worker(
 /// Stops an in-process worker started by `start_pipeline_worker`.
 pub async fn stop_pipeline_worker(
     (stop, handle): (
-        idemstage::CancellationToken,
-        tokio::task::JoinHandle<idemstage::WorkerStatsSnapshot>,
+        idemstage::worker::CancellationToken,
+        tokio::task::JoinHandle<idemstage::worker::WorkerStatsSnapshot>,
     ),
-) -> idemstage::WorkerStatsSnapshot {
+) -> idemstage::worker::WorkerStatsSnapshot {
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(60), handle)
         .await

@@ -12,21 +12,17 @@
 //!
 //! ## A stage, a pipeline, a start and a worker
 //!
-//! A [`Stage`] is typed: it reads the input its run is bound to (the first
+//! A [`Stage`](stage::Stage) is typed: it reads the input its run is bound to (the first
 //! stage: the item's input; a later one: its upstream's output), prepares
 //! outside any transaction (a paid call, checkpointed so that it is paid once),
 //! and commits the team's own tables through the fenced transaction
-//! ([`FencedTx`]): its writes commit together with the stage's success and its
+//! ([`FencedTx`](fenced::FencedTx)): its writes commit together with the stage's success and its
 //! output, or not at all, and never after another worker took the stage over.
 //!
 //! ```no_run
-//! use std::sync::Arc;
-//!
-//! use idemstage::{
-//!     async_trait, diesel, start, CancellationToken, Done, FencedTx, Pipeline, PipelineWorker,
-//!     PrepareContext, Stage, StageError, TenantId, ItemId,
-//! };
+//! use idemstage::diesel;
 //! use idemstage::diesel_async::RunQueryDsl;
+//! use idemstage::prelude::*;
 //!
 //! /// Reads the item's input, writes it in upper case, hands on its length.
 //! struct Ocr;
@@ -65,8 +61,8 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let pipeline = Pipeline::builder(Ocr).build()?;
 //! let url = "postgres://localhost/app";
-//! idemstage::migrate(url).await?;
-//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//! idemstage::db::migrate(url).await?;
+//! let pool = idemstage::db::connect_pool(url, Default::default()).await?;
 //!
 //! // Register the input and send the first job, in one transaction.
 //! let item = ItemId::new();
@@ -83,17 +79,16 @@
 //!
 //! A team's migration puts its table under the same tenant isolation as ours with
 //! one line: `SELECT idemstage_tenant_table('ocr_pages');` (after the core's
-//! migrations: [`migrate_with`] runs both). The team embeds its migrations with
+//! migrations: [`migrate_with`](db::migrate_with) runs both). The team embeds its migrations with
 //! [`embed_migrations!`] (Diesel's, through this crate).
 #![warn(missing_docs)]
 
 pub use async_trait::async_trait;
-pub use tokio_util::sync::CancellationToken;
 pub use {diesel, diesel_async, diesel_migrations, serde_json};
 
 /// Diesel's `embed_migrations!` for a crate that depends on `idemstage` only: the
 /// team's migration directories (relative to its `Cargo.toml`; default
-/// `migrations`), for [`migrate_with`] and the testkit. Diesel's macro names
+/// `migrations`), for [`migrate_with`](db::migrate_with) and the testkit. Diesel's macro names
 /// `diesel_migrations::…` in what it expands to, so called as
 /// `idemstage::diesel_migrations::embed_migrations!` it compiles only where
 /// `diesel_migrations` is a name in scope (`use idemstage::diesel_migrations;`);
@@ -108,8 +103,8 @@ pub use {diesel, diesel_async, diesel_migrations, serde_json};
 /// // In a team's crate: `embed_migrations!("migrations")`, or `!()` for the default.
 /// pub const MIGRATIONS: EmbeddedMigrations = idemstage::embed_migrations!("../../migrations");
 ///
-/// # async fn demo() -> Result<(), idemstage::RepoError> {
-/// idemstage::migrate_with("postgres://localhost/app", vec![MIGRATIONS]).await?;
+/// # async fn demo() -> Result<(), idemstage::db::RepoError> {
+/// idemstage::db::migrate_with("postgres://localhost/app", vec![MIGRATIONS]).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -121,45 +116,148 @@ macro_rules! embed_migrations {
     }};
 }
 
-pub use idemstage_domain::{
-    input_hash_of, ClaimToken, DomainError, InputChangePolicy, ItemId, JobId, RejectReason,
-    RepoError, RepoMessage, RowId, RunId, RunStatus, SendOptions, SendResult, SkipReason,
-    StageError, StageName, StagePolicy, TenantId, WorkerId,
-};
-pub use idemstage_persistence::fenced::insert_or_get;
-pub use idemstage_persistence::items::{RegisterOutcome, StartOutcome};
-pub use idemstage_persistence::tenant::{transaction as tenant_transaction, TenantBody};
-pub use idemstage_persistence::{
-    connect, connect_pool, connect_with, get, map_diesel_error, migrate, migrate_with, pinned,
-    revert_all_with, FencedTx, FencedWrite, InsertOrGet, PgPool, PgRunRepository, PoolConfig,
-    Pooler, Replaced,
-};
-pub use idemstage_runner::{
-    handler_fn, Counters, CountersSnapshot, Handled, HandlerError, JobHandler, PipelineWorker,
-    PipelineWorkerBuilder, PipelineWorkerConfig, QueueWorker, QueueWorkerConfig, WorkerBuildError,
-    WorkerError, WorkerStatsSnapshot,
-};
-pub use idemstage_stage::{
-    first_job, start, start_in, AttemptInfo, Done, ExecutionOutcome, Executor, Pipeline,
-    PipelineBuilder, PipelineError, PrepareContext, Stage, StageData, StageFlow, StageJob,
-    StageRef,
-};
-
 /// What a team's stage code needs, in one import: `use idemstage::prelude::*;`.
 ///
-/// The typed stage ([`Stage`], [`Done`], [`PrepareContext`], the fenced
-/// transaction [`FencedTx`]), the errors and policy, the pipeline and its start,
-/// the worker, the ids, and `async_trait` for the impls.
+/// The typed stage ([`Stage`](stage::Stage), [`Done`](stage::Done),
+/// [`PrepareContext`](stage::PrepareContext), the fenced transaction
+/// [`FencedTx`](fenced::FencedTx)), the errors and policy, the pipeline and its
+/// start, the worker, the ids, and `async_trait` for the impls.
+///
+/// ```
+/// use idemstage::prelude::*;
+/// let tenant = TenantId::parse("acme").unwrap();
+/// let policy = StagePolicy::default().with_max_attempts(5);
+/// # let _ = (tenant, policy, ItemId::new());
+/// ```
+///
+/// Every other name is in the module of its concept, none at the root:
+///
+/// ```compile_fail
+/// use idemstage::Stage; // `idemstage::stage::Stage`, or the prelude
+/// ```
 pub mod prelude {
-    pub use crate::{
-        async_trait, start, start_in, CancellationToken, Done, FencedTx, InputChangePolicy, ItemId,
-        Pipeline, PipelineWorker, PrepareContext, RepoError, Stage, StageError, StageFlow,
-        StagePolicy, TenantId,
+    pub use crate::async_trait;
+    pub use crate::db::RepoError;
+    pub use crate::fenced::FencedTx;
+    pub use crate::ids::{ItemId, TenantId};
+    pub use crate::pipeline::{start, start_in, Pipeline};
+    pub use crate::stage::{
+        Done, InputChangePolicy, PrepareContext, Stage, StageError, StageFlow, StagePolicy,
+    };
+    pub use crate::worker::{CancellationToken, PipelineWorker};
+}
+
+/// The typed stage contract: a [`Stage`](stage::Stage) reads the input its run is
+/// bound to, prepares outside any transaction ([`PrepareContext`](stage::PrepareContext)),
+/// and commits through the fenced transaction, returning [`Done`](stage::Done);
+/// its [`StagePolicy`](stage::StagePolicy) and [`StageError`](stage::StageError)
+/// (which says what is retried). [`StageRef`](stage::StageRef) is a stage with its
+/// types erased; [`Executor`](stage::Executor) runs one stage job (what a worker
+/// does for each job it fetches).
+pub mod stage {
+    pub use idemstage_domain::{InputChangePolicy, StageError, StagePolicy};
+    pub use idemstage_stage::{
+        AttemptInfo, Done, ExecutionOutcome, Executor, PrepareContext, Stage, StageData, StageFlow,
+        StageJob, StageRef,
+    };
+}
+
+/// A pipeline (stages in order, built and type-checked by
+/// [`Pipeline::builder`](pipeline::Pipeline::builder)) and its start: [`start`](pipeline::start)
+/// registers an item's input and sends its first stage's job in one transaction.
+///
+/// ```no_run
+/// # use idemstage::prelude::*;
+/// # async fn demo(pool: &idemstage::db::PgPool, pipeline: &Pipeline) -> Result<(), Box<dyn std::error::Error>> {
+/// let tenant = TenantId::parse("acme")?;
+/// let item = ItemId::new();
+/// idemstage::pipeline::start(pool, pipeline, &tenant, &item, "10 Stk Schrauben").await?;
+/// # Ok(())
+/// # }
+/// ```
+pub mod pipeline {
+    pub use idemstage_stage::{
+        first_job, start, start_in, Pipeline, PipelineBuilder, PipelineError,
+    };
+}
+
+/// The fenced transaction a stage commits in ([`FencedTx`](fenced::FencedTx)): the
+/// team's writes commit with the stage's success and output, or not at all, and
+/// never after another worker took the stage over; its helpers
+/// ([`insert_or_get`](fenced::insert_or_get), [`FencedWrite`](fenced::FencedWrite)),
+/// and [`tenant_transaction`](fenced::tenant_transaction), a tenant-scoped
+/// transaction outside any stage.
+pub mod fenced {
+    pub use idemstage_persistence::fenced::insert_or_get;
+    pub use idemstage_persistence::tenant::{transaction as tenant_transaction, TenantBody};
+    pub use idemstage_persistence::{FencedTx, FencedWrite, InsertOrGet, Replaced};
+}
+
+/// The workers: [`PipelineWorker`](worker::PipelineWorker) works a pipeline's
+/// stages, [`QueueWorker`](worker::QueueWorker) any queue through a
+/// [`JobHandler`](worker::JobHandler); both stop on a
+/// [`CancellationToken`](worker::CancellationToken), finishing what they hold.
+///
+/// ```no_run
+/// # async fn demo(pipeline: idemstage::pipeline::Pipeline) -> Result<(), Box<dyn std::error::Error>> {
+/// use idemstage::worker::{CancellationToken, PipelineWorker};
+/// let worker = PipelineWorker::builder("postgres://localhost/app", pipeline)
+///     .concurrency(8)
+///     .build()
+///     .await?;
+/// worker.run(CancellationToken::new()).await;
+/// # Ok(())
+/// # }
+/// ```
+pub mod worker {
+    pub use idemstage_runner::{
+        handler_fn, Counters, CountersSnapshot, Handled, HandlerError, JobHandler, PipelineWorker,
+        PipelineWorkerBuilder, PipelineWorkerConfig, QueueWorker, QueueWorkerConfig,
+        WorkerBuildError, WorkerError, WorkerStatsSnapshot,
+    };
+    pub use tokio_util::sync::CancellationToken;
+}
+
+/// Connections, the pool and the migrations: [`migrate`](db::migrate) runs the
+/// core's migrations, [`migrate_with`](db::migrate_with) the core's and a team's
+/// ([`embed_migrations!`](crate::embed_migrations)); [`RepoError`](db::RepoError)
+/// is the error of every database call (retryable or not).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idemstage::db::RepoError> {
+/// let url = "postgres://localhost/app";
+/// idemstage::db::migrate(url).await?;
+/// let pool = idemstage::db::connect_pool(url, Default::default()).await?;
+/// let _conn = idemstage::db::get(&pool).await?;
+/// # Ok(())
+/// # }
+/// ```
+pub mod db {
+    pub use idemstage_domain::{RepoError, RepoMessage};
+    pub use idemstage_persistence::{
+        connect, connect_pool, connect_with, get, map_diesel_error, migrate, migrate_with, pinned,
+        revert_all_with, PgPool, PoolConfig, Pooler,
+    };
+}
+
+/// The ids: an item, a tenant, a stage, a run, a job, a worker; each parses what
+/// it accepts and refuses the rest with a [`DomainError`](ids::DomainError).
+///
+/// ```
+/// use idemstage::ids::{ItemId, TenantId};
+/// assert!(TenantId::parse("acme").is_ok());
+/// assert!(TenantId::parse("Acme Corp").is_err());
+/// let item = ItemId::new();
+/// assert_eq!(ItemId::parse(&item.to_string()).unwrap(), item);
+/// ```
+pub mod ids {
+    pub use idemstage_domain::{
+        input_hash_of, DomainError, ItemId, JobId, RowId, RunId, StageName, TenantId, WorkerId,
     };
 }
 
 /// The operator commands (`idemstage inspect | retry | cancel | dead`): the
-/// timeline of an item, a retry of its dead stages (a [`Pipeline`] is the
+/// timeline of an item, a retry of its dead stages (a [`Pipeline`](pipeline::Pipeline) is the
 /// [`RetryPlanner`](ops::RetryPlanner)), its cancel, the dead-letter list. Every
 /// write is tenant-scoped and recorded in `audit_log` with its [`Actor`](ops::Actor).
 pub mod ops {
@@ -201,7 +299,9 @@ pub mod queue {
         FetchedJob, JobCancelOutcome, JobCompleteOutcome, JobFailOutcome, JobRetryOutcome,
         JobState, JobToSend,
     };
-    pub use idemstage_domain::{QueueStats, StateCounts};
+    pub use idemstage_domain::{
+        QueueStats, RejectReason, SendOptions, SendResult, SkipReason, StateCounts,
+    };
     pub use idemstage_persistence::queue::{
         complete, complete_many, control_changes, controls, fetch, held_until, hold, pause,
         queue_depths, queue_stats, resume, send, send_batch, send_in, send_in_waking, set_limits,
@@ -211,15 +311,17 @@ pub mod queue {
 }
 
 /// The stage runs (layer 1) below the executor: the claim of a stage by a worker
-/// ([`PgRunRepository::claim`](crate::PgRunRepository) with a
+/// ([`PgRunRepository::claim`](runs::PgRunRepository::claim) with a
 /// [`ClaimRequest`](runs::ClaimRequest)), its outcomes, and the error of a
 /// transaction that mixes a team's statements with ours ([`TxError`](runs::TxError)).
 pub mod runs {
-    pub use idemstage_domain::{ClaimOutcome, ClaimRequest, CompleteOutcome, FailOutcome};
-    pub use idemstage_persistence::TxError;
+    pub use idemstage_domain::{
+        ClaimOutcome, ClaimRequest, ClaimToken, CompleteOutcome, FailOutcome, RunStatus,
+    };
+    pub use idemstage_persistence::{PgRunRepository, TxError};
 }
 
-/// The items and their inputs below [`start`]: the input's
+/// The items and their inputs below [`start`](pipeline::start): the input's
 /// validation and limit, the registration of an item's input alone (no job
 /// sent), and [`start_in`](items::start_in), which registers it and sends a job
 /// the caller builds, in the caller's transaction.

@@ -48,7 +48,7 @@ pub async fn get(pool: &PgPool) -> Result<PooledConn<'_>, RepoError> {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage::{PoolConfig, Pooler};
+/// use idemstage::{db::PoolConfig, db::Pooler};
 /// let config = PoolConfig::default()
 ///     .with_max_size(8)
 ///     .with_connection_timeout(Duration::from_secs(5))
@@ -140,12 +140,12 @@ pub fn through_transaction_pooler(conn: &mut AsyncPgConnection) -> bool {
 /// ```no_run
 /// use idemstage::diesel::{self, IntoSql};
 /// use idemstage::diesel_async::RunQueryDsl;
-/// use idemstage::{connect_pool, pinned, PoolConfig, Pooler, RepoError};
+/// use idemstage::{db::connect_pool, db::pinned, db::PoolConfig, db::Pooler, db::RepoError};
 /// # async fn example() -> Result<(), RepoError> {
 /// // Through PgBouncer in transaction mode.
 /// let config = PoolConfig::default().with_pooler(Pooler::Transaction);
 /// let pool = connect_pool("postgres://w:pw@pgbouncer:6432/app", config).await?;
-/// let mut conn = idemstage::get(&pool).await?;
+/// let mut conn = idemstage::db::get(&pool).await?;
 /// let one: i32 = pinned(&mut conn, async |conn| {
 ///     diesel::select(1.into_sql::<diesel::sql_types::Integer>()).get_result(conn).await
 /// })

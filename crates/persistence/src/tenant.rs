@@ -59,7 +59,7 @@ pub async fn scope(
 /// # async fn t(conn: &mut diesel_async::AsyncPgConnection)
 /// #     -> Result<(), diesel::result::Error> {
 /// use idemstage::diesel_async::RunQueryDsl;
-/// use idemstage::{tenant_transaction, TenantId};
+/// use idemstage::{fenced::tenant_transaction, ids::TenantId};
 /// let tenant = TenantId::parse("acme").unwrap();
 /// let visible: i64 = tenant_transaction(conn, &tenant, async |conn| {
 ///     diesel::sql_query("SELECT count(*) AS n FROM items")

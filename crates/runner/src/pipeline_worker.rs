@@ -309,9 +309,10 @@ impl PipelineWorker {
     /// use std::sync::Arc;
     /// use std::time::Duration;
     ///
-    /// use idemstage::{
-    ///     CancellationToken, Counters, Pipeline, PipelineWorker, PipelineWorkerConfig,
-    ///     PoolConfig, QueueWorkerConfig,
+    /// use idemstage::db::PoolConfig;
+    /// use idemstage::pipeline::Pipeline;
+    /// use idemstage::worker::{
+    ///     CancellationToken, Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig,
     /// };
     ///
     /// # async fn demo(pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
@@ -319,7 +320,7 @@ impl PipelineWorker {
     /// let config = PipelineWorkerConfig::default()
     ///     .with_concurrency(8)
     ///     .with_queue(QueueWorkerConfig::default().with_shutdown_grace(Duration::from_secs(10)));
-    /// let pool = idemstage::connect_pool(
+    /// let pool = idemstage::db::connect_pool(
     ///     url,
     ///     PoolConfig::default().with_max_size(config.pool_size()),
     /// )

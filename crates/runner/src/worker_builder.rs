@@ -65,7 +65,7 @@ impl PipelineWorker {
     /// ```no_run
     /// use std::time::Duration;
     ///
-    /// use idemstage::{CancellationToken, Pipeline, PipelineWorker};
+    /// use idemstage::{worker::CancellationToken, pipeline::Pipeline, worker::PipelineWorker};
     ///
     /// # async fn demo(pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
     /// let worker = PipelineWorker::builder("postgres://localhost/app", pipeline)

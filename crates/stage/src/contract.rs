@@ -43,7 +43,7 @@ impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> StageData for T {}
 /// [`StageError::RateLimited`] for a service that said "later" (not counted).
 ///
 /// ```no_run
-/// use idemstage::{async_trait, FencedTx, PrepareContext, Stage, StageError, Done};
+/// use idemstage::{async_trait, fenced::FencedTx, stage::PrepareContext, stage::Stage, stage::StageError, stage::Done};
 /// use serde::{Deserialize, Serialize};
 ///
 /// #[derive(Serialize, Deserialize)]

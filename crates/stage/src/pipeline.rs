@@ -91,7 +91,7 @@ impl Pipeline {
     /// permanently. Use it for a pipeline whose stages are chosen at run time.
     ///
     /// ```no_run
-    /// use idemstage::{async_trait, Done, FencedTx, Pipeline, PipelineError, PrepareContext, Stage, StageError, StageRef};
+    /// use idemstage::{async_trait, stage::Done, fenced::FencedTx, pipeline::Pipeline, pipeline::PipelineError, stage::PrepareContext, stage::Stage, stage::StageError, stage::StageRef};
     ///
     /// struct Step;
     ///
@@ -146,7 +146,7 @@ impl Pipeline {
     /// accepts only a stage whose `Input` is the previous stage's `Output`.
     ///
     /// ```no_run
-    /// # use idemstage::{async_trait, Done, FencedTx, Pipeline, PrepareContext, Stage, StageError};
+    /// # use idemstage::{async_trait, stage::Done, fenced::FencedTx, pipeline::Pipeline, stage::PrepareContext, stage::Stage, stage::StageError};
     /// # struct Parse; struct Book;
     /// # #[async_trait] impl Stage for Parse {
     /// #     const NAME: &'static str = "parse"; type Input = String; type Prepared = (); type Output = u32;

@@ -37,7 +37,7 @@ pub async fn start_in(
 /// large input, one holding a NUL character) will fail again.
 ///
 /// ```no_run
-/// use idemstage::{start, ItemId, Pipeline, PgPool, SendResult, TenantId};
+/// use idemstage::{pipeline::start, ids::ItemId, pipeline::Pipeline, db::PgPool, queue::SendResult, ids::TenantId};
 ///
 /// # async fn demo(pool: PgPool, pipeline: Pipeline) -> Result<(), Box<dyn std::error::Error>> {
 /// let tenant = TenantId::parse("acme")?;

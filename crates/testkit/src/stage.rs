@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use idemstage::{
-    ExecutionOutcome, Executor, ItemId, PgRunRepository, Pipeline, RepoError, StageJob, TenantId,
-    WorkerId,
+    db::RepoError, ids::ItemId, ids::TenantId, ids::WorkerId, pipeline::Pipeline,
+    runs::PgRunRepository, stage::ExecutionOutcome, stage::Executor, stage::StageJob,
 };
 
 use crate::TestDb;
@@ -15,11 +15,11 @@ use crate::TestDb;
 /// outcome. Panics if the pipeline has no such stage.
 ///
 /// ```no_run
-/// # async fn demo(pipeline: idemstage::Pipeline, db: idemstage_testkit::TestDb) {
-/// let tenant = idemstage::TenantId::parse("acme").unwrap();
+/// # async fn demo(pipeline: idemstage::pipeline::Pipeline, db: idemstage_testkit::TestDb) {
+/// let tenant = idemstage::ids::TenantId::parse("acme").unwrap();
 /// let job = idemstage_testkit::item_job(&db, &pipeline, &tenant, "scan of page 1").await;
 /// let outcome = idemstage_testkit::run_stage(&db, &pipeline, "ocr", &job).await.unwrap();
-/// assert!(matches!(outcome, idemstage::ExecutionOutcome::Succeeded { .. }));
+/// assert!(matches!(outcome, idemstage::stage::ExecutionOutcome::Succeeded { .. }));
 /// # }
 /// ```
 pub async fn run_stage(

@@ -28,7 +28,7 @@ use idemstage::serde_json::json;
 use serde::{Deserialize, Serialize};
 
 /// This pipeline's migrations (`vendors`, `invoices`, `invoice_lines`), run after
-/// the core's: `idemstage::migrate_with(url, vec![MIGRATIONS])`.
+/// the core's: `idemstage::db::migrate_with(url, vec![MIGRATIONS])`.
 pub const MIGRATIONS: EmbeddedMigrations = idemstage::embed_migrations!("migrations");
 
 /// The Diesel schema of the tables in `migrations/`.

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use idemstage::diesel::{ExpressionMethods, QueryDsl};
 use idemstage::diesel_async::RunQueryDsl;
 use idemstage::{
-    start, ExecutionOutcome, Executor, ItemId, PgRunRepository, SkipReason, StageJob, TenantId,
-    WorkerId,
+    ids::ItemId, ids::TenantId, ids::WorkerId, pipeline::start, queue::SkipReason,
+    runs::PgRunRepository, stage::ExecutionOutcome, stage::Executor, stage::StageJob,
 };
 use idemstage_testkit::TestDb;
 use minimal::greetings;

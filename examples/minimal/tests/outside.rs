@@ -76,7 +76,7 @@ async fn the_readme_recipe_builds_a_crate_outside_the_workspace() {
     let dir = std::env::temp_dir().join(format!(
         "idemstage-outside-{}-{}",
         std::process::id(),
-        idemstage::RowId::new()
+        idemstage::ids::RowId::new()
     ));
     let krate = dir.join("my-pipeline");
     std::fs::create_dir_all(krate.join("src")).unwrap();

@@ -15,7 +15,7 @@
 //!   [`translate_text`]). Which ocr attempt it read is the core's record
 //!   (`stage_runs.upstream_attempt`), not a column of the team's.
 //!
-//! Both write through the fenced transaction ([`idemstage::FencedTx`]): a page or
+//! Both write through the fenced transaction ([`idemstage::fenced::FencedTx`]): a page or
 //! translation exists only if the attempt that wrote it succeeded, and only the
 //! current success of each stage has rows. [`Faults`] injects failures after the
 //! writes, for tests.
@@ -24,12 +24,12 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://localhost/app";
 //! // The core's migrations, then this pipeline's.
-//! idemstage::migrate_with(url, vec![ocr_translate::MIGRATIONS]).await?;
-//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//! idemstage::db::migrate_with(url, vec![ocr_translate::MIGRATIONS]).await?;
+//! let pool = idemstage::db::connect_pool(url, Default::default()).await?;
 //! let pipeline = ocr_translate::pipeline();
-//! let tenant = idemstage::TenantId::parse("acme")?;
-//! let item = idemstage::ItemId::new();
-//! idemstage::start(&pool, &pipeline, &tenant, &item, "page one\n\npage two").await?;
+//! let tenant = idemstage::ids::TenantId::parse("acme")?;
+//! let item = idemstage::ids::ItemId::new();
+//! idemstage::pipeline::start(&pool, &pipeline, &tenant, &item, "page one\n\npage two").await?;
 //! // ... and a `PipelineWorker` over `pipeline` works it.
 //! # Ok(())
 //! # }
@@ -39,8 +39,8 @@
 use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
 use idemstage::serde_json::json;
 use idemstage::{
-    async_trait, Done, FencedTx, InputChangePolicy, Pipeline, PrepareContext, Stage, StageError,
-    StagePolicy,
+    async_trait, fenced::FencedTx, pipeline::Pipeline, stage::Done, stage::InputChangePolicy,
+    stage::PrepareContext, stage::Stage, stage::StageError, stage::StagePolicy,
 };
 
 pub mod schema;
@@ -49,7 +49,7 @@ mod tables;
 pub use tables::{OcrPage, OcrTables, Translation};
 
 /// This pipeline's migrations (`ocr_pages`, `translations`), to run after the
-/// core's: `idemstage::migrate_with(url, vec![MIGRATIONS])`. Their versions
+/// core's: `idemstage::db::migrate_with(url, vec![MIGRATIONS])`. Their versions
 /// (`2026-12-01-1000xx`) cannot collide with the core's (`2026-11-30-0000xx`).
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
@@ -351,15 +351,15 @@ mod tests {
             InputChangePolicy::Rerun
         );
         assert_eq!(
-            p.downstream_of(&idemstage::StageName::parse(OCR).unwrap()),
-            vec![idemstage::StageName::parse(TRANSLATE).unwrap()]
+            p.downstream_of(&idemstage::ids::StageName::parse(OCR).unwrap()),
+            vec![idemstage::ids::StageName::parse(TRANSLATE).unwrap()]
         );
         // A stage name twice is refused when the pipeline is built.
         assert!(matches!(
             Pipeline::builder(Ocr::new(None))
                 .then_named(OCR, Translate::new(None))
                 .build(),
-            Err(idemstage::PipelineError::DuplicateStage(_))
+            Err(idemstage::pipeline::PipelineError::DuplicateStage(_))
         ));
     }
 }

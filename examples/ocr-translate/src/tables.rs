@@ -8,7 +8,10 @@
 use diesel::prelude::*;
 use diesel::upsert::excluded;
 use idemstage::diesel_async::RunQueryDsl;
-use idemstage::{async_trait, map_diesel_error, FencedTx, Replaced, RepoError, RowId};
+use idemstage::{
+    async_trait, db::map_diesel_error, db::RepoError, fenced::FencedTx, fenced::Replaced,
+    ids::RowId,
+};
 
 use crate::schema::{ocr_pages, translations};
 

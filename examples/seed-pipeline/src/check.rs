@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::{map_diesel_error, RepoError};
+use idemstage::{db::map_diesel_error, db::RepoError};
 
 mod bound;
 

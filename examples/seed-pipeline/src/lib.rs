@@ -26,12 +26,12 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://localhost/app";
-//! idemstage::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
-//! let pool = idemstage::connect_pool(url, Default::default()).await?;
+//! idemstage::db::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
+//! let pool = idemstage::db::connect_pool(url, Default::default()).await?;
 //! let pipeline = idemstage_example::pipeline(idemstage_example::Chaos::default());
-//! let tenant = idemstage::TenantId::parse("acme")?;
-//! let item = idemstage::ItemId::new();
-//! idemstage::start(&pool, &pipeline, &tenant, &item, "10 Stk Schrauben").await?;
+//! let tenant = idemstage::ids::TenantId::parse("acme")?;
+//! let item = idemstage::ids::ItemId::new();
+//! idemstage::pipeline::start(&pool, &pipeline, &tenant, &item, "10 Stk Schrauben").await?;
 //! // ... and a `PipelineWorker` over `pipeline` works it.
 //! # Ok(())
 //! # }
@@ -57,7 +57,7 @@ pub use tables::{insert_or_get_datei, DateiRef, ExampleTables, Extraktion};
 /// This pipeline's migrations (`dateien`, `anfrage_extraktionen`,
 /// `feasibility_results`, `calculation_results`, each under the core's tenant
 /// isolation), to run after the core's:
-/// `idemstage::migrate_with(url, vec![MIGRATIONS])`. Their versions
+/// `idemstage::db::migrate_with(url, vec![MIGRATIONS])`. Their versions
 /// (`2026-12-01-2000xx`) cannot collide with the core's or another example's.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 

@@ -2,8 +2,8 @@
 
 use idemstage::serde_json::json;
 use idemstage::{
-    async_trait, Done, FencedTx, Pipeline, PipelineError, PrepareContext, Stage, StageError,
-    StagePolicy,
+    async_trait, fenced::FencedTx, pipeline::Pipeline, pipeline::PipelineError, stage::Done,
+    stage::PrepareContext, stage::Stage, stage::StageError, stage::StagePolicy,
 };
 
 use crate::llm::LlmClient;
@@ -193,7 +193,7 @@ impl Stage for Intake {
     async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         let item = tx.token().item.to_string();
         let text = tx.item_text().await?;
-        let sha = idemstage::input_hash_of(text.as_bytes());
+        let sha = idemstage::ids::input_hash_of(text.as_bytes());
         let s3_key = format!("items/{}/{item}/input.txt", tx.token().tenant);
         // Insert-or-get; its audit entry names the id that exists.
         let datei = tx

@@ -8,8 +8,8 @@ use diesel::upsert::excluded;
 use idemstage::diesel_async::{self, AsyncPgConnection, RunQueryDsl};
 use idemstage::serde_json;
 use idemstage::{
-    async_trait, insert_or_get, map_diesel_error, ClaimToken, FencedTx, InsertOrGet, Replaced,
-    RepoError, RowId, TenantId,
+    async_trait, db::map_diesel_error, db::RepoError, fenced::insert_or_get, fenced::FencedTx,
+    fenced::InsertOrGet, fenced::Replaced, ids::RowId, ids::TenantId, runs::ClaimToken,
 };
 
 use crate::schema::{anfrage_extraktionen, calculation_results, dateien, feasibility_results};

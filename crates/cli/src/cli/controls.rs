@@ -5,10 +5,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use idemstage::ids::TenantId;
 use idemstage::ops::Actor;
+use idemstage::pipeline::Pipeline;
 use idemstage::queue::{self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
-use idemstage::Pipeline;
-use idemstage::TenantId;
 
 use super::{known, BadInput};
 

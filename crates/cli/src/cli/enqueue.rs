@@ -8,8 +8,8 @@ use anyhow::Context;
 use diesel_async::AsyncConnection;
 use idemstage::items::{validate_input, MAX_INPUT_BYTES};
 use idemstage::runs::TxError;
-use idemstage::{first_job, start_in, Pipeline};
-use idemstage::{ItemId, SendResult, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
+use idemstage::{pipeline::first_job, pipeline::start_in, pipeline::Pipeline};
 
 use super::BadInput;
 
@@ -62,7 +62,7 @@ pub async fn run(db: &super::Db, args: Args, pipeline: Pipeline) -> anyhow::Resu
     let mut conn = db.connect().await?;
     // The same input again for an item whose first stage already succeeded on
     // it: a send would make a job that only finds the stage done. Nothing is sent.
-    let hash = idemstage::input_hash_of(text.as_bytes());
+    let hash = idemstage::ids::input_hash_of(text.as_bytes());
     let first_stage = first_job(&pipeline, tenant.clone(), item, hash.clone()).queue;
     if first_stage_succeeded(&mut conn, &tenant, &item, &first_stage, &hash).await? {
         println!("finished");
@@ -107,19 +107,19 @@ async fn first_stage_succeeded(
     use diesel_async::RunQueryDsl;
     use idemstage::schema::stage_runs::dsl as r;
     let item_id = item.to_string();
-    let found = idemstage::tenant_transaction(conn, tenant, async |conn| {
+    let found = idemstage::fenced::tenant_transaction(conn, tenant, async |conn| {
         r::stage_runs
             .filter(r::tenant_id.eq(tenant.as_str()))
             .filter(r::item_id.eq(&item_id))
             .filter(r::stage.eq(stage))
             .filter(r::input_hash.eq(input_hash))
-            .filter(r::status.eq(idemstage::RunStatus::Success.as_str()))
+            .filter(r::status.eq(idemstage::runs::RunStatus::Success.as_str()))
             .select(r::id)
             .first::<String>(conn)
             .await
             .optional()
     })
     .await
-    .map_err(idemstage::map_diesel_error)?;
+    .map_err(idemstage::db::map_diesel_error)?;
     Ok(found.is_some())
 }

@@ -5,8 +5,8 @@
 //! does not exist, would be written and pause nobody.
 
 use diesel_async::AsyncPgConnection;
-use idemstage::Pipeline;
-use idemstage::{StageName, TenantId};
+use idemstage::pipeline::Pipeline;
+use idemstage::{ids::StageName, ids::TenantId};
 
 /// A stage or a tenant that nobody has (exit 2).
 #[derive(Debug, thiserror::Error)]

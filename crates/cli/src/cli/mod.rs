@@ -12,8 +12,8 @@ pub mod worker;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use idemstage::Pooler;
-use idemstage::{DomainError, RepoError};
+use idemstage::db::Pooler;
+use idemstage::{db::RepoError, ids::DomainError};
 
 /// An error the user can fix by changing the input (exit code 2).
 #[derive(Debug, thiserror::Error)]
@@ -33,17 +33,17 @@ pub struct Db {
 impl Db {
     /// One connection.
     pub async fn connect(&self) -> Result<diesel_async::AsyncPgConnection, RepoError> {
-        idemstage::connect_with(&self.url, self.pooler).await
+        idemstage::db::connect_with(&self.url, self.pooler).await
     }
 
     /// A pool sized and timed as `config` says, reaching the server as this URL
     /// does (`config.pooler` is replaced by [`Db::pooler`]).
     pub async fn pool(
         &self,
-        config: idemstage::PoolConfig,
-    ) -> Result<idemstage::PgPool, RepoError> {
+        config: idemstage::db::PoolConfig,
+    ) -> Result<idemstage::db::PgPool, RepoError> {
         let config = config.with_pooler(self.pooler);
-        idemstage::connect_pool(&self.url, config).await
+        idemstage::db::connect_pool(&self.url, config).await
     }
 
     /// Refuses a transaction pooler for `command`, which needs a session of its own.
@@ -117,7 +117,7 @@ pub async fn migrate(
     url: &str,
     team: Vec<diesel_migrations::EmbeddedMigrations>,
 ) -> anyhow::Result<ExitCode> {
-    let applied = idemstage::migrate_with(url, team).await?;
+    let applied = idemstage::db::migrate_with(url, team).await?;
     println!("applied {applied} migration(s)");
     Ok(ExitCode::SUCCESS)
 }

@@ -8,8 +8,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::ops::{
     self, Actor, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RetryOutcome,
 };
-use idemstage::Pipeline;
-use idemstage::{ItemId, SendResult, StageName, TenantId};
+use idemstage::pipeline::Pipeline;
+use idemstage::{ids::ItemId, ids::StageName, ids::TenantId, queue::SendResult};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -100,9 +100,9 @@ pub(crate) async fn actor(
         name: String,
     }
     let query = diesel::sql_query("SELECT current_user::text AS name");
-    let user: User = idemstage::pinned(conn, async move |conn| query.get_result(conn).await)
+    let user: User = idemstage::db::pinned(conn, async move |conn| query.get_result(conn).await)
         .await
-        .map_err(idemstage::map_diesel_error)?;
+        .map_err(idemstage::db::map_diesel_error)?;
     Ok(Actor::parse(&user.name)?)
 }
 

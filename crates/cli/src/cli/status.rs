@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
+use idemstage::ids::TenantId;
 use idemstage::report::stage_status_counts;
-use idemstage::TenantId;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemstage::Pipeline;
-use idemstage::RepoError;
-use idemstage::{Counters, PipelineWorker, PipelineWorkerConfig};
-use idemstage::{PoolConfig, Pooler};
+use idemstage::db::RepoError;
+use idemstage::pipeline::Pipeline;
+use idemstage::{db::PoolConfig, db::Pooler};
+use idemstage::{worker::Counters, worker::PipelineWorker, worker::PipelineWorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 use super::{BadInput, WakeArg};
@@ -156,7 +156,7 @@ pub async fn run(db: &super::Db, args: Args, team: Pipeline) -> anyhow::Result<E
         }
         // Row-level security holds only for a role it restricts (README, "Deploying").
         let role = {
-            let mut conn = idemstage::get(&pool).await?;
+            let mut conn = idemstage::db::get(&pool).await?;
             idemstage::roles::check_worker_role(&mut conn).await?
         };
         Ok((pool, role))

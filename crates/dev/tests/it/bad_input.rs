@@ -4,7 +4,7 @@
 //! in a clear error on a failed job (or run); the worker keeps running and the
 //! good work next to it is unaffected. (Bad CLI input is in `cli.rs`.)
 
-use idemstage::FencedTx;
+use idemstage::fenced::FencedTx;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,9 +12,14 @@ use async_trait::async_trait;
 use diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::items::register_item;
-use idemstage::Counters;
-use idemstage::{first_job, Done, Pipeline, PrepareContext, Stage};
-use idemstage::{input_hash_of, ItemId, JobId, SendOptions, StageError, StagePolicy, TenantId};
+use idemstage::worker::Counters;
+use idemstage::{
+    ids::input_hash_of, ids::ItemId, ids::JobId, ids::TenantId, queue::SendOptions,
+    stage::StageError, stage::StagePolicy,
+};
+use idemstage::{
+    pipeline::first_job, pipeline::Pipeline, stage::Done, stage::PrepareContext, stage::Stage,
+};
 use serde_json::{json, Value};
 
 use crate::support::{self, count, start_pipeline_worker, stop_pipeline_worker};
@@ -580,7 +585,7 @@ async fn a_worker_on_a_role_that_can_make_itself_the_owner_refuses_to_start() {
     use diesel_async::SimpleAsyncConnection;
     let db = idemstage_harness::example::db().await;
     let mut admin = db.conn().await;
-    let suffix = idemstage::ItemId::new().to_string().to_lowercase();
+    let suffix = idemstage::ids::ItemId::new().to_string().to_lowercase();
     let (createrole, db_owner) = (
         format!("idemstage_t_cr_{suffix}"),
         format!("idemstage_t_do_{suffix}"),

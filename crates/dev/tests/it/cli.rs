@@ -411,7 +411,7 @@ async fn enqueue_of_a_finished_item_says_it_is_finished_not_a_job_id() {
         db.url(),
         crate::support::pipeline(),
         2,
-        Arc::new(idemstage::Counters::default()),
+        Arc::new(idemstage::worker::Counters::default()),
     );
     crate::support::assert_quiet_and_sound(db.url(), 60).await;
     crate::support::stop_pipeline_worker(worker).await;

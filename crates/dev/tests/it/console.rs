@@ -17,10 +17,15 @@ use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use fantoccini::{Client, ClientBuilder, Locator};
-use idemstage::PgRunRepository;
+use idemstage::runs::PgRunRepository;
 use idemstage::{
+    ids::ItemId,
+    ids::StageName,
+    ids::TenantId,
+    ids::WorkerId,
+    runs::ClaimToken,
     runs::{ClaimOutcome, ClaimRequest},
-    ClaimToken, ItemId, StageName, StagePolicy, TenantId, WorkerId,
+    stage::StagePolicy,
 };
 use idemstage_testkit::{count, TestDb};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -172,7 +177,7 @@ async fn small_pipeline_run(db: &TestDb) -> ItemId {
         tenant: t2.clone(),
         item: dying,
         stage: StageName::parse("intake").unwrap(),
-        input_hash: idemstage::input_hash_of(text(7).as_bytes()),
+        input_hash: idemstage::ids::input_hash_of(text(7).as_bytes()),
         worker: WorkerId::generate(),
         policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
@@ -198,7 +203,7 @@ async fn small_pipeline_run(db: &TestDb) -> ItemId {
         db.url(),
         pipeline(),
         2,
-        Arc::new(idemstage::Counters::default()),
+        Arc::new(idemstage::worker::Counters::default()),
     );
     let check = assert_quiet_and_sound(db.url(), 120).await;
     stop_pipeline_worker(worker).await;
@@ -784,7 +789,7 @@ async fn in_a_browser_the_overview_matches_the_database_and_a_retried_dead_stage
             db.url(),
             pipeline(),
             2,
-            Arc::new(idemstage::Counters::default()),
+            Arc::new(idemstage::worker::Counters::default()),
         );
         let check = assert_quiet_and_sound(db.url(), 120).await;
         stop_pipeline_worker(worker).await;

@@ -47,7 +47,7 @@ struct SuccessRow {
 /// Every stage success committed on the server of `url`, with the execution
 /// that committed it.
 async fn successes(url: &str) -> BTreeMap<Key, Execution> {
-    let mut conn = idemstage::connect(url).await.unwrap();
+    let mut conn = idemstage::db::connect(url).await.unwrap();
     let rows: Vec<SuccessRow> = diesel::sql_query(
         "SELECT tenant_id, item_id, stage, worker_id, success_attempt AS attempt,
                 finished_at::text AS finished_at
@@ -83,7 +83,7 @@ fn ran_again(committed: &BTreeMap<Key, Execution>, after: &BTreeMap<Key, Executi
 async fn migrated_pair(replication: Replication) -> ReplicatedCluster {
     let cluster = ReplicatedCluster::start(replication);
     let primary = cluster.primary_url("postgres");
-    idemstage::migrate_with(&primary, vec![idemstage_example::MIGRATIONS])
+    idemstage::db::migrate_with(&primary, vec![idemstage_example::MIGRATIONS])
         .await
         .unwrap();
     idemstage_testkit::ensure_test_roles(&primary).await;

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemstage::{Counters, WorkerStatsSnapshot};
-use idemstage::{ItemId, SendResult, StagePolicy, TenantId};
-use idemstage::{PgPool, PoolConfig};
-use idemstage::{Pipeline, StageJob};
+use idemstage::{db::PgPool, db::PoolConfig};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult, stage::StagePolicy};
+use idemstage::{pipeline::Pipeline, stage::StageJob};
+use idemstage::{worker::Counters, worker::WorkerStatsSnapshot};
 use idemstage_example::{self as example, Chaos};
 use idemstage_harness::PrivateCluster;
 use rand::Rng;
@@ -195,7 +195,7 @@ async fn terminator(
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    let mut conn = idemstage::connect(&url).await.unwrap();
+    let mut conn = idemstage::db::connect(&url).await.unwrap();
     let mut done = 0;
     while done < kills && !stop.is_cancelled() {
         let pause = rand::rng().random_range(every_ms.clone());
@@ -281,7 +281,7 @@ async fn connections_terminated_during_commit_are_rechecked_not_lost() {
 async fn a_postgres_restart_mid_run_loses_nothing() {
     let cluster = PrivateCluster::start();
     let url = cluster.url("postgres");
-    idemstage::migrate_with(&url, vec![idemstage_example::MIGRATIONS])
+    idemstage::db::migrate_with(&url, vec![idemstage_example::MIGRATIONS])
         .await
         .unwrap();
     idemstage_testkit::ensure_test_roles(&url).await;
@@ -327,7 +327,7 @@ async fn more_concurrent_stages_than_pooled_connections_lose_nothing() {
     // 8 stage executions (each wants a connection for its work and one for its
     // heartbeat, plus the job lease renewals) share 2 connections, and give up
     // waiting for one after 200 ms.
-    let pool = idemstage::connect_pool(
+    let pool = idemstage::db::connect_pool(
         db.url(),
         PoolConfig::default()
             .with_max_size(2)
@@ -387,9 +387,9 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
             duplicate.clone(),
         );
         senders.push(tokio::spawn(async move {
-            let mut conn = idemstage::connect(&url).await.unwrap();
+            let mut conn = idemstage::db::connect(&url).await.unwrap();
             let pipeline = support::pipeline();
-            let extract = idemstage::StageName::parse("extract").unwrap();
+            let extract = idemstage::ids::StageName::parse("extract").unwrap();
             for round in 0..12 {
                 for k in 0..keys.len() {
                     // Each sender walks the keys from another start: the same key is
@@ -404,7 +404,7 @@ async fn duplicate_sends_racing_completion_run_each_stage_once() {
                             &StageJob {
                                 tenant_id: tenant.clone(),
                                 item_id: *item,
-                                input_hash: idemstage::input_hash_of(text.as_bytes()),
+                                input_hash: idemstage::ids::input_hash_of(text.as_bytes()),
                             },
                         );
                         results.push(idemstage::queue::send_in(&mut conn, &job).await.unwrap());

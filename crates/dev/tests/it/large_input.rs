@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Instant;
 
-use idemstage::ItemId;
+use idemstage::ids::ItemId;
 
 use crate::support::{self, count, Workers};
 

@@ -4,7 +4,7 @@
 
 use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use idemstage::{DomainError, ItemId, RepoError, TenantId};
+use idemstage::{db::RepoError, ids::DomainError, ids::ItemId, ids::TenantId};
 
 const ITEM: &str = "01JDQ3W5AAAAAAAAAAAAAAAAAA";
 
@@ -37,7 +37,7 @@ async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
         )
     };
     let pool = db.pool(1).await;
-    let e = idemstage::start(&pool, &pipeline, &tenant, &item, text)
+    let e = idemstage::pipeline::start(&pool, &pipeline, &tenant, &item, text)
         .await
         .unwrap_err();
     assert!(refused(&e) && e.is_bad_request(), "{e:?}");
@@ -45,11 +45,11 @@ async fn an_input_with_a_nul_byte_is_refused_by_start_and_start_in() {
     // transaction goes on and the good input starts in it.
     let mut conn = db.conn().await;
     conn.transaction::<_, idemstage::runs::TxError, _>(async |conn| {
-        let e = idemstage::start_in(conn, &pipeline, &tenant, &item, text)
+        let e = idemstage::pipeline::start_in(conn, &pipeline, &tenant, &item, text)
             .await
             .unwrap_err();
         assert!(refused(&e), "{e:?}");
-        idemstage::start_in(conn, &pipeline, &tenant, &item, "1 Stk Schrauben").await?;
+        idemstage::pipeline::start_in(conn, &pipeline, &tenant, &item, "1 Stk Schrauben").await?;
         Ok(())
     })
     .await

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 use idemstage::runs::ClaimRequest;
-use idemstage::PgRunRepository;
-use idemstage::{ItemId, StageName, StagePolicy, TenantId, WorkerId};
+use idemstage::runs::PgRunRepository;
+use idemstage::{ids::ItemId, ids::StageName, ids::TenantId, ids::WorkerId, stage::StagePolicy};
 use idemstage_testkit::{count, TestDb};
 
 fn idemstage(db: &TestDb, args: &[&str]) -> Output {
@@ -65,7 +65,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
             db.url(),
             idemstage_harness::example::pipeline(),
             2,
-            Arc::new(idemstage::Counters::default()),
+            Arc::new(idemstage::worker::Counters::default()),
         );
         let check = idemstage_harness::example::assert_quiet_and_sound(db.url(), 60).await;
         idemstage_harness::example::stop_pipeline_worker(worker).await;
@@ -80,7 +80,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
         tenant: tenant.clone(),
         item: dying,
         stage: StageName::parse("intake").unwrap(),
-        input_hash: idemstage::input_hash_of(text.as_bytes()),
+        input_hash: idemstage::ids::input_hash_of(text.as_bytes()),
         worker: WorkerId::generate(),
         policy: StagePolicy::default().with_max_attempts(1),
         upstream: None,
@@ -91,7 +91,7 @@ async fn operator_commands_print_json_record_their_actor_and_refuse_bad_input_wi
     else {
         panic!("not claimed")
     };
-    let token = idemstage::ClaimToken {
+    let token = idemstage::runs::ClaimToken {
         run_id,
         tenant: tenant.clone(),
         item: dying,

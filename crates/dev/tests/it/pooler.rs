@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use idemstage::ItemId;
+use idemstage::ids::ItemId;
 use idemstage_harness::PgBouncer;
 
 use crate::support::{assert_quiet_and_sound, count, text, wait_until, Workers};

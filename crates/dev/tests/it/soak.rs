@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer};
 use diesel_async::RunQueryDsl;
-use idemstage::first_job;
 use idemstage::ops::{self, Actor};
-use idemstage::{input_hash_of, ItemId, TenantId};
+use idemstage::pipeline::first_job;
+use idemstage::{ids::input_hash_of, ids::ItemId, ids::TenantId};
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
@@ -53,7 +53,7 @@ async fn send_blank_rerun(
     conn: &mut diesel_async::AsyncPgConnection,
     tenant: &TenantId,
     item: ItemId,
-) -> Result<(), idemstage::RepoError> {
+) -> Result<(), idemstage::db::RepoError> {
     use diesel::sql_types::{Jsonb, Text};
     use diesel_async::AsyncConnection;
     let blank = " ";
@@ -74,7 +74,7 @@ async fn send_blank_rerun(
         .bind::<Text, _>(item.to_string())
         .execute(conn)
         .await
-        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::db::map_diesel_error(e)))?;
         idemstage::queue::send_in(conn, &job).await?;
         diesel::sql_query(
             "UPDATE jobs SET payload = $1, retry_count = 0
@@ -85,7 +85,7 @@ async fn send_blank_rerun(
         .bind::<Text, _>(job.options.singleton_key.as_deref().unwrap_or_default())
         .execute(conn)
         .await
-        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::map_diesel_error(e)))?;
+        .map_err(|e| idemstage::runs::TxError::Repo(idemstage::db::map_diesel_error(e)))?;
         Ok(())
     })
     .await
@@ -142,7 +142,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
                 #[diesel(sql_type = Integer)]
                 pid: i32,
             }
-            let mut conn = idemstage::connect(&url).await.unwrap();
+            let mut conn = idemstage::db::connect(&url).await.unwrap();
             let mut keys = Vec::new();
             let pid: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
                 .get_result(&mut conn)

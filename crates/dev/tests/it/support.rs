@@ -6,9 +6,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use idemstage::first_job;
+use idemstage::pipeline::first_job;
 use idemstage::runs::TxError;
-use idemstage::{ItemId, SendResult, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
 
 /// Stage lease and job lease of the worker processes: short, so that a killed or
 /// stopped worker's claims and jobs come back within seconds.
@@ -109,7 +109,7 @@ pub async fn send_rerun(
     tenant: &TenantId,
     item: ItemId,
     text: &str,
-) -> Result<SendResult, idemstage::RepoError> {
+) -> Result<SendResult, idemstage::db::RepoError> {
     let pipeline = pipeline();
     conn.transaction::<_, TxError, _>(async |conn| {
         let started = idemstage::items::start_in(
@@ -117,7 +117,7 @@ pub async fn send_rerun(
             tenant,
             &item,
             text,
-            idemstage::InputChangePolicy::Rerun,
+            idemstage::stage::InputChangePolicy::Rerun,
             |hash| first_job(&pipeline, tenant.clone(), item, hash.to_owned()),
         )
         .await?;
@@ -129,7 +129,7 @@ pub async fn send_rerun(
 
 /// Sends `n` items over 3 tenants, each twice. Returns their keys.
 pub async fn enqueue(url: &str, n: usize) -> Vec<(TenantId, ItemId)> {
-    let mut conn = idemstage::connect(url).await.unwrap();
+    let mut conn = idemstage::db::connect(url).await.unwrap();
     let mut keys = Vec::new();
     for i in 0..n {
         let tenant = TenantId::parse(&format!("t{}", i % 3)).unwrap();

@@ -6,7 +6,7 @@
 use std::process::{Command, Output};
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::{ItemId, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemstage"))

@@ -11,7 +11,7 @@ use super::{audit, stored_hash, Actor, OpsError, RetryRefusal};
 
 /// What a retry needs to know of the pipeline: a stage's fresh attempt budget
 /// and the job that starts it (with the pipeline's singleton key and send
-/// options). `idemstage::Pipeline` implements it.
+/// options). `idemstage::pipeline::Pipeline` implements it.
 pub trait RetryPlanner: Send + Sync {
     /// The fresh attempt budget of `stage` (its policy's `max_attempts`), `None`
     /// if it is not a stage of the pipeline.

@@ -25,7 +25,7 @@ fn alice() -> Actor {
     Actor::parse("alice").unwrap()
 }
 
-fn pipeline() -> idemstage::Pipeline {
+fn pipeline() -> idemstage::pipeline::Pipeline {
     idemstage_example::pipeline(Chaos::default())
 }
 
@@ -266,7 +266,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     let item = new_item(&mut conn, &t1).await;
     let pipeline = pipeline();
     // The intake job, fetched by a "worker" (its job lease) that claims the stage.
-    let job = idemstage::first_job(&pipeline, t1.clone(), item, hash_a());
+    let job = idemstage::pipeline::first_job(&pipeline, t1.clone(), item, hash_a());
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();
@@ -387,7 +387,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
     let token = token_of(&req, &repo.claim(&req).await.unwrap());
     let next = pipeline.job_for(
         &stage("extract"),
-        &idemstage::StageJob {
+        &idemstage::stage::StageJob {
             tenant_id: t1.clone(),
             item_id: item,
             input_hash: hash_a(),
@@ -498,7 +498,7 @@ async fn inspect_shows_every_attempt_with_its_upstream_and_every_job() {
     let t1 = tenant("t1");
     let item = new_item(&mut conn, &t1).await;
     let pipeline = pipeline();
-    let job = idemstage::first_job(&pipeline, t1.clone(), item, hash_a());
+    let job = idemstage::pipeline::first_job(&pipeline, t1.clone(), item, hash_a());
     idemstage_persistence::queue::send_in(&mut conn, &job)
         .await
         .unwrap();

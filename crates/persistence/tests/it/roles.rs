@@ -51,7 +51,7 @@ async fn worked(db: &idemstage_testkit::TestDb) {
         &db.worker_url(),
         idemstage_harness::example::pipeline(),
         2,
-        Arc::new(idemstage::Counters::default()),
+        Arc::new(idemstage::worker::Counters::default()),
     );
     let check = assert_quiet_and_sound(db.url(), 120).await;
     let stats = stop_pipeline_worker(worker).await;

@@ -19,7 +19,7 @@ pub const MAX_HELD_JOBS: usize = 100_000;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemstage::QueueWorkerConfig;
+/// use idemstage::worker::QueueWorkerConfig;
 /// let config = QueueWorkerConfig::for_queues(["emails"])
 ///     .with_concurrency(16)
 ///     .with_prefetch(256)

@@ -46,9 +46,10 @@ use maintenance::{maintenance_loop, queue_gauges_loop};
 /// ```no_run
 /// use idemstage::queue::{send, FetchedJob, JobToSend};
 /// use idemstage::serde_json::{json, Value};
-/// use idemstage::{
-///     handler_fn, CancellationToken, HandlerError, PgPool, QueueWorker, QueueWorkerConfig,
-///     SendOptions,
+/// use idemstage::db::PgPool;
+/// use idemstage::queue::SendOptions;
+/// use idemstage::worker::{
+///     handler_fn, CancellationToken, HandlerError, QueueWorker, QueueWorkerConfig,
 /// };
 ///
 /// # async fn demo(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {

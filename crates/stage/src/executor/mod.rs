@@ -102,7 +102,7 @@ pub struct JobLease {
 }
 
 /// Runs stage executions for one worker identity. The stage worker
-/// (`idemstage::PipelineWorker`) uses one; use it directly to run a stage without
+/// (`idemstage::worker::PipelineWorker`) uses one; use it directly to run a stage without
 /// a queue (in a test, a CLI). Clones share the identity and the pending releases.
 #[derive(Clone)]
 pub struct Executor {

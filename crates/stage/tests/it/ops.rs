@@ -22,7 +22,7 @@ async fn a_dead_stage_retried_by_the_operator_is_run_to_success_by_a_worker() {
     // Every body crashes and a stage has one attempt: intake dies.
     let policy = StagePolicy::default().with_max_attempts(1);
     let crashing = example::pipeline_with(Chaos::crashing(1.0), policy).unwrap();
-    let counters = Arc::new(idemstage::Counters::default());
+    let counters = Arc::new(idemstage::worker::Counters::default());
     let worker = start_pipeline_worker(pool.clone(), db.url(), crashing, 2, counters.clone());
     let dead = wait_until(db.url(), "intake dead, no live job", 60, |c| {
         c.runs_by_status.get("dead") == Some(&1) && c.live_jobs == 0

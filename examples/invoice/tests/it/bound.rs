@@ -9,7 +9,7 @@ use idemstage::diesel::sql_types::{Integer, Jsonb, Nullable, Text};
 use idemstage::diesel::{ExpressionMethods, QueryDsl, QueryableByName};
 use idemstage::diesel_async::RunQueryDsl;
 use idemstage::prelude::*;
-use idemstage::{ExecutionOutcome, RegisterOutcome};
+use idemstage::{items::RegisterOutcome, stage::ExecutionOutcome};
 use invoice_pipeline::schema::{invoices, vendors};
 use invoice_pipeline::{Book, Parse, Vendor, VendorDirectory, Vendored};
 

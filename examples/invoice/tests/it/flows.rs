@@ -6,7 +6,7 @@ use std::sync::Arc;
 use idemstage::diesel::{ExpressionMethods, QueryDsl};
 use idemstage::diesel_async::RunQueryDsl;
 use idemstage::prelude::*;
-use idemstage::{ExecutionOutcome, SendResult, SkipReason};
+use idemstage::{queue::SendResult, queue::SkipReason, stage::ExecutionOutcome};
 use invoice_pipeline::schema::{invoice_lines, invoices, vendors};
 use invoice_pipeline::{Book, Parse, Vendor, VendorDirectory};
 

@@ -8,7 +8,10 @@ use idemstage::diesel::sql_types::BigInt;
 use idemstage::diesel::QueryableByName;
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::prelude::*;
-use idemstage::{ExecutionOutcome, Executor, PgPool, PgRunRepository, StageJob, WorkerId};
+use idemstage::{
+    db::PgPool, ids::WorkerId, runs::PgRunRepository, stage::ExecutionOutcome, stage::Executor,
+    stage::StageJob,
+};
 use idemstage_testkit::TestDb;
 use tokio::sync::Notify;
 
@@ -48,14 +51,14 @@ pub fn invoice_text(vendor: &str, number: &str) -> String {
 }
 
 impl Fixture {
-    /// `idemstage::start`, and the job it sent.
+    /// `idemstage::pipeline::start`, and the job it sent.
     pub async fn start(
         &self,
         pipeline: &Pipeline,
         tenant: &TenantId,
         item: &ItemId,
         text: &str,
-    ) -> (StageJob, idemstage::StartOutcome) {
+    ) -> (StageJob, idemstage::items::StartOutcome) {
         let started = start(&self.pool, pipeline, tenant, item, text)
             .await
             .unwrap();

@@ -9,7 +9,8 @@ use std::time::Duration;
 use diesel::prelude::*;
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::{
-    CancellationToken, Counters, ItemId, PipelineWorker, PipelineWorkerConfig, SendResult, TenantId,
+    ids::ItemId, ids::TenantId, queue::SendResult, worker::CancellationToken, worker::Counters,
+    worker::PipelineWorker, worker::PipelineWorkerConfig,
 };
 use ocr_translate::schema::{ocr_pages, translations};
 use ocr_translate::{pipeline_with, translate_text, Fault, Faults};
@@ -181,9 +182,10 @@ async fn workers_over_two_tenants_leave_only_current_lineage() {
     // Each item sent twice: the second send is a duplicate at the queue.
     for (tenant, item, n) in &items {
         for send in 0..2 {
-            let started = idemstage::start(&f.pool, &pipeline, tenant, item, &text_of(*n, 0))
-                .await
-                .unwrap();
+            let started =
+                idemstage::pipeline::start(&f.pool, &pipeline, tenant, item, &text_of(*n, 0))
+                    .await
+                    .unwrap();
             assert_eq!(
                 matches!(started.sent, SendResult::Duplicate),
                 send == 1,
@@ -204,13 +206,13 @@ async fn workers_over_two_tenants_leave_only_current_lineage() {
         .cloned()
         .collect();
     for (tenant, item, n) in &rerun {
-        let started = idemstage::start(&f.pool, &pipeline, tenant, item, &text_of(*n, 1))
+        let started = idemstage::pipeline::start(&f.pool, &pipeline, tenant, item, &text_of(*n, 1))
             .await
             .unwrap();
         assert!(
             matches!(
                 started.registered,
-                idemstage::RegisterOutcome::Replaced { .. }
+                idemstage::items::RegisterOutcome::Replaced { .. }
             ),
             "{started:?}"
         );

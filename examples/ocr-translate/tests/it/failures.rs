@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idemstage::diesel_async::RunQueryDsl;
-use idemstage::{ExecutionOutcome, Pipeline, RegisterOutcome};
+use idemstage::{items::RegisterOutcome, pipeline::Pipeline, stage::ExecutionOutcome};
 use ocr_translate::{pipeline, pipeline_with, Fault, Faults, Ocr, Translate, OCR, TRANSLATE};
 
 use crate::support::*;

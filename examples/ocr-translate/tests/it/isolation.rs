@@ -1,14 +1,15 @@
 //! Tenant isolation of the team's tables (`idemstage_tenant_table`), seen from a
 //! stage (a probe stage of tenant B looks through its fenced transaction, which
 //! the executor scopes to B) and from the team's own code outside a stage
-//! (`idemstage::tenant_transaction`).
+//! (`idemstage::fenced::tenant_transaction`).
 
 use std::sync::{Arc, Mutex};
 
 use diesel::prelude::*;
 use idemstage::diesel_async::RunQueryDsl;
 use idemstage::{
-    async_trait, Done, ExecutionOutcome, FencedTx, Pipeline, PrepareContext, Stage, StageError,
+    async_trait, fenced::FencedTx, pipeline::Pipeline, stage::Done, stage::ExecutionOutcome,
+    stage::PrepareContext, stage::Stage, stage::StageError,
 };
 use ocr_translate::pipeline;
 use ocr_translate::schema::{ocr_pages, translations};
@@ -36,7 +37,7 @@ struct Probe {
 }
 
 fn db(e: diesel::result::Error) -> StageError {
-    StageError::Repo(idemstage::map_diesel_error(e))
+    StageError::Repo(idemstage::db::map_diesel_error(e))
 }
 
 #[async_trait]
@@ -91,7 +92,7 @@ impl Stage for Probe {
         // Last: a refused statement aborts the transaction.
         let insert = diesel::insert_into(p::ocr_pages)
             .values((
-                p::id.eq(idemstage::RowId::new().to_string()),
+                p::id.eq(idemstage::ids::RowId::new().to_string()),
                 p::tenant_id.eq("tenant-a"),
                 p::item_id.eq(&self.a_item),
                 p::page.eq(99),
@@ -188,7 +189,7 @@ async fn a_tenant_transaction_of_the_team_sees_only_its_tenants_rows() {
         ));
     }
     let a_item = a.item_id.to_string();
-    let (all, a_by_id) = idemstage::tenant_transaction::<_, diesel::result::Error, _>(
+    let (all, a_by_id) = idemstage::fenced::tenant_transaction::<_, diesel::result::Error, _>(
         &mut f.conn,
         &tenant("tenant-b"),
         async |conn| {

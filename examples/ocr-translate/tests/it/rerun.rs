@@ -1,8 +1,10 @@
-//! A rerun with new input: `idemstage::start` with another text replaces the
+//! A rerun with new input: `idemstage::pipeline::start` with another text replaces the
 //! stored input (ocr's policy is `Rerun`), ocr replaces the pages, translate goes
 //! stale and runs again on the new pages.
 
-use idemstage::{ExecutionOutcome, RegisterOutcome, SendResult, SkipReason};
+use idemstage::{
+    items::RegisterOutcome, queue::SendResult, queue::SkipReason, stage::ExecutionOutcome,
+};
 use ocr_translate::{pipeline, OCR, TRANSLATE};
 
 use crate::failures::{PAGES_1, PAGES_2, TEXT_1, TEXT_2};
@@ -55,10 +57,11 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
         ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. })
     ));
 
-    // New input, as `idemstage::start` sends it: the input is replaced.
-    let started = idemstage::start(&f.pool, &pipeline, &job.tenant_id, &job.item_id, TEXT_2)
-        .await
-        .unwrap();
+    // New input, as `idemstage::pipeline::start` sends it: the input is replaced.
+    let started =
+        idemstage::pipeline::start(&f.pool, &pipeline, &job.tenant_id, &job.item_id, TEXT_2)
+            .await
+            .unwrap();
     assert!(matches!(
         started.registered,
         RegisterOutcome::Replaced { .. }
@@ -66,7 +69,7 @@ async fn a_rerun_with_new_input_replaces_the_pages_and_translate_runs_on_them() 
     // The first ocr job was never completed (the test runs stages by hand): the
     // send is a duplicate, and that live job now carries the new input.
     assert!(matches!(started.sent, SendResult::Duplicate), "{started:?}");
-    let changed = idemstage::StageJob {
+    let changed = idemstage::stage::StageJob {
         input_hash: started.registered.input_sha256().to_owned(),
         ..job.clone()
     };

@@ -1,5 +1,5 @@
 //! What the tests share: a database with the core's and this pipeline's
-//! migrations, executors, starting items as `idemstage::start` does, reading
+//! migrations, executors, starting items as `idemstage::pipeline::start` does, reading
 //! the team's tables as the superuser (no row-level security), and stage
 //! wrappers that hold an execution at a point of the test's choosing.
 
@@ -9,8 +9,10 @@ use std::sync::Arc;
 use diesel::prelude::*;
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::{
-    async_trait, start, Done, Executor, FencedTx, ItemId, PgPool, PgRunRepository, Pipeline,
-    PrepareContext, RegisterOutcome, Stage, StageError, StageJob, StagePolicy, TenantId, WorkerId,
+    async_trait, db::PgPool, fenced::FencedTx, ids::ItemId, ids::TenantId, ids::WorkerId,
+    items::RegisterOutcome, pipeline::start, pipeline::Pipeline, runs::PgRunRepository,
+    stage::Done, stage::Executor, stage::PrepareContext, stage::Stage, stage::StageError,
+    stage::StageJob, stage::StagePolicy,
 };
 use idemstage_testkit::TestDb;
 use ocr_translate::schema::{ocr_pages, translations};
@@ -45,7 +47,7 @@ impl Fixture {
         )
     }
 
-    /// `idemstage::start`: registers (or, under ocr's `Rerun` policy, replaces) the
+    /// `idemstage::pipeline::start`: registers (or, under ocr's `Rerun` policy, replaces) the
     /// input and sends the first job; returns the job that carries the stored hash
     /// and what the registration did.
     pub async fn start(
@@ -308,13 +310,13 @@ impl<S: Stage> Stage for SleepsAfterWritesOnce<S> {
                 .select(p::id)
                 .load(tx.conn())
                 .await
-                .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+                .map_err(|e| StageError::Repo(idemstage::db::map_diesel_error(e)))?;
             *self.ids_seen.lock().unwrap() = ids;
             self.sleeping.notify_one();
             diesel::sql_query("SELECT pg_sleep(60)")
                 .execute(tx.conn())
                 .await
-                .map_err(|e| StageError::Repo(idemstage::map_diesel_error(e)))?;
+                .map_err(|e| StageError::Repo(idemstage::db::map_diesel_error(e)))?;
         }
         Ok(flow)
     }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use diesel::prelude::*;
 use diesel::sql_types::{Bool, Double, Integer, Nullable, Text};
 use idemstage::diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage::{map_diesel_error, RepoError};
+use idemstage::{db::map_diesel_error, db::RepoError};
 
 use crate::stages::{extract_positions, feasibility_reasons, price_positions};
 use crate::tables::Extraktion;

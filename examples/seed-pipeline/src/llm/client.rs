@@ -12,7 +12,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemstage::serde_json;
-use idemstage::{ItemId, StageError, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, stage::StageError};
 
 use super::{ErrorBody, ExtractRequest, ExtractResponse, EXTRACT_PATH, RETRY_AFTER_MS};
 use crate::tables::Extraktion;

@@ -15,7 +15,7 @@
 //!   the calls it answered with 200 ("external calls paid", [`LlmServer::calls`])
 //!   and every request ([`LlmServer::requests`]).
 //! - [`LlmClient`] calls it and maps the answer onto
-//!   [`StageError`](idemstage::StageError) the way a stage needs it: 429 →
+//!   [`StageError`](idemstage::stage::StageError) the way a stage needs it: 429 →
 //!   `RateLimited`, 5xx, 408, connection errors and timeouts → `Transient`, other
 //!   4xx → `Permanent`.
 //!
@@ -27,8 +27,8 @@
 //! { "tenant": "acme", "item": "01JABCDEFGHJKMNPQRSTVWXYZ0", "text": "10 Stk Schrauben M8" }
 //! ```
 //!
-//! `tenant` must be a valid [`TenantId`](idemstage::TenantId), `item` a valid
-//! [`ItemId`](idemstage::ItemId) and `text` at most [`MAX_TEXT_BYTES`]; the
+//! `tenant` must be a valid [`TenantId`](idemstage::ids::TenantId), `item` a valid
+//! [`ItemId`](idemstage::ids::ItemId) and `text` at most [`MAX_TEXT_BYTES`]; the
 //! positions depend on `text` alone. Answers:
 //!
 //! - `200` with `{ "positions": [ { "position_index": 0, "description":
@@ -57,8 +57,8 @@
 //!         .with_rate_limited_every(10),
 //! )?;
 //! let client = LlmClient::new(server.url());
-//! let tenant = idemstage::TenantId::parse("acme")?;
-//! let item = idemstage::ItemId::new();
+//! let tenant = idemstage::ids::TenantId::parse("acme")?;
+//! let item = idemstage::ids::ItemId::new();
 //! let positions = client.extract(&tenant, &item, "10 Stk Schrauben M8").await?;
 //! assert_eq!(positions, idemstage_example::extract_positions("10 Stk Schrauben M8"));
 //! println!("external calls paid: {}", server.calls());

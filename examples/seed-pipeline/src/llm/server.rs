@@ -16,7 +16,7 @@ use axum::routing::post;
 use axum::serve::ListenerExt;
 use axum::Router;
 use idemstage::serde_json;
-use idemstage::{ItemId, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::oneshot;

@@ -11,7 +11,7 @@ use hyper::{Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemstage::serde_json::{self, json};
-use idemstage::{ItemId, StageError, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, stage::StageError};
 use idemstage_example::extract_positions;
 use idemstage_example::llm::{LlmClient, LlmConfig, LlmServer, MAX_TEXT_BYTES};
 

@@ -11,7 +11,7 @@ use axum::response::Response;
 use axum::Extension;
 use idemstage::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
 use idemstage::queue::{self, PauseOutcome, ResumeOutcome, Scope};
-use idemstage::{ItemId, SendResult, TenantId};
+use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
 use serde::Deserialize;
 
 use super::auth::{check_csrf, Principal};
@@ -67,7 +67,7 @@ pub(crate) async fn retry(
     let stage = field(&form.stage)
         .map(|s| known_stage(&console, s))
         .transpose()?;
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let outcome = ops::retry(
         &mut conn,
         &tenant,
@@ -122,7 +122,7 @@ pub(crate) async fn cancel(
 ) -> Result<Response, PageError> {
     let form = admit(&console, &p, form)?;
     let (tenant, item) = ids(&form)?;
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let outcome = ops::cancel(&mut conn, &tenant, &item, &p.actor).await?;
     drop(conn);
     tracing::info!(actor = %p.actor, %tenant, %item, "console: cancel");
@@ -182,7 +182,7 @@ async fn pause_or_resume(
         Some(t) => Scope::Tenant(known_tenant(&console, t).await?),
         None => Scope::Queue,
     };
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let (title, changed) = if pause {
         match queue::pause(&mut conn, stage.as_str(), &scope, &p.actor).await? {
             PauseOutcome::Paused => ("Paused", true),

@@ -33,8 +33,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use idemstage::Pipeline;
-use idemstage::{PgPool, PoolConfig};
+use idemstage::pipeline::Pipeline;
+use idemstage::{db::PgPool, db::PoolConfig};
 
 use super::BadInput;
 

@@ -13,7 +13,9 @@ use chrono::{DateTime, Utc};
 use idemstage::ops::{self, DeadFilter, ItemTimeline, OpsError};
 use idemstage::queue::{self, Scope};
 use idemstage::report;
-use idemstage::{DomainError, ItemId, RepoError, RunStatus, StageName, TenantId};
+use idemstage::{
+    db::RepoError, ids::DomainError, ids::ItemId, ids::StageName, ids::TenantId, runs::RunStatus,
+};
 use maud::{html, Markup, DOCTYPE};
 use serde::Deserialize;
 
@@ -280,7 +282,7 @@ pub(crate) async fn overview(
     State(console): State<Shared>,
     Extension(p): Extension<Principal>,
 ) -> Result<Response, PageError> {
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let rows = report::tenant_stage_overview(&mut conn, THROUGHPUT_WINDOW).await?;
     let stages = stage_order(&console, rows.iter().map(|r| r.stage.clone()));
     let depths = queue::queue_depths(&mut conn, &stages).await?;
@@ -481,7 +483,7 @@ pub(crate) async fn item(
     }
     let tenant = TenantId::parse(tenant)?;
     let item = ItemId::parse(item)?;
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let mut t = ops::inspect(&mut conn, &tenant, &item).await?;
     drop(conn);
     let order = |s: &StageName| {
@@ -594,7 +596,7 @@ pub(crate) struct DeadQuery {
 /// otherwise).
 pub(crate) async fn known_tenant(console: &Shared, slug: &str) -> Result<TenantId, PageError> {
     let tenant = TenantId::parse(slug)?;
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     if !report::tenant_exists(&mut conn, &tenant).await? {
         return Err(PageError::new(
             StatusCode::NOT_FOUND,
@@ -636,7 +638,7 @@ pub(crate) async fn dead(
         stage,
         limit: Some(500),
     };
-    let mut conn = idemstage::get(&console.pool).await?;
+    let mut conn = idemstage::db::get(&console.pool).await?;
     let letters = ops::dead(&mut conn, &filter).await?;
     drop(conn);
     let ro = console.read_only;
