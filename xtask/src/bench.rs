@@ -23,7 +23,7 @@ const OWN_FLAGS: [&str; 2] = ["--durable", "--only"];
 
 /// What `--only` may name: the pairs against pgbench, run alone (no peers, no
 /// queue scenario) for a quick look at a ratio.
-const ONLY_PARTS: [&str; 2] = ["claims", "stages"];
+const ONLY_PARTS: [&str; 4] = ["claims", "stages", "stages-split", "drain"];
 
 /// One row of the table: a measure, ours, a reference and their ratio.
 struct Row {
@@ -45,7 +45,7 @@ pub fn main(args: &[String]) -> Result<i32> {
     let only = flag(args, "--only");
     if let Some(only) = &only {
         if let Some(bad) = only.split(',').find(|p| !ONLY_PARTS.contains(p)) {
-            bail!("--only {bad:?}: give claims, stages or both (claims,stages)");
+            bail!("--only {bad:?}: give claims, stages, stages-split or drain (comma-separated)");
         }
     }
     let external = env::var("DATABASE_URL").is_ok_and(|u| !u.is_empty());
@@ -453,7 +453,8 @@ fn suite(
     };
     // `--only`: the pairs named, alone; their rows and medians, nothing else.
     if let Some(only) = only {
-        return quick_pairs(only, durable, &claim_pair, &stage_pair);
+        let drain = || ours("queue", &[]);
+        return quick_pairs(only, durable, url, &claim_pair, &stage_pair, &drain);
     }
     let peers = peers.context("the peers are prepared for a full run")?;
     // The stage's statements alone (job=0), then with the job that carries the
@@ -762,19 +763,24 @@ fn suite(
     })
 }
 
-/// `cargo xtask bench --only claims,stages`: the claim pair and the stage pair
-/// (each `PAIR_ROUNDS` interleaved rounds against pgbench, shared CPUs), their
-/// rows and medians only.
+/// `cargo xtask bench --only claims,stages,stages-split,drain`: the claim pair
+/// and the stage pair (each `PAIR_ROUNDS` interleaved rounds against pgbench),
+/// on shared CPUs, the stage pair with the server on one CPU and the clients on
+/// the other (`stages-split`), and the queue scenario's drains (`drain`, ours
+/// alone); their rows and medians only.
 type ClaimPair<'a> = dyn Fn(Option<&str>) -> Result<([f64; 4], String)> + 'a;
 type StagePair<'a> = dyn Fn(Option<&str>) -> Result<(f64, f64, f64, String)> + 'a;
 
 fn quick_pairs(
     only: &str,
     durable: bool,
+    url: &str,
     claim_pair: &ClaimPair<'_>,
     stage_pair: &StagePair<'_>,
+    drain: &dyn Fn() -> Result<String>,
 ) -> Result<Suite> {
     let mut rows = Vec::new();
+    let mut extra = Vec::new();
     let mut json = Vec::new();
     let mut row = |measure: &str, ours: f64, reference: f64| {
         rows.push(Row {
@@ -810,9 +816,49 @@ fn quick_pairs(
                     "\"pipeline\": {{\"stages_per_s\": {stages}, \"pgbench_stages_with_job_per_s\": {pg:.1}, \"pgbench_stages_with_job_sequential_per_s\": {pg_sequential:.1}}}"
                 ));
             }
-            other => bail!("--only {other:?}: give claims, stages or both"),
+            "stages-split" => {
+                let (server, client) =
+                    split_cpus().context("--only stages-split needs 2 CPUs and taskset")?;
+                let pinned = Pinned::server(url, &server, &format!("{server},{client}"))?;
+                let measured = stage_pair(Some(client.as_str()));
+                drop(pinned);
+                let (stages, pg, pg_sequential, _) = measured?;
+                row(
+                    "split CPUs: stage executions/s vs the statements with the job, pipelined (medians)",
+                    stages,
+                    pg,
+                );
+                row(
+                    "split CPUs: the same vs each statement in a round trip of its own (medians)",
+                    stages,
+                    pg_sequential,
+                );
+                json.push(format!(
+                    "\"split\": {{\"server_cpus\": \"{server}\", \"client_cpus\": \"{client}\", \"stages_per_s\": {stages}, \"pgbench_stages_with_job_per_s\": {pg:.1}, \"pgbench_stages_with_job_sequential_per_s\": {pg_sequential:.1}}}"
+                ));
+            }
+            "drain" => {
+                let queue = drain()?;
+                for key in [
+                    "drain_per_s",
+                    "worker_drain_per_s",
+                    "worker_drain_prefetch_per_s",
+                ] {
+                    let v = number(&queue, key)
+                        .with_context(|| format!("no number {key:?} in {queue}"))?;
+                    extra.push(Row {
+                        measure: format!("queue {key} (jobs/s, ours alone)"),
+                        ours: format!("{v:.0}"),
+                        reference: "-".to_owned(),
+                        ratio: "-".to_owned(),
+                    });
+                }
+                json.push(format!("\"queue\": {}", queue.trim()));
+            }
+            other => bail!("--only {other:?}: give claims, stages, stages-split or drain"),
         }
     }
+    rows.append(&mut extra);
     Ok(Suite {
         durable,
         json: format!(

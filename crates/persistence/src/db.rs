@@ -296,12 +296,7 @@ fn checkout_check(conn: &mut AsyncPgConnection) -> BoxFuture<'_, diesel::QueryRe
 /// Uses a connection of its own (not a pool) on a blocking thread. An unreachable
 /// server is `Unavailable`, a failed migration `Database`.
 pub async fn migrate(url: &str) -> Result<usize, RepoError> {
-    with_sync_connection(url, |conn| {
-        conn.run_pending_migrations(MIGRATIONS)
-            .map(|applied| applied.len())
-            .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))
-    })
-    .await
+    migrate_with(url, Vec::new()).await
 }
 
 /// Applies the core's pending migrations, then each of `team`'s in order (a team's
@@ -312,6 +307,7 @@ pub async fn migrate(url: &str) -> Result<usize, RepoError> {
 /// Errors as [`migrate`].
 pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<usize, RepoError> {
     with_sync_connection(url, move |conn| {
+        refuse_pre_baseline(conn)?;
         let mut applied = 0;
         for source in std::iter::once(MIGRATIONS).chain(team) {
             applied += conn
@@ -322,6 +318,64 @@ pub async fn migrate_with(url: &str, team: Vec<EmbeddedMigrations>) -> Result<us
         Ok(applied)
     })
     .await
+}
+
+/// The versions of the core's migrations before they were squashed into the
+/// baseline (`2026-11-30-000000_baseline`, 0.x). A database that holds one was
+/// migrated by an earlier 0.x and has the old names (`anfragen`,
+/// `pipeline_runs`): the baseline cannot run on it, and diesel would say only
+/// that a type already exists.
+const PRE_BASELINE_VERSIONS: [&str; 25] = [
+    "20261130000001",
+    "20261130000010",
+    "20261130000020",
+    "20261130000030",
+    "20261130000040",
+    "20261130000050",
+    "20261130000060",
+    "20261201000070",
+    "20261201000080",
+    "20261201000090",
+    "20261201000100",
+    "20261201000110",
+    "20261201000120",
+    "20261201000130",
+    "20261201000140",
+    "20261201000150",
+    "20261203000160",
+    "20261203000170",
+    "20261203000171",
+    "20261203000172",
+    "20261203000180",
+    "20261203000200",
+    "20261203000210",
+    "20261203000220",
+    "20261203000230",
+];
+
+/// Refuses, changing nothing, a database migrated before the baseline.
+fn refuse_pre_baseline(
+    conn: &mut AsyncConnectionWrapper<AsyncPgConnection>,
+) -> Result<(), RepoError> {
+    let applied = conn
+        .applied_migrations()
+        .map_err(|e| RepoError::Database(format!("migration failed: {e}").into()))?;
+    if let Some(old) = applied
+        .iter()
+        .map(|v| v.to_string())
+        .find(|v| PRE_BASELINE_VERSIONS.contains(&v.as_str()))
+    {
+        return Err(RepoError::Database(
+            format!(
+                "migration refused: this database holds idemstage's migration {old}, from before \
+                 the 0.x baseline (2026-11-30-000000_baseline, which renamed anfragen to items \
+                 and pipeline_runs to stage_runs); nothing was changed. Migrate a new database \
+                 (or drop this one and migrate it anew)"
+            )
+            .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Reverts every applied migration of the core (used by the round-trip test);

@@ -117,6 +117,30 @@ async fn a_revert_that_meets_an_unknown_version_reverts_nothing() {
     assert!(err.to_string().contains("nothing was reverted"), "{err}");
 }
 
+/// A database migrated before the 0.x baseline (it records the old core
+/// versions, not the baseline's) is refused with a message that says so, and
+/// nothing is changed: diesel alone would run the baseline on it and fail with
+/// "type ulid_text already exists".
+#[tokio::test]
+async fn a_database_migrated_before_the_baseline_is_refused_by_name() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    conn.batch_execute(
+        "DELETE FROM __diesel_schema_migrations; \
+         INSERT INTO __diesel_schema_migrations (version) VALUES ('20261130000001')",
+    )
+    .await
+    .unwrap();
+    let tables = public_tables(&mut conn).await;
+
+    let err = idemstage_persistence::migrate(db.url()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("before the 0.x baseline"), "{text}");
+    assert!(text.contains("20261130000001"), "{text}");
+    assert!(text.contains("nothing was changed"), "{text}");
+    assert_eq!(public_tables(&mut conn).await, tables);
+}
+
 /// The checked-in `schema.rs` must describe exactly what the migrations create:
 /// same tables, columns in order, types, nullability and primary keys. Regenerate it
 /// with `diesel print-schema` (diesel.toml) when this fails.
