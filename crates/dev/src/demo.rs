@@ -44,6 +44,15 @@ pub struct Args {
     /// Probability that a stage body aborts mid-way after part of its writes
     #[arg(long, default_value_t = 0.05)]
     crash_rate: f64,
+    /// The local "LLM" service: how long it thinks before each answer (ms)
+    #[arg(long, default_value_t = 0)]
+    llm_latency_ms: u64,
+    /// The local "LLM" service answers every Nth request 429 with Retry-After (1 s)
+    #[arg(long, value_name = "N")]
+    llm_429_every: Option<u32>,
+    /// The local "LLM" service answers this share of requests 500 (0 to below 1)
+    #[arg(long, default_value_t = 0.0)]
+    llm_failure_rate: f64,
     /// Give up (and fail) after this many seconds
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
@@ -63,6 +72,8 @@ struct Report {
     stages_succeeded: i64,
     /// Calls the "LLM" answered (paid), and the extractions that succeeded.
     llm_calls: u64,
+    /// Every request the "LLM" got, refused (429) and failed (500) ones too.
+    llm_requests: u64,
     extractions: i64,
     duplicates_refused: u64,
     claim_skips: u64,
@@ -118,6 +129,12 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !(0.0..1.0).contains(&args.crash_rate) {
         return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
     }
+    if !(0.0..1.0).contains(&args.llm_failure_rate) {
+        return Err(BadInput("--llm-failure-rate must be in [0, 1)".into()).into());
+    }
+    if args.llm_429_every == Some(0) {
+        return Err(BadInput("--llm-429-every must be at least 1".into()).into());
+    }
     idemstage::db::migrate_with(url, vec![idemstage_example::MIGRATIONS]).await?;
     // The verdict is read from the whole database, so it must hold only this run's
     // rows: a demo database (`*_demo`) is emptied first (a second `cargo xtask
@@ -167,8 +184,15 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     let counters = Arc::new(Counters::tracking_successes());
     // The extract stage's "LLM": a local service (loopback, an ephemeral port)
     // that counts the calls it answered, i.e. the calls paid.
-    let llm = example::llm::LlmServer::start(example::llm::LlmConfig::default())
-        .context("starting the local LLM service")?;
+    let mut llm_config = example::llm::LlmConfig::default()
+        .with_latency(Duration::from_millis(args.llm_latency_ms))
+        .with_failure_rate(args.llm_failure_rate)
+        .with_seed(seed);
+    if let Some(n) = args.llm_429_every {
+        llm_config = llm_config.with_rate_limited_every(n);
+    }
+    let llm =
+        example::llm::LlmServer::start(llm_config).context("starting the local LLM service")?;
     let pipeline = example::pipeline_with_llm(
         Chaos::crashing(args.crash_rate),
         idemstage::stage::StagePolicy::default(),
@@ -298,6 +322,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         sends: sends.len(),
         stages_succeeded: check.stages_succeeded,
         llm_calls,
+        llm_requests: llm.requests(),
         extractions,
         duplicates_refused: refused.load(Ordering::Relaxed),
         claim_skips: counters.skipped.load(Ordering::Relaxed),
@@ -348,8 +373,8 @@ fn print_report(r: &Report) {
     );
     println!("  stages succeeded          {:>8}", r.stages_succeeded);
     println!(
-        "  LLM calls paid            {:>8}  for {} successful extractions",
-        r.llm_calls, r.extractions
+        "  LLM calls paid            {:>8}  for {} successful extractions ({} requests)",
+        r.llm_calls, r.extractions, r.llm_requests
     );
     println!("  retries                   {:>8}", r.retries);
     println!("  fenced writes             {:>8}", r.fenced);

@@ -182,6 +182,65 @@ async fn demo_refuses_a_database_that_holds_other_items() {
     assert_eq!(rows(&db).await, 2, "the demo touched the database");
 }
 
+/// The demo's flags for the local "LLM" service: out of range is exit 2 and
+/// nothing written.
+#[tokio::test]
+async fn demo_refuses_bad_llm_flags_before_it_touches_the_database() {
+    let db = idemstage_harness::example::db().await;
+    let ok = enqueue(&db, "t1");
+    assert!(ok.status.success());
+    for (args, message) in [
+        (vec!["--llm-failure-rate", "1"], "--llm-failure-rate"),
+        (vec!["--llm-failure-rate=-0.1"], "--llm-failure-rate"),
+        (vec!["--llm-429-every", "0"], "--llm-429-every"),
+    ] {
+        let mut full = vec!["demo", "--items", "1"];
+        full.extend(args.iter().copied());
+        let out = idemstage(&db, &full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    assert_eq!(rows(&db).await, 2, "the demo touched the database");
+}
+
+/// With the "LLM" refusing (429) and failing (500) some requests, and stages
+/// crashing after the call, every extraction still pays exactly one call: the
+/// demo's verdict says so (it counts a difference as a violation), and the
+/// service saw more requests than it answered.
+#[tokio::test]
+async fn the_demo_pays_one_llm_call_per_extraction_under_refusals_and_failures() {
+    let db = idemstage_harness::example::db().await;
+    let out = idemstage(
+        &db,
+        &[
+            "demo",
+            "--items",
+            "40",
+            "--workers",
+            "2",
+            "--crash-rate",
+            "0.1",
+            "--llm-429-every",
+            "7",
+            "--llm-failure-rate",
+            "0.2",
+            "--seed",
+            "3",
+            "--json",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(report["llm_calls"], report["extractions"], "{report}");
+    assert!(
+        report["llm_requests"].as_u64().unwrap() > report["llm_calls"].as_u64().unwrap(),
+        "no request was refused or failed: {report}"
+    );
+}
+
 #[tokio::test]
 async fn pooler_flags_are_checked_before_anything_runs() {
     let db = idemstage_harness::example::db().await;
