@@ -30,6 +30,7 @@ use idemstage::pipeline::Pipeline;
 pub struct App {
     pipeline: Pipeline,
     migrations: Vec<EmbeddedMigrations>,
+    name: Option<(&'static str, &'static str)>,
 }
 
 impl App {
@@ -38,7 +39,16 @@ impl App {
         Self {
             pipeline,
             migrations: Vec::new(),
+            name: None,
         }
+    }
+
+    /// The binary's own name and version, for `--version` and the usage lines
+    /// (default: `idemstage` and this crate's version). Usually
+    /// `.with_name(env!("CARGO_PKG_NAME"), env!("CARGO_PKG_VERSION"))`.
+    pub fn with_name(mut self, name: &'static str, version: &'static str) -> Self {
+        self.name = Some((name, version));
+        self
     }
 
     /// The team's migrations, applied by `migrate` after the core's, in order.
@@ -103,7 +113,11 @@ enum Command {
 /// and a panic hook that logs a panic as one line, so call it once, from `main`,
 /// outside any tokio runtime.
 pub fn run_app(app: App) -> ExitCode {
-    let matches = extend::command().get_matches();
+    let mut command = extend::command();
+    if let Some((name, version)) = app.name {
+        command = command.name(name).bin_name(name).version(version);
+    }
+    let matches = command.get_matches();
     extend::block_on(async move {
         extend::init_logging("warn");
         extend::run_matches(app, &matches).await

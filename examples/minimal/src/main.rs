@@ -78,5 +78,9 @@ pub fn pipeline() -> Pipeline {
 }
 
 fn main() -> std::process::ExitCode {
-    idemstage_cli::run_app(idemstage_cli::App::new(pipeline()).with_migrations(vec![MIGRATIONS]))
+    idemstage_cli::run_app(
+        idemstage_cli::App::new(pipeline())
+            .with_name(env!("CARGO_PKG_NAME"), env!("CARGO_PKG_VERSION"))
+            .with_migrations(vec![MIGRATIONS]),
+    )
 }

@@ -4,6 +4,7 @@
 fn main() -> std::process::ExitCode {
     idemstage_cli::run_app(
         idemstage_cli::App::new(ocr_translate::pipeline())
+            .with_name(env!("CARGO_PKG_NAME"), env!("CARGO_PKG_VERSION"))
             .with_migrations(vec![ocr_translate::MIGRATIONS]),
     )
 }

@@ -84,3 +84,25 @@ async fn the_binary_migrates_enqueues_works_and_reports_this_pipeline() {
     assert!(json.contains("translate"), "{json}");
     assert!(json.contains("success"), "{json}");
 }
+
+/// A team's binary names itself (`App::with_name`), not idemstage: `--version`
+/// and the usage lines say `ocr-translate`.
+#[test]
+fn the_binary_says_its_own_name_and_version() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ocr-translate"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.trim(),
+        format!("ocr-translate {}", env!("CARGO_PKG_VERSION"))
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ocr-translate"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("Usage: ocr-translate"), "{help}");
+}
