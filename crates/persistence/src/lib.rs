@@ -50,6 +50,7 @@ pub mod db;
 pub mod error;
 pub mod fenced;
 pub mod items;
+pub mod migrations;
 pub mod ops;
 pub mod queue;
 pub mod reconcile;
@@ -70,10 +71,13 @@ pub mod statements;
 pub mod tenant;
 
 pub use db::{
-    connect, connect_pool, connect_with, get, migrate, migrate_with, pinned, redact_url,
-    revert_all_migrations, revert_all_with, PgPool, PoolConfig, PooledConn, Pooler, MIGRATIONS,
-    MIGRATIONS_FINGERPRINT,
+    connect, connect_pool, connect_with, get, pinned, redact_url, PgPool, PoolConfig, PooledConn,
+    Pooler,
 };
 pub use error::{map_diesel_error, TxError};
 pub use fenced::{FencedTx, FencedWrite, InsertOrGet, Replaced};
+pub use migrations::{
+    migrate, migrate_with, revert_all_migrations, revert_all_with, MIGRATIONS,
+    MIGRATIONS_FINGERPRINT,
+};
 pub use runs::PgRunRepository;
