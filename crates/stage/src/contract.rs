@@ -36,7 +36,9 @@ impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> StageData for T {}
 /// What `prepare` returns is checkpointed (unless it is JSON `null`, or the
 /// policy's `reuse_prepared` is off) and reused by the next attempt of the same
 /// run on the same input and upstream attempt: a paid call is not paid again
-/// after a failed commit, a crash, or a lost lease.
+/// after a failed commit, a crash, or a lost lease. A permanent error throws it
+/// away (it may be the value `commit` refused), so an operator's retry of the
+/// dead run calls `prepare` again.
 ///
 /// Errors: [`StageError::Transient`] for a failure worth another attempt,
 /// [`StageError::Permanent`] for one that is not (the run ends `dead` at once),

@@ -258,13 +258,20 @@ UPDATE stage_runs
 
 /// Records a failed attempt, fenced on the token: `dead` when the budget is used
 /// up or the failure is permanent (`$4` false), else `failed`. `$3` the sanitised
-/// error text.
+/// error text. A permanent failure also deletes the run's checkpoint: the failure
+/// may be the prepared value itself (an answer `commit` cannot use), so an
+/// operator's retry must pay for a new one. A retryable failure keeps it (the
+/// paid call is still good, also for a retry after the budget ran out).
 pub const FAIL: &str = "\
-UPDATE stage_runs
-   SET status = CASE WHEN attempts >= max_attempts OR NOT $4 THEN 'dead' ELSE 'failed' END,
-       last_error = $3, finished_at = clock_timestamp()
- WHERE id = $1 AND attempts = $2 AND status = 'running'
-RETURNING status, attempts";
+WITH failed AS (
+    UPDATE stage_runs
+       SET status = CASE WHEN attempts >= max_attempts OR NOT $4 THEN 'dead' ELSE 'failed' END,
+           last_error = $3, finished_at = clock_timestamp()
+     WHERE id = $1 AND attempts = $2 AND status = 'running'
+    RETURNING id, status, attempts),
+cleared AS (
+    DELETE FROM stage_checkpoints c USING failed f WHERE NOT $4 AND c.run_id = f.id)
+SELECT status, attempts FROM failed";
 
 /// Gives the lease back without counting the attempt (shutdown, an infrastructure
 /// error): the lease ends now and the budget grows by one. `$3` the reason.

@@ -22,11 +22,13 @@ fn policy() -> StagePolicy {
 
 /// The first stage: upper-cases the input in `prepare` (the "paid call"),
 /// counting the calls; `commit` fails transiently while `fail_commits` is above
-/// zero, and waits for the test if `hold_commit` is set.
+/// zero, then permanently while `refuse_commits` is, and waits for the test if
+/// `hold_commit` is set.
 #[derive(Default)]
 struct Shout {
     calls: AtomicUsize,
     fail_commits: AtomicUsize,
+    refuse_commits: AtomicUsize,
     reuse: Option<bool>,
     hold_commit: Option<(Notify, Notify)>,
 }
@@ -60,6 +62,13 @@ impl Stage for Shout {
             .is_ok()
         {
             return Err(StageError::Transient("the commit failed".into()));
+        }
+        if self
+            .refuse_commits
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StageError::Permanent("the answer is unusable".into()));
         }
         Ok(Done::next(shouted.clone()))
     }
@@ -294,6 +303,53 @@ async fn a_paid_call_is_reused_by_the_next_attempt_after_a_failed_commit() {
     assert_eq!(
         count(&mut f.conn, "SELECT 1 FROM stage_checkpoints").await,
         0
+    );
+}
+
+/// A commit that refuses the prepared value itself (a permanent error) ends the
+/// run `dead` and throws the value away: an operator's retry pays for a new one
+/// instead of failing on the same value again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_value_refused_for_good_is_not_reused_by_an_operators_retry() {
+    let mut f = fixture().await;
+    let shout = Arc::new(Shout {
+        refuse_commits: AtomicUsize::new(1),
+        ..Shout::default()
+    });
+    let pipeline = pipeline(&shout, &Arc::new(Count::default()));
+    let job = f.item("teuer").await;
+    assert!(matches!(
+        run(&f, &pipeline, "shout", &job).await,
+        ExecutionOutcome::Failed {
+            attempt: 1,
+            dead: true,
+            ..
+        }
+    ));
+    assert_eq!(
+        count(&mut f.conn, "SELECT 1 FROM stage_checkpoints").await,
+        0,
+        "a value refused for good is not kept"
+    );
+    let retried = idemstage::ops::retry(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        None,
+        &idemstage::ops::Actor::parse("ops-bot").unwrap(),
+        &pipeline,
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(retried, idemstage::ops::RetryOutcome::Retried { .. }),
+        "{retried:?}"
+    );
+    assert!(succeeded(&run(&f, &pipeline, "shout", &job).await, 2));
+    assert_eq!(
+        AtomicUsize::load(&shout.calls, Ordering::SeqCst),
+        2,
+        "the retry paid for a new value"
     );
 }
 
