@@ -5,8 +5,8 @@
 //! queue tests (bench/peers/: pg-boss and graphile-worker on Node.js, awa in Rust).
 //! Writes `target/bench/report.json` and prints a markdown table.
 //!
-//! No JSON library here (xtask stays dependency-free): the inputs are flat objects
-//! printed by our own tools, so numbers are picked out by key.
+//! The inputs are flat objects printed by our own tools, so numbers are picked
+//! out by key (the pressure cells, nested, are read with serde_json).
 
 use std::{
     env, fs,
@@ -187,6 +187,28 @@ fn load_average() -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// awa's reference built in release, in its own project and target dir (it is no
+/// member of our workspace); the path of its binary.
+pub(crate) fn build_awa(root: &Path) -> Result<PathBuf> {
+    let awa_dir = root.join("bench").join("peers").join("awa");
+    eprintln!("xtask: cargo build --release in {}", awa_dir.display());
+    let status = cargo()
+        .args(["build", "--release", "--locked", "--manifest-path"])
+        .arg(awa_dir.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(awa_dir.join("target"))
+        .env_remove("CARGO_TARGET_DIR")
+        .status()
+        .context("cargo build of bench/peers/awa")?;
+    if !status.success() {
+        bail!("bench/peers/awa: release build failed");
+    }
+    Ok(awa_dir
+        .join("target")
+        .join("release")
+        .join("idemstage-bench-awa"))
+}
+
 /// The peers in bench/peers: how to run each, once built.
 struct Peers {
     dir: PathBuf,
@@ -212,26 +234,7 @@ impl Peers {
                     .current_dir(&dir),
             )?;
         }
-        let awa_dir = dir.join("awa");
-        eprintln!(
-            "xtask bench: cargo build --release in {}",
-            awa_dir.display()
-        );
-        let status = cargo()
-            .args(["build", "--release", "--locked", "--manifest-path"])
-            .arg(awa_dir.join("Cargo.toml"))
-            .arg("--target-dir")
-            .arg(awa_dir.join("target"))
-            .env_remove("CARGO_TARGET_DIR")
-            .status()
-            .context("cargo build of bench/peers/awa")?;
-        if !status.success() {
-            bail!("bench/peers/awa: release build failed");
-        }
-        let awa = awa_dir
-            .join("target")
-            .join("release")
-            .join("idemstage-bench-awa");
+        let awa = build_awa(root)?;
         Ok(Peers { dir, awa })
     }
 
@@ -898,7 +901,7 @@ fn output(cmd: &mut Command) -> Result<String> {
     Ok(stdout)
 }
 
-fn flag(args: &[String], name: &str) -> Option<String> {
+pub(crate) fn flag(args: &[String], name: &str) -> Option<String> {
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1).cloned())
@@ -1122,7 +1125,7 @@ const PGBENCH_VARIABLES: [(&str, &str); 8] = [
 
 /// What psql prints for `sql` (unaligned, tuples only, stopping at the first
 /// error).
-fn psql(url: &str, sql: &str) -> Result<String> {
+pub(crate) fn psql(url: &str, sql: &str) -> Result<String> {
     output(
         Command::new("psql")
             .args(["-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1"])

@@ -1,8 +1,11 @@
 //! Project automation, run as `cargo xtask <command>` (matklad's xtask pattern:
-//! plain Rust instead of shell scripts, no dependencies beyond `anyhow`).
+//! plain Rust instead of shell scripts; `anyhow`, and `serde_json` and `plotters`
+//! for the pressure cells' reports and pictures).
 
 mod bench;
 mod pg;
+mod pressure;
+mod pressure_plot;
 
 use std::{
     env,
@@ -37,6 +40,12 @@ Commands:
                  --durable off|on|both (default both; with DATABASE_URL: the
                  server's own settings, once)
                  args (passed on): --duration-s S --concurrency N --jobs N --items N
+  pressure [--cells idle_in_tx,active_readers,sustained_high_load,event_burst,clean]
+           [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N] [--no-awa]
+                 the pressure cells (clean -> stress -> recovery at a fixed offered
+                 rate, default half our workers' measured peak) for ours and awa on
+                 database idemstage_pressure_bench; writes target/bench/pressure/
+                 <cell>.json and <cell>.svg
   soak [--minutes N]
                  run the soak test (release): N minutes (default 10) of random
                  faults (SIGKILL, SIGSTOP, terminated connections) against 3
@@ -99,6 +108,7 @@ fn run() -> Result<i32> {
         }
         // Ours and the references (pgbench, pg-boss) on one server, in one run.
         "bench" => bench::main(rest),
+        "pressure" => pressure::main(rest),
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
         "soak" => {

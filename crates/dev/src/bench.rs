@@ -48,6 +48,9 @@ pub enum Scenario {
     Caps,
     /// A rate limit on a stage, observed on the database clock
     Rate,
+    /// The example pipeline at a fixed offered rate while vacuum is held back
+    /// (clean → stress → recovery; see --cell)
+    Pressure,
 }
 
 #[derive(clap::Args)]
@@ -124,6 +127,8 @@ pub struct Args {
     /// settings; fixtures, checks and LISTEN stay on the direct URL
     #[arg(long, value_name = "URL")]
     pub pooler_url: Option<String>,
+    #[command(flatten)]
+    pub pressure: super::pressure::PressureArgs,
     /// Print one JSON object instead of the table
     #[arg(long)]
     json: bool,
@@ -182,6 +187,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Fairness => super::fairness::fairness(url, &args).await?,
         Scenario::Caps => super::limits::caps(url, &args).await?,
         Scenario::Rate => super::limits::rate(url, &args).await?,
+        Scenario::Pressure => super::pressure::pressure(url, &args).await?,
     };
     let failed = report
         .get("violations")

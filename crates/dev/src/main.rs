@@ -9,6 +9,7 @@ mod demo;
 mod fairness;
 mod fixtures;
 mod limits;
+mod pressure;
 
 use std::process::ExitCode;
 use std::time::Duration;

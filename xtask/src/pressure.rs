@@ -1,0 +1,190 @@
+//! `cargo xtask pressure`: the pressure cells (`idemstage bench pressure`) for
+//! ours and for awa (bench/peers/awa), one after the other on one server, at the
+//! same offered jobs/s: half of our workers' peak, measured by the first cell.
+//! Writes `target/bench/pressure/<cell>.json` (both runs) and `<cell>.svg` (the
+//! picture BENCHMARKS.md links), and prints a markdown table of the summaries.
+//!
+//! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
+//!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
+//!        [--no-awa]
+
+use std::{fs, path::PathBuf, process::Command};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::bench::{build_awa, flag, psql};
+use crate::{cargo, pressure_plot, project_root, with_database_durable};
+
+const CELLS: [&str; 5] = [
+    "idle_in_tx",
+    "active_readers",
+    "sustained_high_load",
+    "event_burst",
+    "clean",
+];
+const PHASE_FLAGS: [&str; 4] = [
+    "--clean-s",
+    "--stress-s",
+    "--recovery-s",
+    "--sample-every-s",
+];
+
+pub fn main(args: &[String]) -> Result<i32> {
+    let cells: Vec<String> = match flag(args, "--cells") {
+        Some(c) => c.split(',').map(str::to_owned).collect(),
+        None => CELLS[..4].iter().map(|c| (*c).to_owned()).collect(),
+    };
+    if let Some(bad) = cells.iter().find(|c| !CELLS.contains(&c.as_str())) {
+        eprintln!(
+            "xtask pressure: --cells {bad:?}: give some of {}",
+            CELLS.join(",")
+        );
+        return Ok(2);
+    }
+    let mut items_per_s: Option<f64> = match flag(args, "--items-per-s") {
+        Some(v) => match v.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Some(r),
+            _ => {
+                eprintln!("xtask pressure: --items-per-s {v:?}: give a positive number");
+                return Ok(2);
+            }
+        },
+        None => None,
+    };
+    let awa_too = !args.iter().any(|a| a == "--no-awa");
+    let root = project_root();
+    let status = cargo()
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "idemstage-dev",
+            "--bin",
+            "idemstage",
+        ])
+        .status()
+        .context("cargo build")?;
+    if !status.success() {
+        bail!("release build failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let ours_bin = target.join("release").join("idemstage");
+    let awa_bin = if awa_too {
+        Some(build_awa(&root)?)
+    } else {
+        None
+    };
+    let dir = target.join("bench").join("pressure");
+    fs::create_dir_all(&dir)?;
+
+    let mut phase_args = Vec::new();
+    for f in PHASE_FLAGS {
+        if let Some(v) = flag(args, f) {
+            phase_args.extend([f.to_owned(), v]);
+        }
+    }
+    let mut failed = false;
+    let mut rows = Vec::new();
+    with_database_durable("idemstage_pressure_bench", None, |url| {
+        let awa_url = match url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/awa_pressure_bench"),
+            None => bail!("DATABASE_URL {url:?} names no database"),
+        };
+        if awa_too {
+            psql(url, "DROP DATABASE IF EXISTS awa_pressure_bench")?;
+            psql(url, "CREATE DATABASE awa_pressure_bench")?;
+        }
+        for cell in &cells {
+            let mut cmd = Command::new(&ours_bin);
+            cmd.args([
+                "bench",
+                "pressure",
+                "--json",
+                "--cell",
+                &cell.replace('_', "-"),
+            ])
+            .args(&phase_args)
+            .env("DATABASE_URL", url);
+            if let Some(r) = items_per_s {
+                cmd.args(["--items-per-s", &r.to_string()]);
+            }
+            eprintln!("xtask pressure: {cell}: idemstage");
+            let ours = run_json(&mut cmd)?;
+            // The first cell measured the peak; every later run offers the same.
+            items_per_s = items_per_s.or(ours["items_per_s"].as_f64());
+            let offered = ours["offered_per_s"].as_f64().unwrap_or(0.0);
+            let mut runs = vec![ours];
+            if let Some(awa) = &awa_bin {
+                eprintln!("xtask pressure: {cell}: awa at {offered} jobs/s");
+                let mut cmd = Command::new(awa);
+                cmd.args(["pressure", "--cell", cell, "--rate", &offered.to_string()])
+                    .args(&phase_args)
+                    .env("DATABASE_URL", &awa_url);
+                match run_json(&mut cmd) {
+                    Ok(run) => runs.push(run),
+                    Err(e) => eprintln!("xtask pressure: {cell}: awa gave no run: {e:#}"),
+                }
+            }
+            for run in &runs {
+                failed |= run["violations"].as_array().is_some_and(|v| !v.is_empty());
+                rows.push(row(run));
+            }
+            fs::write(
+                dir.join(format!("{cell}.json")),
+                serde_json::to_string_pretty(&runs)?,
+            )?;
+            pressure_plot::draw_cell(&runs, &dir.join(format!("{cell}.svg")))?;
+        }
+        Ok(())
+    })?;
+    println!("| cell | system | offered jobs/s | clean done/s | stress done/s (ratio) | first 240 s ratio | pickup p99 clean → stress (ms) | recovered after s | dead tuples median / max | drained | shutdown s |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|");
+    for r in rows {
+        println!("{r}");
+    }
+    eprintln!("xtask pressure: wrote {}", dir.display());
+    Ok(if failed { 1 } else { 0 })
+}
+
+/// The one JSON object a run prints, or why there is none.
+fn run_json(cmd: &mut Command) -> Result<Value> {
+    let out = cmd.output().context("running a pressure cell")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));
+    match line {
+        Some(l) => serde_json::from_str(l).context("the run's JSON"),
+        None => bail!(
+            "exit {:?}, no JSON; stderr: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        ),
+    }
+}
+
+fn row(run: &Value) -> String {
+    let s = &run["summary"];
+    let n = |v: &Value| v.as_f64().map_or("–".to_owned(), |x| format!("{x}"));
+    format!(
+        "| {} | {} | {} | {} | {} ({}) | {} | {} → {} | {} | {} / {} | {} | {} |",
+        run["cell"].as_str().unwrap_or("?"),
+        run["system"].as_str().unwrap_or("?"),
+        n(&run["offered_per_s"]),
+        n(&s["clean"]["completed_per_s"]),
+        n(&s["stress"]["completed_per_s"]),
+        n(&s["stress_completion_ratio"]),
+        n(&s["stress_first_240s_completion_ratio"]),
+        n(&s["clean"]["pickup_p99_ms"]),
+        n(&s["stress"]["pickup_p99_ms"]),
+        n(&s["recovered_after_s"]),
+        n(&s["dead_tuples_median"]),
+        n(&s["dead_tuples_max"]),
+        run["drained"],
+        n(&run["shutdown_s"]),
+    )
+}
