@@ -160,6 +160,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
     if !args.duration_s.is_finite() || args.duration_s <= 0.0 {
         return Err(BadInput("--duration-s must be positive".into()).into());
     }
+    args.pressure.check()?;
     if args.drain_loops.is_empty() || args.drain_loops.contains(&0) {
         return Err(BadInput(format!(
             "--drain-loops {:?}: give one or more loop counts of at least 1, e.g. 2,4,16",

@@ -90,6 +90,33 @@ pub struct PressureArgs {
     pub tenants: usize,
 }
 
+impl PressureArgs {
+    /// Refuses what cannot be measured, before anything touches the database.
+    pub fn check(&self) -> Result<(), BadInput> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if ![
+            self.clean_s,
+            self.stress_s,
+            self.recovery_s,
+            self.sample_every_s,
+        ]
+        .into_iter()
+        .all(positive)
+            || self.items_per_s.is_some_and(|r| !positive(r))
+            || self.peak_items == 0
+            || self.pressure_workers == 0
+            || self.tenants == 0
+        {
+            return Err(BadInput(
+                "pressure: --items-per-s, --peak-items, the phases' seconds, --sample-every-s, \
+                 --pressure-workers and --tenants must be positive"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Cell {
     fn name(self) -> &'static str {
         match self {
@@ -406,19 +433,6 @@ fn phase_summary(
 pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let p = &args.pressure;
     let durations = [p.clean_s, p.stress_s, p.recovery_s];
-    if durations.iter().any(|d| !d.is_finite() || *d <= 0.0)
-        || p.items_per_s.is_some_and(|r| !r.is_finite() || r <= 0.0)
-        || p.peak_items == 0
-        || !p.sample_every_s.is_finite()
-        || p.sample_every_s <= 0.0
-        || p.pressure_workers == 0
-        || p.tenants == 0
-    {
-        return Err(BadInput(
-            "pressure: --items-per-s, the phases, --sample-every-s, --pressure-workers and --tenants must be positive".into(),
-        )
-        .into());
-    }
     let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::vacuum_analyze(

@@ -164,6 +164,20 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
+    for args in [
+        vec!["--items-per-s", "0"],
+        vec!["--items-per-s", "NaN"],
+        vec!["--stress-s", "0"],
+        vec!["--pressure-workers", "0"],
+        vec!["--peak-items", "0"],
+    ] {
+        let mut full = vec!["bench", "pressure"];
+        full.extend(args.iter().copied());
+        let out = idemstage(&db, &full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("pressure:"), "{args:?}: {stderr}");
+    }
     // Not a benchmark database either: nothing was emptied.
     assert_eq!(rows(&db).await, 2);
 }
