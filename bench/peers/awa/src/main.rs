@@ -4,6 +4,8 @@
 //! usage: DATABASE_URL=postgres://... idemstage-bench-awa [--jobs 20000]
 //!        [--concurrency 16] [--fast-workers 256,1024] [--latency-sends 300]
 //!        [--latency-gap-ms 20]
+//!        DATABASE_URL=postgres://... idemstage-bench-awa pressure --cell <cell>
+//!        --rate <jobs/s> [...]: the pressure cells (src/pressure.rs)
 //!
 //! awa 0.6 (docs/configuration.md of its repository, the crate docs):
 //! - enqueue: `insert_with` with `UniqueOpts` by queue and args over the live
@@ -33,6 +35,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
+
+mod pressure;
 
 #[derive(Serialize, Deserialize, JobArgs)]
 struct BenchJob {
@@ -234,6 +238,12 @@ async fn fresh_install(pool: &PgPool) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("pressure") => return pressure::main(&args[2..]).await,
+        Some("pressure-worker") => return pressure::worker_main(&args[2..]).await,
+        _ => {}
+    }
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let jobs = number("--jobs", 20_000)?;
     let concurrency = number("--concurrency", 16)? as u32;
