@@ -41,9 +41,11 @@ Commands:
                  server's own settings, once)
                  args (passed on): --duration-s S --concurrency N --jobs N --items N
   pressure [--cells idle_in_tx,active_readers,sustained_high_load,event_burst,clean]
-           [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N] [--no-awa]
+           [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
+           [--workloads pipeline,queue] [--no-awa]
                  the pressure cells (clean -> stress -> recovery at a fixed offered
-                 rate, default half our workers' measured peak) for ours and awa on
+                 rate, default half our pipeline workers' measured peak) for ours
+                 (the example pipeline, a no-op queue) and awa's no-op queue on
                  database idemstage_pressure_bench; writes target/bench/pressure/
                  <cell>.json and <cell>.svg
   soak [--minutes N]

@@ -1,12 +1,13 @@
 //! `cargo xtask pressure`: the pressure cells (`idemstage bench pressure`) for
-//! ours and for awa (bench/peers/awa), one after the other on one server, at the
-//! same offered jobs/s: half of our workers' peak, measured by the first cell.
+//! ours (the example pipeline, and a no-op queue) and for awa's no-op queue
+//! (bench/peers/awa), one after the other on one server, all at the same offered
+//! jobs/s: half of our pipeline workers' peak, measured by the first cell.
 //! Writes `target/bench/pressure/<cell>.json` (both runs) and `<cell>.svg` (the
 //! picture BENCHMARKS.md links), and prints a markdown table of the summaries.
 //!
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
 //!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
-//!        [--no-awa]
+//!        [--workloads pipeline,queue] [--no-awa]
 
 use std::{fs, path::PathBuf, process::Command};
 
@@ -53,6 +54,15 @@ pub fn main(args: &[String]) -> Result<i32> {
         None => None,
     };
     let awa_too = !args.iter().any(|a| a == "--no-awa");
+    let workloads: Vec<String> = flag(args, "--workloads")
+        .unwrap_or_else(|| "pipeline,queue".into())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    if workloads.is_empty() || workloads.iter().any(|w| w != "pipeline" && w != "queue") {
+        eprintln!("xtask pressure: --workloads {workloads:?}: give pipeline, queue or both");
+        return Ok(2);
+    }
     let root = project_root();
     let status = cargo()
         .args([
@@ -98,25 +108,39 @@ pub fn main(args: &[String]) -> Result<i32> {
             psql(url, "CREATE DATABASE awa_pressure_bench")?;
         }
         for cell in &cells {
-            let mut cmd = Command::new(&ours_bin);
-            cmd.args([
-                "bench",
-                "pressure",
-                "--json",
-                "--cell",
-                &cell.replace('_', "-"),
-            ])
-            .args(&phase_args)
-            .env("DATABASE_URL", url);
-            if let Some(r) = items_per_s {
-                cmd.args(["--items-per-s", &r.to_string()]);
+            let mut runs = Vec::new();
+            let mut offered: Option<f64> = None;
+            for workload in &workloads {
+                let mut cmd = Command::new(&ours_bin);
+                cmd.args([
+                    "bench",
+                    "pressure",
+                    "--json",
+                    "--cell",
+                    &cell.replace('_', "-"),
+                ])
+                .args(["--workload", workload])
+                .args(&phase_args)
+                .env("DATABASE_URL", url);
+                // Units/s: items for the pipeline (four jobs each), jobs for the queue.
+                match (offered, workload.as_str()) {
+                    (Some(jobs), "queue") => cmd.args(["--items-per-s", &jobs.to_string()]),
+                    (Some(jobs), _) => cmd.args(["--items-per-s", &(jobs / 4.0).to_string()]),
+                    (None, _) => match items_per_s {
+                        Some(r) => cmd.args(["--items-per-s", &r.to_string()]),
+                        None => &mut cmd,
+                    },
+                };
+                eprintln!("xtask pressure: {cell}: idemstage {workload}");
+                let run = run_json(&mut cmd)?;
+                // The first run measured the peak; every later one offers the same.
+                offered = offered.or(run["offered_per_s"].as_f64());
+                if workload == "pipeline" {
+                    items_per_s = items_per_s.or(run["items_per_s"].as_f64());
+                }
+                runs.push(run);
             }
-            eprintln!("xtask pressure: {cell}: idemstage");
-            let ours = run_json(&mut cmd)?;
-            // The first cell measured the peak; every later run offers the same.
-            items_per_s = items_per_s.or(ours["items_per_s"].as_f64());
-            let offered = ours["offered_per_s"].as_f64().unwrap_or(0.0);
-            let mut runs = vec![ours];
+            let offered = offered.unwrap_or(0.0);
             if let Some(awa) = &awa_bin {
                 eprintln!("xtask pressure: {cell}: awa at {offered} jobs/s");
                 let mut cmd = Command::new(awa);
@@ -171,9 +195,10 @@ fn row(run: &Value) -> String {
     let s = &run["summary"];
     let n = |v: &Value| v.as_f64().map_or("–".to_owned(), |x| format!("{x}"));
     format!(
-        "| {} | {} | {} | {} | {} ({}) | {} | {} → {} | {} | {} / {} | {} | {} |",
+        "| {} | {} ({}) | {} | {} | {} ({}) | {} | {} → {} | {} | {} / {} | {} | {} |",
         run["cell"].as_str().unwrap_or("?"),
         run["system"].as_str().unwrap_or("?"),
+        run["workload"].as_str().unwrap_or("?"),
         n(&run["offered_per_s"]),
         n(&s["clean"]["completed_per_s"]),
         n(&s["stress"]["completed_per_s"]),

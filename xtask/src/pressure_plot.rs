@@ -47,9 +47,10 @@ fn parse(v: &Value) -> Result<Run> {
     Ok(Run {
         system: system.to_owned(),
         workload: v["workload"].as_str().unwrap_or("?").to_owned(),
-        colour: match system {
-            "idemstage" => RGBColor(31, 119, 180),
-            "awa" => RGBColor(214, 39, 40),
+        colour: match (system, v["workload"].as_str()) {
+            ("idemstage", Some("queue")) => RGBColor(23, 190, 207),
+            ("idemstage", _) => RGBColor(31, 119, 180),
+            ("awa", _) => RGBColor(214, 39, 40),
             _ => RGBColor(44, 160, 44),
         },
         t: t.context(format!("{system}: a sample without a numeric \"t_s\""))?,

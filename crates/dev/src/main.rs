@@ -32,6 +32,9 @@ enum DevCommand {
     /// Benchmarks: claim, queue or pipeline throughput (see BENCHMARKS.md). Empties
     /// every table: runs only on a database whose name contains "bench".
     Bench(bench::Args),
+    /// The no-op queue's worker process of `bench pressure --workload queue`
+    #[command(hide = true)]
+    PressureWorker,
 }
 
 // `worker`'s flags for the seed pipeline (a team's stages carry their own
@@ -114,6 +117,7 @@ fn main() -> ExitCode {
                         db.direct_only("bench")?;
                         bench::run(&db.url, args).await
                     }
+                    DevCommand::PressureWorker => pressure::queue_worker(&db.url).await,
                 }
             }
             .await;

@@ -25,9 +25,11 @@ use anyhow::Context;
 use diesel::sql_types::{BigInt, Double, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use hdrhistogram::Histogram;
+use idemstage::db::PoolConfig;
 use idemstage::ids::TenantId;
 use idemstage::pipeline::first_job;
 use idemstage::queue::{self, JobToSend};
+use idemstage::worker::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
 use idemstage_example::{self as example, check_example_pipeline, Chaos};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -56,18 +58,122 @@ pub enum Cell {
     EventBurst,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// The example pipeline's four stages per item, `idemstage worker` processes
+    Pipeline,
+    /// No-op jobs of one queue, `QueueWorker` processes in the drain bench's
+    /// fastest setting (concurrency 16, prefetch 512)
+    Queue,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Pipeline => "pipeline",
+            Workload::Queue => "queue",
+        }
+    }
+
+    /// Jobs per unit sent (an item: one per stage; a queue job: one).
+    fn jobs_per_unit(self) -> f64 {
+        match self {
+            Workload::Pipeline => example::pipeline(Chaos::default()).stages().len() as f64,
+            Workload::Queue => 1.0,
+        }
+    }
+}
+
+/// The queue of the no-op workload.
+pub const QUEUE: &str = "pressure";
+
+/// Sends units `from..from + n` of `tenant`: items with their first stage's job,
+/// or no-op jobs.
+async fn send_units(
+    conn: &mut AsyncPgConnection,
+    workload: Workload,
+    tenant: &str,
+    from: u64,
+    n: u64,
+) -> anyhow::Result<()> {
+    let tenant_id = TenantId::parse(tenant)?;
+    let jobs: Vec<JobToSend> = match workload {
+        Workload::Pipeline => {
+            fixtures::insert_numbered_items_from(conn, tenant, from, n, INPUT).await?;
+            let pipeline = example::pipeline(Chaos::default());
+            let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
+            (from..from + n)
+                .map(|i| {
+                    first_job(
+                        &pipeline,
+                        tenant_id.clone(),
+                        fixtures::numbered_item_id(i),
+                        hash.clone(),
+                    )
+                })
+                .collect()
+        }
+        Workload::Queue => (from..from + n)
+            .map(|i| JobToSend {
+                queue: QUEUE.into(),
+                tenant: Some(tenant_id.clone()),
+                payload: json!({ "i": i }),
+                options: idemstage::queue::SendOptions::default(),
+            })
+            .collect(),
+    };
+    for chunk in jobs.chunks(1000) {
+        queue::send_batch(conn, chunk).await?;
+    }
+    Ok(())
+}
+
+/// `idemstage pressure-worker`: the no-op queue's worker process, a
+/// `QueueWorker` on [`QUEUE`] in the drain bench's fastest setting, until
+/// SIGTERM or SIGINT (then it stops within the default grace).
+pub async fn queue_worker(url: &str) -> anyhow::Result<std::process::ExitCode> {
+    let config = QueueWorkerConfig::for_queues([QUEUE])
+        .with_concurrency(16)
+        .with_batch_size(512)
+        .with_prefetch(512);
+    let pool = idemstage::db::connect_pool(url, PoolConfig::default().with_max_size(18)).await?;
+    let handler = handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
+    let worker = QueueWorker::new(pool, url, config, handler)?;
+    let shutdown = CancellationToken::new();
+    let signals = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("install SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            shutdown.cancel();
+        })
+    };
+    worker.run(shutdown).await;
+    signals.abort();
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
 /// `idemstage bench pressure`'s flags.
 #[derive(clap::Args)]
 pub struct PressureArgs {
     /// pressure: the stress of the cell
     #[arg(long, value_enum, default_value_t = Cell::IdleInTx)]
     pub cell: Cell,
+    /// pressure: what the workers work
+    #[arg(long, value_enum, default_value_t = Workload::Pipeline)]
+    pub workload: Workload,
     /// pressure: items per second offered in the clean and recovery phases (each
     /// item is four stage jobs); default: half the workers' peak, measured first
     /// by draining a backlog of --peak-items
     #[arg(long)]
     pub items_per_s: Option<f64>,
-    /// pressure: the backlog (items) whose drain measures the workers' peak
+    /// pressure: the backlog (items; the queue workload: four times as many
+    /// jobs) whose drain measures the workers' peak
     #[arg(long, default_value_t = 1500)]
     pub peak_items: u64,
     /// pressure: seconds of the clean phase
@@ -179,18 +285,13 @@ async fn db_now(conn: &mut AsyncPgConnection) -> anyhow::Result<f64> {
 /// time, round-robin over the tenants; counts them in `sent`.
 async fn produce(
     url: String,
+    workload: Workload,
     tenants: Vec<String>,
     rate: Arc<AtomicU64>,
     sent: Arc<AtomicU64>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut conn = idemstage::db::connect(&url).await?;
-    let pipeline = example::pipeline(Chaos::default());
-    let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
-    let tenant_ids: Vec<TenantId> = tenants
-        .iter()
-        .map(|t| TenantId::parse(t))
-        .collect::<Result<_, _>>()?;
     let mut credit = 0.0_f64;
     let mut last = Instant::now();
     let mut next = 0_u64;
@@ -213,18 +314,7 @@ async fn produce(
         credit -= n as f64;
         let k = turn % tenants.len();
         turn += 1;
-        fixtures::insert_numbered_items_from(&mut conn, &tenants[k], next, n, INPUT).await?;
-        let jobs: Vec<JobToSend> = (next..next + n)
-            .map(|i| {
-                first_job(
-                    &pipeline,
-                    tenant_ids[k].clone(),
-                    fixtures::numbered_item_id(i),
-                    hash.clone(),
-                )
-            })
-            .collect();
-        queue::send_batch(&mut conn, &jobs).await?;
+        send_units(&mut conn, workload, &tenants[k], next, n).await?;
         next += n;
         sent.fetch_add(n, Ordering::Relaxed);
     }
@@ -319,41 +409,26 @@ async fn sample(conn: &mut AsyncPgConnection, from: f64, to: f64) -> anyhow::Res
     })
 }
 
-/// The workers' peak in items/s: a backlog of `n` items (their first jobs sent at
-/// once), timed until every stage of every item succeeded; then emptied again.
+/// The workers' peak in units/s: a backlog of `n` units (items with their first
+/// jobs, or no-op jobs) sent at once, timed until every job of every unit
+/// completed; then emptied again.
 async fn peak(
     conn: &mut AsyncPgConnection,
+    workload: Workload,
     tenants: &[String],
     n: u64,
-    stages: f64,
 ) -> anyhow::Result<f64> {
-    let pipeline = example::pipeline(Chaos::default());
-    let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
     let per_tenant = n.div_ceil(tenants.len() as u64);
-    let mut jobs = Vec::new();
-    for (k, slug) in tenants.iter().enumerate() {
-        let from = k as u64 * per_tenant;
-        fixtures::insert_numbered_items_from(conn, slug, from, per_tenant, INPUT).await?;
-        let tenant = TenantId::parse(slug)?;
-        jobs.extend((from..from + per_tenant).map(|i| {
-            first_job(
-                &pipeline,
-                tenant.clone(),
-                fixtures::numbered_item_id(i),
-                hash.clone(),
-            )
-        }));
-    }
     let started = Instant::now();
-    for chunk in jobs.chunks(1000) {
-        queue::send_batch(conn, chunk).await?;
+    for (k, slug) in tenants.iter().enumerate() {
+        send_units(conn, workload, slug, k as u64 * per_tenant, per_tenant).await?;
     }
-    let expected = (per_tenant * tenants.len() as u64) as f64 * stages;
+    let expected = (per_tenant * tenants.len() as u64) as f64 * workload.jobs_per_unit();
     let deadline = started + Duration::from_secs(600);
     loop {
         let done = fixtures::count_rows(
             conn,
-            "SELECT count(*) AS n FROM stage_runs WHERE status = 'success'",
+            "SELECT count(*) AS n FROM jobs WHERE state = 'completed'",
         )
         .await?;
         if done as f64 >= expected {
@@ -370,13 +445,18 @@ async fn peak(
     Ok(rate)
 }
 
-/// The worker processes: `idemstage worker` at its defaults.
-fn spawn_workers(url: &str, n: usize) -> anyhow::Result<Vec<Child>> {
+/// The worker processes: `idemstage worker` at its defaults, or the no-op
+/// queue's `idemstage pressure-worker`.
+fn spawn_workers(url: &str, workload: Workload, n: usize) -> anyhow::Result<Vec<Child>> {
     let exe = std::env::current_exe().context("the idemstage binary")?;
+    let args: &[&str] = match workload {
+        Workload::Pipeline => &["worker", "--allow-owner"],
+        Workload::Queue => &["pressure-worker"],
+    };
     (0..n)
         .map(|_| {
             Command::new(&exe)
-                .args(["worker", "--allow-owner"])
+                .args(args)
                 .env("DATABASE_URL", url)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -440,13 +520,18 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         &["items", "jobs", "stage_runs", "stage_run_attempts"],
     )
     .await?;
-    let stages = example::pipeline(Chaos::default()).stages().len() as f64;
+    // Units (items, or queue jobs) per second: the offered jobs/s are this times
+    // the jobs per unit.
+    let stages = p.workload.jobs_per_unit();
     let tenants: Vec<String> = (0..p.tenants).map(|k| format!("p-{k}")).collect();
-    // Items/s: the offered jobs/s are this times the stages.
-    let mut workers = spawn_workers(url, p.pressure_workers)?;
+    let mut workers = spawn_workers(url, p.workload, p.pressure_workers)?;
+    let peak_units = match p.workload {
+        Workload::Pipeline => p.peak_items,
+        Workload::Queue => p.peak_items * 4,
+    };
     let peak_items_per_s = match p.items_per_s {
         Some(_) => None,
-        None => Some(peak(&mut conn, &tenants, p.peak_items, stages).await?),
+        None => Some(peak(&mut conn, p.workload, &tenants, peak_units).await?),
     };
     let base = p
         .items_per_s
@@ -459,6 +544,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     let stop_producer = CancellationToken::new();
     let producer = tokio::spawn(produce(
         url.to_owned(),
+        p.workload,
         tenants,
         rate.clone(),
         sent.clone(),
@@ -558,8 +644,28 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     };
     let shutdown_s = stop_workers(&mut workers, Duration::from_secs(30))?;
 
-    let check = check_example_pipeline(&mut conn).await?;
-    let mut violations = check.violations();
+    let mut violations = Vec::new();
+    let items = AtomicU64::load(&sent, Ordering::Relaxed);
+    let completed = fixtures::count_rows(
+        &mut conn,
+        "SELECT count(*) AS n FROM jobs WHERE state = 'completed'",
+    )
+    .await?;
+    if drained && completed as u64 != items * stages as u64 {
+        violations.push(format!(
+            "{completed} jobs completed for {items} units of {stages} jobs"
+        ));
+    }
+    if p.workload == Workload::Pipeline {
+        let check = check_example_pipeline(&mut conn).await?;
+        violations.extend(check.violations());
+        if drained && check.stages_succeeded as u64 != items * stages as u64 {
+            violations.push(format!(
+                "{} stages succeeded for {items} items of {stages} stages",
+                check.stages_succeeded
+            ));
+        }
+    }
     if !drained {
         violations.push(format!(
             "the backlog did not drain within {DRAIN_GRACE:?} after recovery"
@@ -567,13 +673,6 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     }
     if shutdown_s.is_none() {
         violations.push("a worker did not stop within its grace after SIGTERM".into());
-    }
-    let items = AtomicU64::load(&sent, Ordering::Relaxed);
-    if drained && check.stages_succeeded as u64 != items * stages as u64 {
-        violations.push(format!(
-            "{} stages succeeded for {items} items of {stages} stages",
-            check.stages_succeeded
-        ));
     }
 
     let mut summary = serde_json::Map::new();
@@ -651,7 +750,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     Ok(json!({
         "scenario": "pressure",
         "system": "idemstage",
-        "workload": "pipeline",
+        "workload": p.workload.name(),
         "cell": p.cell.name(),
         "workers": p.pressure_workers,
         "tenants": p.tenants,
