@@ -7,7 +7,7 @@
 //!
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
 //!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
-//!        [--workloads pipeline,queue] [--no-awa]
+//!        [--workloads pipeline,queue] [--worker-prefetch N] [--no-awa]
 
 use std::{fs, path::PathBuf, process::Command};
 

@@ -191,6 +191,10 @@ pub struct PressureArgs {
     /// pressure: `idemstage worker` processes, each at its default concurrency
     #[arg(long, default_value_t = 2)]
     pub pressure_workers: usize,
+    /// pressure: the pipeline workers' `--prefetch` (0: their default, fetching
+    /// only for free slots)
+    #[arg(long, default_value_t = 0)]
+    pub worker_prefetch: usize,
     /// pressure: tenants the items are sent for, round-robin
     #[arg(long, default_value_t = 4)]
     pub tenants: usize,
@@ -447,16 +451,22 @@ async fn peak(
 
 /// The worker processes: `idemstage worker` at its defaults, or the no-op
 /// queue's `idemstage pressure-worker`.
-fn spawn_workers(url: &str, workload: Workload, n: usize) -> anyhow::Result<Vec<Child>> {
+fn spawn_workers(
+    url: &str,
+    workload: Workload,
+    n: usize,
+    prefetch: usize,
+) -> anyhow::Result<Vec<Child>> {
     let exe = std::env::current_exe().context("the idemstage binary")?;
-    let args: &[&str] = match workload {
-        Workload::Pipeline => &["worker", "--allow-owner"],
-        Workload::Queue => &["pressure-worker"],
+    let prefetch = prefetch.to_string();
+    let args: Vec<&str> = match workload {
+        Workload::Pipeline => vec!["worker", "--allow-owner", "--prefetch", &prefetch],
+        Workload::Queue => vec!["pressure-worker"],
     };
     (0..n)
         .map(|_| {
             Command::new(&exe)
-                .args(args)
+                .args(&args)
                 .env("DATABASE_URL", url)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -524,7 +534,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     // the jobs per unit.
     let stages = p.workload.jobs_per_unit();
     let tenants: Vec<String> = (0..p.tenants).map(|k| format!("p-{k}")).collect();
-    let mut workers = spawn_workers(url, p.workload, p.pressure_workers)?;
+    let mut workers = spawn_workers(url, p.workload, p.pressure_workers, p.worker_prefetch)?;
     let peak_units = match p.workload {
         Workload::Pipeline => p.peak_items,
         Workload::Queue => p.peak_items * 4,
@@ -754,6 +764,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "cell": p.cell.name(),
         "workers": p.pressure_workers,
         "tenants": p.tenants,
+        "worker_prefetch": p.worker_prefetch,
         "items_per_s": round1(base),
         "peak_items_per_s": peak_items_per_s.map(round1),
         "offered_per_s": round1(offered_jobs),
