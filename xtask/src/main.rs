@@ -52,6 +52,10 @@ Commands:
                  run the soak test (release): N minutes (default 10) of random
                  faults (SIGKILL, SIGSTOP, terminated connections) against 3
                  `idemstage worker` processes, then every invariant checked
+  soak --pressure [--minutes N]
+                 the long pressure run: N minutes (default 120) at 200 jobs/s,
+                 ours (pipeline, queue) and awa, dead tuples every 30 s
+                 (cargo xtask pressure's clean cell)
   help           show this text
 
 Database selection:
@@ -114,7 +118,10 @@ fn run() -> Result<i32> {
         // Each long-running mode gets its own database so they cannot disturb
         // each other or the test/migrate database.
         "soak" => {
+            let pressure = rest.first().is_some_and(|a| a == "--pressure");
+            let rest = if pressure { &rest[1..] } else { rest };
             let minutes = match rest {
+                [] if pressure => 120,
                 [] => 10,
                 [flag, n] if flag == "--minutes" => match n.parse::<u64>() {
                     Ok(n) if n > 0 => n,
@@ -124,10 +131,33 @@ fn run() -> Result<i32> {
                     }
                 },
                 _ => {
-                    eprintln!("xtask: usage: cargo xtask soak [--minutes N]");
+                    eprintln!("xtask: usage: cargo xtask soak [--pressure] [--minutes N]");
                     return Ok(2);
                 }
             };
+            if pressure {
+                // The public benchmark's long run: 200 jobs/s (50 items of four
+                // stages) for the whole soak, ours and awa's, dead tuples sampled
+                // every 30 s.
+                let soak: Vec<String> = [
+                    "--cells",
+                    "clean",
+                    "--items-per-s",
+                    "50",
+                    "--clean-s",
+                    "60",
+                    "--recovery-s",
+                    "60",
+                    "--sample-every-s",
+                    "30",
+                    "--stress-s",
+                ]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .chain([(minutes * 60).to_string()])
+                .collect();
+                return pressure::main(&soak);
+            }
             // The soak test creates its own database, like every test.
             with_database("postgres", |url| {
                 run_status(

@@ -7,7 +7,7 @@
 //!
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
 //!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
-//!        [--workloads pipeline,queue] [--worker-prefetch N] [--no-awa]
+//!        [--workloads pipeline,queue] [--pressure-prefetch N] [--no-awa]
 
 use std::{fs, path::PathBuf, process::Command};
 
@@ -24,6 +24,7 @@ const CELLS: [&str; 5] = [
     "event_burst",
     "clean",
 ];
+/// Passed on to ours and awa alike.
 const PHASE_FLAGS: [&str; 4] = [
     "--clean-s",
     "--stress-s",
@@ -96,6 +97,10 @@ pub fn main(args: &[String]) -> Result<i32> {
             phase_args.extend([f.to_owned(), v]);
         }
     }
+    // Ours only: the pipeline workers' --prefetch.
+    let prefetch_args: Vec<String> = flag(args, "--pressure-prefetch")
+        .map(|v| vec!["--pressure-prefetch".to_owned(), v])
+        .unwrap_or_default();
     let mut failed = false;
     let mut rows = Vec::new();
     with_database_durable("idemstage_pressure_bench", None, |url| {
@@ -121,6 +126,7 @@ pub fn main(args: &[String]) -> Result<i32> {
                 ])
                 .args(["--workload", workload])
                 .args(&phase_args)
+                .args(&prefetch_args)
                 .env("DATABASE_URL", url);
                 // Units/s: items for the pipeline (four jobs each), jobs for the queue.
                 match (offered, workload.as_str()) {

@@ -140,3 +140,13 @@ fn main() -> ExitCode {
         extend::run_matches(app, &matches).await
     })
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every flag of every command has its own name (clap checks this only when
+    /// a debug build parses that command).
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::command().debug_assert();
+    }
+}

@@ -194,7 +194,7 @@ pub struct PressureArgs {
     /// pressure: the pipeline workers' `--prefetch` (0: their default, fetching
     /// only for free slots)
     #[arg(long, default_value_t = 0)]
-    pub worker_prefetch: usize,
+    pub pressure_prefetch: usize,
     /// pressure: tenants the items are sent for, round-robin
     #[arg(long, default_value_t = 4)]
     pub tenants: usize,
@@ -534,7 +534,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     // the jobs per unit.
     let stages = p.workload.jobs_per_unit();
     let tenants: Vec<String> = (0..p.tenants).map(|k| format!("p-{k}")).collect();
-    let mut workers = spawn_workers(url, p.workload, p.pressure_workers, p.worker_prefetch)?;
+    let mut workers = spawn_workers(url, p.workload, p.pressure_workers, p.pressure_prefetch)?;
     let peak_units = match p.workload {
         Workload::Pipeline => p.peak_items,
         Workload::Queue => p.peak_items * 4,
@@ -764,7 +764,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "cell": p.cell.name(),
         "workers": p.pressure_workers,
         "tenants": p.tenants,
-        "worker_prefetch": p.worker_prefetch,
+        "pressure_prefetch": p.pressure_prefetch,
         "items_per_s": round1(base),
         "peak_items_per_s": peak_items_per_s.map(round1),
         "offered_per_s": round1(offered_jobs),
