@@ -2,18 +2,16 @@
 //! DESIGN.md section 1. Separate connections, real commits.
 
 use idemstage_example::ExampleTables;
-use idemstage_persistence::FencedTx;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, SimpleAsyncConnection};
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
     ClaimOutcome, CompleteOutcome, FailOutcome, InputChangePolicy, RejectReason, RenewOutcome,
-    RunStatus, SkipReason, StageError,
+    RunStatus, SkipReason,
 };
 use idemstage_example::{insert_or_get_datei, Extraktion};
 use idemstage_persistence::fenced::audit;
@@ -21,18 +19,6 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::Barrier;
 
 use crate::support::*;
-
-fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
-    async { Ok(()) }.boxed()
-}
-
-/// Pins a closure to the higher-ranked `FencedWrite` signature.
-fn write_fn<F>(f: F) -> F
-where
-    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
-{
-    f
-}
 
 fn positions(n: i32, label: &str) -> Vec<Extraktion> {
     (0..n)

@@ -7,6 +7,7 @@ mod controls;
 mod diesel_errors;
 mod fair;
 mod foundation;
+mod hot_updates;
 mod isolation;
 mod job_labels;
 mod ops;

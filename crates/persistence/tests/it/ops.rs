@@ -7,16 +7,15 @@
 use std::sync::Arc;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, CompleteOutcome, RenewOutcome, RunStatus, SendResult, SkipReason, StageError,
+    ClaimOutcome, CompleteOutcome, RenewOutcome, RunStatus, SendResult, SkipReason,
 };
 use idemstage_example::{check_example_pipeline, Chaos};
 use idemstage_persistence::ops::{
     self, Actor, CancelOutcome, CancelledFrom, DeadFilter, OpsError, RetryOutcome, RetryRefusal,
 };
-use idemstage_persistence::{FencedTx, TxError};
+use idemstage_persistence::TxError;
 use tokio::sync::Barrier;
 
 use crate::support::*;
@@ -64,18 +63,6 @@ async fn dead_intake(
         .await
         .unwrap();
     req
-}
-
-/// Pins a closure to the higher-ranked `FencedWrite` signature.
-fn write_fn<F>(f: F) -> F
-where
-    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
-{
-    f
-}
-
-fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
-    async { Ok(()) }.boxed()
 }
 
 #[tokio::test]

@@ -4,11 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use idemstage_domain::{
-    ClaimOutcome, ClaimRequest, ClaimToken, ItemId, StageName, StagePolicy, TenantId, WorkerId,
+    ClaimOutcome, ClaimRequest, ClaimToken, ItemId, StageError, StageName, StagePolicy, TenantId,
+    WorkerId,
 };
 use idemstage_persistence::items::register_item;
-use idemstage_persistence::PgRunRepository;
+use idemstage_persistence::{FencedTx, PgRunRepository};
 use idemstage_testkit::TestDb;
 
 /// The input `new_item` registers, and another one to replace it with.
@@ -109,4 +112,17 @@ pub async fn wait_lease_expired(conn: &mut AsyncPgConnection, run_id: &str) {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Pins a closure to the higher-ranked `FencedWrite` signature.
+pub fn write_fn<F>(f: F) -> F
+where
+    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
+{
+    f
+}
+
+/// A stage body that writes nothing.
+pub fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
+    async { Ok(()) }.boxed()
 }

@@ -5,12 +5,11 @@
 
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use idemstage_domain::{ClaimOutcome, CompleteOutcome, RepoError, StageError, TenantId};
+use idemstage_domain::{ClaimOutcome, CompleteOutcome, RepoError, TenantId};
 use idemstage_example::{ExampleTables, Extraktion};
 use idemstage_persistence::tenant::{self, scope};
-use idemstage_persistence::{FencedTx, TxError};
+use idemstage_persistence::TxError;
 use idemstage_testkit::TestDb;
 
 use crate::support::*;
@@ -55,13 +54,6 @@ async fn fill(db: &TestDb, tenant: &TenantId) -> idemstage_domain::ItemId {
         CompleteOutcome::Committed
     );
     item
-}
-
-fn write_fn<F>(f: F) -> F
-where
-    F: for<'t> Fn(&'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> + Send + Sync,
-{
-    f
 }
 
 async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {

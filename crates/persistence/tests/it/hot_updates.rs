@@ -1,0 +1,80 @@
+//! A completion changes no indexed column of `stage_runs` or
+//! `stage_run_attempts`, so it is a HOT update: no new index entry, and the old
+//! version is pruned by a later read of its page, without vacuum
+//! (docs/storage-under-pressure.md). An index on a column the completion writes
+//! (the status, the lease, the outcome) would make every completion leave an
+//! entry behind in every index of the table, one more that a held snapshot keeps
+//! from being removed.
+
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::BigInt;
+use diesel_async::RunQueryDsl;
+use idemstage_domain::CompleteOutcome;
+use idemstage_testkit::TestDb;
+
+use crate::support::*;
+
+const RUNS: i64 = 300;
+
+#[derive(diesel::QueryableByName, Debug)]
+struct Updates {
+    #[diesel(sql_type = BigInt)]
+    all: i64,
+    #[diesel(sql_type = BigInt)]
+    hot: i64,
+}
+
+#[tokio::test]
+async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
+    let db = TestDb::new().await;
+    let repo = repo(&db, 1).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let item = new_item(&mut conn, &t).await;
+    let write = write_fn(noop);
+    for i in 0..RUNS {
+        let req = request(&t, item, &format!("s{i}"));
+        let token = token_of(&req, &repo.claim(&req).await.unwrap());
+        assert_eq!(
+            repo.complete(&token, &write).await.unwrap(),
+            CompleteOutcome::Committed
+        );
+    }
+    // The counts reach the statistics when the repository's backend reports them
+    // (at the latest when it exits): await them.
+    drop(repo);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let updates = |table: &'static str| {
+        diesel::sql_query(format!(
+            "SELECT coalesce(sum(n_tup_upd), 0)::bigint AS all, \
+                    coalesce(sum(n_tup_hot_upd), 0)::bigint AS hot \
+               FROM pg_stat_user_tables WHERE relname = '{table}'"
+        ))
+    };
+    let (runs, attempts) = loop {
+        // A fresh snapshot of the statistics each time.
+        diesel::sql_query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let runs: Updates = updates("stage_runs").get_result(&mut conn).await.unwrap();
+        let attempts: Updates = updates("stage_run_attempts")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+        if runs.all >= RUNS && attempts.all >= RUNS {
+            break (runs, attempts);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the statistics never showed the {RUNS} completions: {runs:?} {attempts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        runs.hot * 10 >= runs.all * 9 && attempts.hot * 10 >= attempts.all * 9,
+        "completions that were not HOT updates: stage_runs {runs:?}, \
+         stage_run_attempts {attempts:?}"
+    );
+}
