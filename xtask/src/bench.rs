@@ -72,23 +72,7 @@ pub fn main(args: &[String]) -> Result<i32> {
         pass
     };
     let root = project_root();
-    let status = cargo()
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "idemstage-dev",
-            "--bin",
-            "idemstage",
-        ])
-        .status()
-        .context("cargo build")?;
-    if !status.success() {
-        bail!("release build failed");
-    }
-    let target = env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
+    let target = build_ours(&root)?;
     // The quick pairs need no peers (npm ci, awa's release build).
     let peers = match only {
         Some(_) => None,
@@ -185,6 +169,28 @@ fn load_average() -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or(f64::NAN)
+}
+
+/// Builds our `idemstage` binary in release; returns the target directory it is in
+/// (`target/release/idemstage`).
+pub(crate) fn build_ours(root: &Path) -> Result<PathBuf> {
+    let status = cargo()
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "idemstage-dev",
+            "--bin",
+            "idemstage",
+        ])
+        .status()
+        .context("cargo build")?;
+    if !status.success() {
+        bail!("release build failed");
+    }
+    Ok(env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target")))
 }
 
 /// awa's reference built in release, in its own project and target dir (it is no

@@ -9,13 +9,13 @@
 //!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
 //!        [--workloads pipeline,queue] [--pressure-prefetch N] [--no-awa]
 
-use std::{fs, path::PathBuf, process::Command};
+use std::{fs, process::Command};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::bench::{build_awa, flag, psql};
-use crate::{cargo, pressure_plot, project_root, with_database_durable};
+use crate::bench::{build_awa, build_ours, flag, psql};
+use crate::{pressure_plot, project_root, with_database_durable};
 
 const CELLS: [&str; 5] = [
     "idle_in_tx",
@@ -65,23 +65,7 @@ pub fn main(args: &[String]) -> Result<i32> {
         return Ok(2);
     }
     let root = project_root();
-    let status = cargo()
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "idemstage-dev",
-            "--bin",
-            "idemstage",
-        ])
-        .status()
-        .context("cargo build")?;
-    if !status.success() {
-        bail!("release build failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
+    let target = build_ours(&root)?;
     let ours_bin = target.join("release").join("idemstage");
     let awa_bin = if awa_too {
         Some(build_awa(&root)?)
