@@ -25,7 +25,8 @@ const CELLS: [&str; 5] = [
     "clean",
 ];
 /// Passed on to ours and awa alike.
-const PHASE_FLAGS: [&str; 4] = [
+const PHASE_FLAGS: [&str; 5] = [
+    "--warmup-s",
     "--clean-s",
     "--stress-s",
     "--recovery-s",

@@ -128,6 +128,7 @@ impl Frame {
         mesh.draw()?;
         for (name, start, end) in &self.phases {
             let band = match name.as_str() {
+                "warmup" => RGBColor(128, 128, 128).mix(0.18),
                 "stress" => RGBColor(255, 170, 0).mix(0.15),
                 "recovery" => RGBColor(0, 170, 80).mix(0.08),
                 _ => RGBColor(128, 128, 128).mix(0.06),

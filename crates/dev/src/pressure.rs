@@ -3,8 +3,8 @@
 //! pipeline worked by `--pressure-workers` `idemstage worker` processes.
 //!
 //! A producer sends items at a fixed offered rate, credited on wall-clock time (a
-//! slow tick sends more in the next, so offered work is never lost). Phases: clean
-//! → stress → recovery; the cell decides the stress: a held transaction with an
+//! slow tick sends more in the next, so offered work is never lost). Phases: warm-up
+//! (sampled, left out of the summary) → clean → stress → recovery; the cell decides the stress: a held transaction with an
 //! XID (`idle_in_tx`), four REPEATABLE READ readers scanning `jobs` every 100 ms
 //! (`active_readers`), 1.5x (`sustained_high_load`) or 2x (`event_burst`) the
 //! offered rate, or nothing (`clean`). Every `--sample-every-s` a sample reads
@@ -42,7 +42,12 @@ const TICK: Duration = Duration::from_millis(50);
 const READERS: usize = 4;
 const READER_GAP: Duration = Duration::from_millis(100);
 const DRAIN_GRACE: Duration = Duration::from_secs(60);
-const PHASES: [&str; 3] = ["clean", "stress", "recovery"];
+/// The warm-up's samples are reported but left out of the summary (the method's
+/// `warmup` phase: start-up artefacts such as the first plans on fresh tables).
+const PHASES: [&str; 4] = ["warmup", "clean", "stress", "recovery"];
+const CLEAN: usize = 1;
+const STRESS: usize = 2;
+const RECOVERY: usize = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Cell {
@@ -176,6 +181,10 @@ pub struct PressureArgs {
     /// jobs) whose drain measures the workers' peak
     #[arg(long, default_value_t = 1500)]
     pub peak_items: u64,
+    /// pressure: seconds of the warm-up at the offered rate before the clean
+    /// phase, sampled but left out of the summary (0: none)
+    #[arg(long, default_value_t = 30.0)]
+    pub warmup_s: f64,
     /// pressure: seconds of the clean phase
     #[arg(long, default_value_t = 60.0)]
     pub clean_s: f64,
@@ -212,6 +221,7 @@ impl PressureArgs {
         ]
         .into_iter()
         .all(positive)
+            || !(positive(self.warmup_s) || self.warmup_s == 0.0)
             || self.items_per_s.is_some_and(|r| !positive(r))
             || self.peak_items == 0
             || self.pressure_workers == 0
@@ -219,7 +229,7 @@ impl PressureArgs {
         {
             return Err(BadInput(
                 "pressure: --items-per-s, --peak-items, the phases' seconds, --sample-every-s, \
-                 --pressure-workers and --tenants must be positive"
+                 --pressure-workers and --tenants must be positive (--warmup-s may be 0)"
                     .into(),
             ));
         }
@@ -522,7 +532,7 @@ fn phase_summary(
 
 pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let p = &args.pressure;
-    let durations = [p.clean_s, p.stress_s, p.recovery_s];
+    let durations = [p.warmup_s, p.clean_s, p.stress_s, p.recovery_s];
     let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
     fixtures::vacuum_analyze(
@@ -549,7 +559,9 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         .unwrap_or(1.0);
     let rate = Arc::new(AtomicU64::new(base.to_bits()));
     let sent = Arc::new(AtomicU64::new(0));
-    let phase = Arc::new(AtomicU8::new(0));
+    // No warm-up: the first window is the clean phase's.
+    let first_phase = if p.warmup_s > 0.0 { 0 } else { CLEAN };
+    let phase = Arc::new(AtomicU8::new(first_phase as u8));
 
     let stop_producer = CancellationToken::new();
     let producer = tokio::spawn(produce(
@@ -573,9 +585,9 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         })
         .collect();
     let mut samples = Vec::new();
-    let mut phase_hist: Vec<Histogram<u64>> = (0..3).map(|_| histogram()).collect();
-    let mut phase_done = [0_u64; 3];
-    let mut phase_offered = [0_u64; 3];
+    let mut phase_hist: Vec<Histogram<u64>> = (0..PHASES.len()).map(|_| histogram()).collect();
+    let mut phase_done = [0_u64; PHASES.len()];
+    let mut phase_offered = [0_u64; PHASES.len()];
     let mut window_from = db_now(&mut conn).await?;
     let mut sent_before = 0_u64;
     let mut next_sample = started + every;
@@ -614,14 +626,14 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         match now_phase {
             Some(n) if n != k => {
                 phase.store(n as u8, Ordering::Relaxed);
-                if n == 1 {
+                if n == STRESS {
                     rate.store((base * p.cell.multiplier()).to_bits(), Ordering::Relaxed);
                     stressor = Some(tokio::spawn(stress(
                         url.to_owned(),
                         p.cell,
                         stop_stress.clone(),
                     )));
-                } else if n == 2 {
+                } else if n == RECOVERY {
                     rate.store(base.to_bits(), Ordering::Relaxed);
                     stop_stress.cancel();
                     if let Some(s) = stressor.take() {
@@ -686,7 +698,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     }
 
     let mut summary = serde_json::Map::new();
-    for (k, name) in PHASES.iter().enumerate() {
+    for (k, name) in PHASES.iter().enumerate().skip(CLEAN) {
         summary.insert(
             (*name).into(),
             phase_summary(
@@ -697,14 +709,17 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
             ),
         );
     }
-    let clean_p99 = quantile_ms(&phase_hist[0], 0.99);
-    let stress_p99 = quantile_ms(&phase_hist[1], 0.99);
+    let clean_p99 = quantile_ms(&phase_hist[CLEAN], 0.99);
+    let stress_p99 = quantile_ms(&phase_hist[STRESS], 0.99);
     let offered_jobs = base * stages;
     let stress_offered = offered_jobs * p.cell.multiplier();
-    let stress_rate = phase_done[1] as f64 / durations[1];
+    let stress_rate = phase_done[STRESS] as f64 / durations[STRESS];
+    let stress_from = p.warmup_s + p.clean_s;
     let first_240: Vec<f64> = samples
         .iter()
-        .filter(|s| s["phase"] == "stress" && s["t_s"].as_f64().unwrap_or(0.0) <= p.clean_s + 240.0)
+        .filter(|s| {
+            s["phase"] == "stress" && s["t_s"].as_f64().unwrap_or(0.0) <= stress_from + 240.0
+        })
         .filter_map(|s| s["completed_per_s"].as_f64())
         .collect();
     let clean_backlog = {
@@ -724,9 +739,10 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
                 && s["backlog"].as_i64().unwrap_or(i64::MAX) <= 2 * clean_backlog.max(1)
         })
         .and_then(|s| s["t_s"].as_f64())
-        .map(|t| round1(t - p.clean_s - p.stress_s));
+        .map(|t| round1(t - stress_from - p.stress_s));
     let mut dead: Vec<i64> = samples
         .iter()
+        .filter(|s| s["phase"] != "warmup")
         .filter_map(|s| s["dead_tuples_total"].as_i64())
         .collect();
     let dead_last = dead.last().copied();
@@ -769,7 +785,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "peak_items_per_s": peak_items_per_s.map(round1),
         "offered_per_s": round1(offered_jobs),
         "stress_offered_per_s": round1(stress_offered),
-        "phases": PHASES.iter().zip(durations).map(|(n, s)| json!({"name": n, "s": s})).collect::<Vec<_>>(),
+        "phases": PHASES.iter().zip(durations).filter(|(_, s)| *s > 0.0).map(|(n, s)| json!({"name": n, "s": s})).collect::<Vec<_>>(),
         "sample_every_s": p.sample_every_s,
         "hot_tables": hot_tables,
         "samples": samples,

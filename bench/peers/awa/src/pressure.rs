@@ -23,7 +23,7 @@
 //!   `run_at` is stamped by the producer just before the COPY (the job is
 //!   available from then on), `attempted_at` is `clock_timestamp()` in awa's
 //!   claim function (same host, same clock). Each child bins its handler calls by
-//!   the window they fall in (wall clock from the start of the clean phase, sent
+//!   the window they fall in (wall clock from the start of the first phase, sent
 //!   over stdin), into one hdrhistogram per window, and reports them on stdout
 //!   every 200 ms; the parent merges them and drops a window's histogram once the
 //!   window is over (bounded memory). A no-op handler returns at once, so a
@@ -57,7 +57,7 @@ use crate::{fresh_install, round1, round3, BenchJob};
 
 const USAGE: &str = "usage: DATABASE_URL=postgres://... idemstage-bench-awa pressure \
 --cell <clean|idle_in_tx|active_readers|sustained_high_load|event_burst> --rate <jobs/s> \
-[--clean-s 60] [--stress-s 240] [--recovery-s 120] [--workers 2] [--sample-every-s 5] \
+[--warmup-s 30] [--clean-s 60] [--stress-s 240] [--recovery-s 120] [--workers 2] [--sample-every-s 5] \
 [--max-workers 1024]";
 const TICK: Duration = Duration::from_millis(50);
 const READERS: usize = 4;
@@ -70,7 +70,11 @@ const REPORT_EVERY: Duration = Duration::from_millis(200);
 /// A window's histogram is merged and dropped this long after the window ended
 /// (the children report every `REPORT_EVERY`).
 const SETTLE: Duration = Duration::from_millis(1500);
-const PHASES: [&str; 3] = ["clean", "stress", "recovery"];
+/// The warm-up's samples are reported but left out of the summary.
+const PHASES: [&str; 4] = ["warmup", "clean", "stress", "recovery"];
+const CLEAN: usize = 1;
+const STRESS: usize = 2;
+const RECOVERY: usize = 3;
 /// awa 0.6.9's queue-storage tables (schema `awa`, its migration v023 and later)
 /// that a running no-op queue writes (checked on pg_stat_user_tables after a
 /// run): per job the ready ring (`ready_entries`, `ready_segments`,
@@ -153,7 +157,7 @@ impl Cell {
 struct Params {
     cell: Cell,
     rate: f64,
-    durations: [f64; 3],
+    durations: [f64; 4],
     workers: usize,
     sample_every_s: f64,
     max_workers: u32,
@@ -175,7 +179,7 @@ fn count(flag: &str, value: &str) -> Result<u64, String> {
 
 fn parse(args: &[String]) -> Result<Params, String> {
     let (mut cell, mut rate) = (None, None);
-    let mut durations = [60.0, 240.0, 120.0];
+    let mut durations = [30.0, 60.0, 240.0, 120.0];
     let (mut workers, mut sample_every_s, mut max_workers) = (2, 5.0, 1024);
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -189,9 +193,15 @@ fn parse(args: &[String]) -> Result<Params, String> {
                 )
             }
             "--rate" => rate = Some(positive(flag, value)?),
-            "--clean-s" => durations[0] = positive(flag, value)?,
-            "--stress-s" => durations[1] = positive(flag, value)?,
-            "--recovery-s" => durations[2] = positive(flag, value)?,
+            "--warmup-s" => {
+                durations[0] = match value.parse::<f64>() {
+                    Ok(v) if v.is_finite() && v >= 0.0 => v,
+                    _ => return Err(format!("{flag} {value:?}: expected 0 or more seconds")),
+                }
+            }
+            "--clean-s" => durations[CLEAN] = positive(flag, value)?,
+            "--stress-s" => durations[STRESS] = positive(flag, value)?,
+            "--recovery-s" => durations[RECOVERY] = positive(flag, value)?,
             "--workers" => workers = count(flag, value)? as usize,
             "--sample-every-s" => sample_every_s = positive(flag, value)?,
             "--max-workers" => {
@@ -357,7 +367,7 @@ pub async fn worker_main(args: &[String]) -> anyhow::Result<()> {
 // ---------------------------------------------------------------- the parent
 
 /// What the children reported, by window (index k: `[k, k+1) * sample_every_s`
-/// from the start of the clean phase; -1: before it).
+/// from the start of the first phase; -1: before it).
 #[derive(Default)]
 struct Reports {
     open: BTreeMap<i64, Window>,
@@ -616,8 +626,8 @@ struct WindowStats {
 /// Per phase: the windows' histograms merged, their completions.
 struct Phases {
     hist: Vec<Histogram<u64>>,
-    done: [u64; 3],
-    windows: [u64; 3],
+    done: [u64; PHASES.len()],
+    windows: [u64; PHASES.len()],
 }
 
 /// Merges the reported windows below `upto` that have a sample into `stats` and
@@ -758,12 +768,13 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
     let mut sample_phase: Vec<usize> = Vec::new();
     let mut stats: BTreeMap<i64, WindowStats> = BTreeMap::new();
     let mut phases = Phases {
-        hist: (0..3).map(|_| histogram()).collect(),
-        done: [0; 3],
-        windows: [0; 3],
+        hist: (0..PHASES.len()).map(|_| histogram()).collect(),
+        done: [0; PHASES.len()],
+        windows: [0; PHASES.len()],
     };
-    let mut phase_offered = [0_u64; 3];
-    let mut phase = 0_usize;
+    let mut phase_offered = [0_u64; PHASES.len()];
+    // No warm-up: the first window is the clean phase's.
+    let mut phase = if p.durations[0] > 0.0 { 0 } else { CLEAN };
     let mut last_at = started;
     let mut sent_before = 0_u64;
     let mut next_sample = started + every;
@@ -810,7 +821,7 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
         match bounds.iter().position(|b| elapsed < *b) {
             Some(n) if n != phase => {
                 phase = n;
-                if n == 1 {
+                if n == STRESS {
                     rate.store((base * p.cell.multiplier()).to_bits(), Ordering::Relaxed);
                     stressor = Some(tokio::spawn(stress(
                         url.clone(),
@@ -818,7 +829,7 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
                         hot.clone(),
                         stress_stop_rx.clone(),
                     )));
-                } else if n == 2 {
+                } else if n == RECOVERY {
                     rate.store(base.to_bits(), Ordering::Relaxed);
                     stop_stress.send_replace(true);
                     if let Some(s) = stressor.take() {
@@ -894,7 +905,7 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
     }
 
     let mut summary = serde_json::Map::new();
-    for (k, name) in PHASES.iter().enumerate() {
+    for (k, name) in PHASES.iter().enumerate().skip(CLEAN) {
         let seconds = phases.windows[k] as f64 * window_s;
         summary.insert(
             (*name).into(),
@@ -906,15 +917,16 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
             ),
         );
     }
-    let clean_p99 = quantile_ms(&phases.hist[0], 0.99);
-    let stress_p99 = quantile_ms(&phases.hist[1], 0.99);
+    let clean_p99 = quantile_ms(&phases.hist[CLEAN], 0.99);
+    let stress_p99 = quantile_ms(&phases.hist[STRESS], 0.99);
     let stress_offered = base * p.cell.multiplier();
-    let stress_rate = phases.done[1] as f64 / (phases.windows[1] as f64 * window_s).max(1e-9);
-    let (clean_s, stress_s) = (p.durations[0], p.durations[1]);
+    let stress_rate =
+        phases.done[STRESS] as f64 / (phases.windows[STRESS] as f64 * window_s).max(1e-9);
+    let (stress_from, stress_s) = (p.durations[0] + p.durations[CLEAN], p.durations[STRESS]);
     let first_240: Vec<f64> = samples
         .iter()
         .filter(|s| {
-            s["phase"] == "stress" && s["t_s"].as_f64().unwrap_or(0.0) <= clean_s + 240.0 + 0.5
+            s["phase"] == "stress" && s["t_s"].as_f64().unwrap_or(0.0) <= stress_from + 240.0 + 0.5
         })
         .filter_map(|s| s["completed_per_s"].as_f64())
         .collect();
@@ -935,9 +947,10 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
                 && s["backlog"].as_i64().unwrap_or(i64::MAX) <= 2 * clean_backlog.max(1)
         })
         .and_then(|s| s["t_s"].as_f64())
-        .map(|t| round1(t - clean_s - stress_s));
+        .map(|t| round1(t - stress_from - stress_s));
     let mut dead: Vec<i64> = samples
         .iter()
+        .filter(|s| s["phase"] != "warmup")
         .filter_map(|s| s["dead_tuples_total"].as_i64())
         .collect();
     let dead_last = dead.last().copied();
@@ -976,7 +989,7 @@ pub async fn main(args: &[String]) -> anyhow::Result<()> {
         "workers": p.workers,
         "offered_per_s": round1(base),
         "stress_offered_per_s": round1(stress_offered),
-        "phases": PHASES.iter().zip(p.durations).map(|(n, s)| json!({"name": n, "s": s})).collect::<Vec<_>>(),
+        "phases": PHASES.iter().zip(p.durations).filter(|(_, s)| *s > 0.0).map(|(n, s)| json!({"name": n, "s": s})).collect::<Vec<_>>(),
         "sample_every_s": p.sample_every_s,
         "hot_tables": hot,
         "samples": samples,

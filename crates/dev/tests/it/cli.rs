@@ -168,6 +168,7 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
         vec!["--items-per-s", "0"],
         vec!["--items-per-s", "NaN"],
         vec!["--stress-s", "0"],
+        vec!["--warmup-s=-1"],
         vec!["--pressure-workers", "0"],
         vec!["--peak-items", "0"],
     ] {
