@@ -67,6 +67,17 @@ diesel::table! {
         output -> Nullable<Jsonb>,
         last_error -> Nullable<Text>,
         tenant_id -> Text,
+        ready_seq -> Int8,
+    }
+}
+
+diesel::table! {
+    job_lanes (queue, tenant_id, priority) {
+        queue -> Text,
+        tenant_id -> Text,
+        priority -> Int4,
+        floor -> Int8,
+        floor_at -> Timestamptz,
     }
 }
 
@@ -170,6 +181,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     item_inputs,
     items,
     items_open,
+    job_lanes,
     audit_log,
     jobs,
     stage_run_attempts,

@@ -52,6 +52,7 @@ pub fn all() -> Vec<Statement> {
         s("job_fetch", queue::FETCH_SQL),
         s("job_fetch_async_commit", queue::FETCH_ASYNC_COMMIT_SQL),
         s("job_fetch_wait", queue::FETCH_WAIT_SQL),
+        s("job_advance_floors", queue::ADVANCE_FLOORS_SQL),
         s("job_complete", queue::COMPLETE_SQL),
         s("job_complete_many", queue::COMPLETE_MANY_SQL),
         s("job_fail", &queue::FAIL_SQL),

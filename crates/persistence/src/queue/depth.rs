@@ -10,7 +10,7 @@ use crate::error::map_diesel_error;
 /// Per queue of `$1` (text[]): its ready jobs (`created`/`retry` and due), its
 /// delayed ones (due later), its active ones, and how long the oldest ready job
 /// has been due, in seconds (0 without one). Each count is an index scan of its
-/// own partial index (`jobs_fetch_idx`, `jobs_lease_idx`) on one queue, so
+/// own partial index (`jobs_ready_idx`, `jobs_lease_idx`) on one queue, so
 /// finished jobs, however many, are not read.
 pub(crate) const QUEUE_DEPTHS_SQL: &str = "\
 SELECT q.queue,

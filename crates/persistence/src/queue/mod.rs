@@ -16,6 +16,7 @@ mod defer;
 mod depth;
 mod fetch;
 mod finish;
+mod floors;
 mod listen;
 mod maintenance;
 mod notifier;
@@ -32,6 +33,7 @@ pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};
 pub use fetch::{fetch, fetch_wait, fetch_with_commit, LeaseCommit};
 pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
+pub use floors::{advance_floors, FloorMark};
 pub use listen::JobListener;
 pub use maintenance::{
     maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,
@@ -48,6 +50,7 @@ pub(crate) use fetch::{FETCH_ASYNC_COMMIT_SQL, FETCH_SQL, FETCH_WAIT_SQL};
 pub(crate) use finish::{
     complete_pipelined, CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
 };
+pub(crate) use floors::ADVANCE_FLOORS_SQL;
 pub(crate) use maintenance::EXPIRE_SQL;
 pub(crate) use notifier::NOTIFY_QUEUES_SQL;
 pub(crate) use send::send_pipelined;

@@ -38,6 +38,7 @@ async fn migrations_round_trip_up_down_up() {
             "item_inputs",
             "items",
             "items_open",
+            "job_lanes",
             "jobs",
             "queue_buckets",
             "queue_control_changes",

@@ -7,6 +7,7 @@
 mod escalation;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use idemstage_domain::ItemId;
@@ -14,6 +15,7 @@ use idemstage_harness::example::{
     assert_quiet_and_sound, send, start_pipeline_worker, stop_pipeline_worker, text,
 };
 use idemstage_persistence::ops::{self, Actor, CancelOutcome, RetryOutcome};
+use idemstage_persistence::queue;
 use idemstage_persistence::roles::{check_worker_role, RoleCheck};
 use idemstage_testkit::{TEST_OPERATOR, TEST_WORKER};
 
@@ -78,6 +80,17 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
             role: TEST_WORKER.into()
         }
     );
+
+    // The floors' run is the worker's (migration ready_floors); a lane is
+    // deleted by nobody.
+    let mark = queue::advance_floors(&mut w, None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(mark.is_some());
+    queue::advance_floors(&mut w, mark, Duration::ZERO)
+        .await
+        .unwrap();
+    refused(&mut w, "DELETE FROM job_lanes").await;
 
     // Without a scope: no tenant table at all, no deletes, no DDL, no owner.
     refused(&mut w, "SELECT * FROM stage_runs").await;

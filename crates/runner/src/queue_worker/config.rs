@@ -62,6 +62,12 @@ pub struct QueueWorkerConfig {
     pub maintenance_interval: Duration,
     /// What a maintenance run does: retention of finished jobs, batch size.
     pub maintenance: MaintenanceConfig,
+    /// How often the ready floors are advanced (one worker per database at a
+    /// time): the fetch reads each lane of ready jobs from its floor, so that a
+    /// snapshot held elsewhere does not make it walk the jobs leased since. A
+    /// deferred job that comes due below its lane's floor waits for the next
+    /// run at most.
+    pub floors_interval: Duration,
     /// On shutdown, how long in-flight handlers may finish; after that they are
     /// aborted and their jobs given back (`retry_now`, not counted as a failure).
     pub shutdown_grace: Duration,
@@ -91,6 +97,7 @@ impl Default for QueueWorkerConfig {
             listen: true,
             maintenance_interval: Duration::from_secs(30),
             maintenance: MaintenanceConfig::default(),
+            floors_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             error_backoff_min: Duration::from_millis(100),
             error_backoff_max: Duration::from_secs(10),
@@ -160,6 +167,12 @@ impl QueueWorkerConfig {
         self
     }
 
+    /// The same, advancing the ready floors every `interval`.
+    pub fn with_floors_interval(mut self, interval: Duration) -> Self {
+        self.floors_interval = interval;
+        self
+    }
+
     /// The same, letting in-flight handlers finish for `grace` at shutdown.
     pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
@@ -203,9 +216,12 @@ impl QueueWorkerConfig {
                 "concurrency and batch_size must be positive".into(),
             ));
         }
-        if self.poll_interval.is_zero() || self.maintenance_interval.is_zero() {
+        if self.poll_interval.is_zero()
+            || self.maintenance_interval.is_zero()
+            || self.floors_interval.is_zero()
+        {
             return Err(WorkerError::Config(
-                "poll_interval and maintenance_interval must be positive".into(),
+                "poll_interval, maintenance_interval and floors_interval must be positive".into(),
             ));
         }
         if self.queue_gauges_interval.is_some_and(|i| i.is_zero()) {

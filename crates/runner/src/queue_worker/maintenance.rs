@@ -39,6 +39,30 @@ pub(super) async fn maintenance_loop(
     }
 }
 
+/// Runs [`queue::advance_floors`] every `interval`, keeping each run's mark for
+/// the next, until `stop`. A failed run keeps the mark it had: an older mark only
+/// keeps floors lower.
+pub(super) async fn floors_loop(pool: PgPool, interval: Duration, stop: CancellationToken) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut mark = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let ran = async {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            queue::advance_floors(&mut conn, mark, interval).await
+        }
+        .await;
+        match ran {
+            Ok(next) => mark = next.or(mark),
+            Err(e) => tracing::warn!(error = %e, "advancing the ready floors failed"),
+        }
+    }
+}
+
 /// Samples the depth of `queues` every `interval` into the queue gauges, until
 /// `stop`. A failed sample leaves the gauges as they were.
 pub(super) async fn queue_gauges_loop(

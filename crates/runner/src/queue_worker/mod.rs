@@ -36,7 +36,7 @@ use dispatch::Dispatch;
 use job::JobContext;
 use lease::Leases;
 use listener::listen_loop;
-use maintenance::{maintenance_loop, queue_gauges_loop};
+use maintenance::{floors_loop, maintenance_loop, queue_gauges_loop};
 
 /// A worker for any job queue: runs `H` for each job of its queues, at most
 /// `concurrency` at once, and completes or fails each job under its lease. A job
@@ -141,6 +141,11 @@ impl<H: JobHandler> QueueWorker<H> {
             self.pool.clone(),
             cfg.maintenance.clone(),
             cfg.maintenance_interval,
+            background_stop.clone(),
+        ));
+        background.spawn(floors_loop(
+            self.pool.clone(),
+            cfg.floors_interval,
             background_stop.clone(),
         ));
         if let Some(every) = cfg.queue_gauges_interval {

@@ -1,0 +1,211 @@
+//! The ready floors (migration `2026-12-04-000000_ready_floors`): under a held
+//! snapshot the fetch reads a lane from its floor, not past every job it leased
+//! since; and no ready job stays below a floor for longer than one run of
+//! `advance_floors` (a transaction that outlived a run, a deferred job come due).
+
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_domain::{JobId, JobToSend, SendOptions, SendResult};
+use idemstage_persistence::queue::{self, FloorMark};
+use idemstage_testkit::TestDb;
+use serde_json::json;
+
+const QUEUE: &str = "floors";
+
+fn job(options: SendOptions) -> JobToSend {
+    JobToSend {
+        tenant: None,
+        queue: QUEUE.to_owned(),
+        payload: json!({}),
+        options,
+    }
+}
+
+async fn send(conn: &mut AsyncPgConnection, options: SendOptions) -> JobId {
+    match queue::send_in(conn, &job(options)).await.unwrap() {
+        SendResult::Sent(id) => id,
+        SendResult::Duplicate => panic!("a job without a key is never a duplicate"),
+    }
+}
+
+async fn fetch_ids(conn: &mut AsyncPgConnection, n: u32) -> Vec<JobId> {
+    queue::fetch(conn, &[QUEUE.to_owned()], n)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.id)
+        .collect()
+}
+
+/// Two runs: the first only reads the mark, the second raises the floors to it
+/// (an interval of zero: no horizon, no wait between raises).
+async fn advance_twice(conn: &mut AsyncPgConnection) -> FloorMark {
+    let first = queue::advance_floors(conn, None, Duration::ZERO)
+        .await
+        .unwrap();
+    queue::advance_floors(conn, first, Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("a run that holds the lock gives a mark")
+}
+
+#[derive(diesel::QueryableByName)]
+struct Walked {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Index entries of `jobs_ready_idx` one fetch of one job walked: the count of
+/// entries the index returned to the executor, visible or not, read before and
+/// after the fetch in one transaction (the statistics are not sent in between).
+async fn entries_walked_by_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<JobId>) {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        let walked = || {
+            diesel::sql_query(
+                "SELECT pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) AS n",
+            )
+        };
+        let before: Walked = walked().get_result(conn).await?;
+        let ids = fetch_ids(conn, 1).await;
+        let after: Walked = walked().get_result(conn).await?;
+        Ok((after.n - before.n, ids))
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
+    const SPENT: i64 = 300;
+    let db = TestDb::new().await;
+    let mut hold = db.conn().await;
+    let mut conn = db.conn().await;
+    // Another session's snapshot, held: what vacuum and the index's own cleanup
+    // may not remove, the fetch has to pass.
+    hold.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM jobs")
+        .await
+        .unwrap();
+    for _ in 0..SPENT {
+        send(&mut conn, SendOptions::default()).await;
+    }
+    let mut leased = 0;
+    while leased < SPENT {
+        leased += i64::try_from(fetch_ids(&mut conn, 50).await.len()).unwrap();
+    }
+    // Floors never moved: the fetch walks every entry the leases left.
+    let next = send(&mut conn, SendOptions::default()).await;
+    let (walked, ids) = entries_walked_by_a_fetch(&mut conn).await;
+    assert_eq!(ids, vec![next]);
+    assert!(
+        walked > SPENT,
+        "{walked} entries walked: the hold is not held"
+    );
+
+    advance_twice(&mut conn).await;
+    let next = send(&mut conn, SendOptions::default()).await;
+    let (walked, ids) = entries_walked_by_a_fetch(&mut conn).await;
+    assert_eq!(ids, vec![next]);
+    assert!(walked <= 4, "{walked} entries walked from the floor");
+    hold.batch_execute("ROLLBACK").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_job_whose_transaction_outlived_a_run_is_fetched_after_the_next_run() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut sender = db.conn().await;
+    // The lane exists (committed) before the slow sender draws its number.
+    let first = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![first]);
+
+    sender.batch_execute("BEGIN").await.unwrap();
+    let slow = send(&mut sender, SendOptions::default()).await;
+    // Another job after it, sent and leased.
+    let other = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![other]);
+    // A mark read after both drew their numbers, then a raise to it: the floor
+    // passes the slow job, whose transaction has not committed.
+    let mark = queue::advance_floors(&mut conn, None, Duration::ZERO)
+        .await
+        .unwrap();
+    queue::advance_floors(&mut conn, mark, Duration::ZERO)
+        .await
+        .unwrap();
+    sender.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![], "below the floor");
+    // The next run finds it ready below the floor and lowers the floor.
+    queue::advance_floors(&mut conn, mark, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![slow]);
+}
+
+#[tokio::test]
+async fn a_job_sent_after_the_mark_was_read_is_fetched_at_once() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut sender = db.conn().await;
+    let first = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![first]);
+
+    let mark = queue::advance_floors(&mut conn, None, Duration::ZERO)
+        .await
+        .unwrap();
+    // Drawn after the mark, committed after the raise: above the floor.
+    sender.batch_execute("BEGIN").await.unwrap();
+    let late = send(&mut sender, SendOptions::default()).await;
+    queue::advance_floors(&mut conn, mark, Duration::ZERO)
+        .await
+        .unwrap();
+    sender.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![late]);
+}
+
+#[tokio::test]
+async fn a_job_deferred_past_the_horizon_is_fetched_once_due_after_the_next_run() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let later = send(
+        &mut conn,
+        SendOptions::default().with_start_after(Duration::from_secs(3600)),
+    )
+    .await;
+    let now = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![now]);
+    // Not due within the horizon: the floor passes it.
+    advance_twice(&mut conn).await;
+    // It comes due (the clock moved, as far as the job can tell).
+    diesel::sql_query("UPDATE jobs SET start_after = now() WHERE id = $1")
+        .bind::<Text, _>(later.to_string())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![], "below the floor");
+    let mark = queue::advance_floors(&mut conn, None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(mark.is_some());
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![later]);
+}
+
+#[tokio::test]
+async fn a_job_ready_again_goes_to_the_back_of_its_lane_above_the_floor() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let a = send(&mut conn, SendOptions::default()).await;
+    let b = send(&mut conn, SendOptions::default()).await;
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
+        .await
+        .unwrap();
+    assert_eq!(fetched[0].id, a);
+    // Every lane's floor is raised past b, then a is given back.
+    advance_twice(&mut conn).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![b]);
+    advance_twice(&mut conn).await;
+    queue::retry_now(&mut conn, a, fetched[0].attempt)
+        .await
+        .unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![a]);
+}
