@@ -21,10 +21,10 @@
 --   within the horizon, never past the sequence's value at its previous run:
 --   a job whose sequence number was drawn after that run is above the floor.
 --   It raises a floor at most once per `p_raise_every_ms` (each raise is a row
---   version, and a held snapshot keeps those too) and lowers it at once when a
---   job below it is ready: one that was deferred past the horizon and is now
---   due, or one whose transaction ran longer than a whole period between two
---   runs. Such a job waits for the next run, never longer; nothing else moves a
+--   version, and a held snapshot keeps those too) and lowers one only to a
+--   ready job below it, at once: a job deferred past the horizon and now due,
+--   or one whose transaction ran longer than a whole period between two runs.
+--   Such a job waits for the next run, never longer; nothing else moves a
 --   floor, and without runs every floor stays where it is (a job sent after
 --   the last run is above it).
 
@@ -129,22 +129,28 @@ BEGIN
     -- Read before the lanes: a number drawn after this read is above every
     -- floor the next run sets.
     SELECT s.last_value INTO v_mark FROM jobs_ready_seq s;
+    -- Per lane: its first ready job due within the horizon (`first`), and the
+    -- floor it may rise to (`up`: never above the previous mark). Lowered only
+    -- when a ready job is below it (so that a run with an older mark, of another
+    -- worker, does not pull floors down); raised at most every p_raise_every_ms.
     UPDATE job_lanes l
-       SET floor = n.floor,
-           floor_at = CASE WHEN n.floor > l.floor THEN clock_timestamp() ELSE l.floor_at END
-      FROM (SELECT o.queue, o.tenant_id, o.priority,
-                   least(coalesce(p_mark, o.floor),
-                         (SELECT j.ready_seq FROM jobs j
-                           WHERE j.queue = o.queue AND j.tenant_id = o.tenant_id
-                             AND j.priority = o.priority
-                             AND j.state IN ('created', 'retry')
-                             AND j.start_after <= now() + p_horizon_ms * interval '1 millisecond'
-                           ORDER BY j.ready_seq
-                           LIMIT 1)) AS floor
-              FROM job_lanes o) n
+       SET floor = CASE WHEN n.first < l.floor THEN n.first ELSE n.up END,
+           floor_at = CASE WHEN n.first < l.floor THEN l.floor_at ELSE clock_timestamp() END
+      FROM (SELECT f.queue, f.tenant_id, f.priority, f.first,
+                   CASE WHEN p_mark IS NOT NULL
+                        THEN least(p_mark, coalesce(f.first, p_mark)) END AS up
+              FROM (SELECT o.queue, o.tenant_id, o.priority,
+                           (SELECT j.ready_seq FROM jobs j
+                             WHERE j.queue = o.queue AND j.tenant_id = o.tenant_id
+                               AND j.priority = o.priority
+                               AND j.state IN ('created', 'retry')
+                               AND j.start_after <= now() + p_horizon_ms * interval '1 millisecond'
+                             ORDER BY j.ready_seq
+                             LIMIT 1) AS first
+                      FROM job_lanes o) f) n
      WHERE l.queue = n.queue AND l.tenant_id = n.tenant_id AND l.priority = n.priority
-       AND (n.floor < l.floor
-            OR (n.floor > l.floor
+       AND (n.first < l.floor
+            OR (n.up > l.floor
                 AND l.floor_at <= clock_timestamp() - p_raise_every_ms * interval '1 millisecond'));
     RETURN v_mark;
 END;

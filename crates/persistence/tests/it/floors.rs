@@ -209,3 +209,41 @@ async fn a_job_ready_again_goes_to_the_back_of_its_lane_above_the_floor() {
         .unwrap();
     assert_eq!(fetch_ids(&mut conn, 1).await, vec![a]);
 }
+
+#[derive(diesel::QueryableByName)]
+struct Floor {
+    #[diesel(sql_type = BigInt)]
+    floor: i64,
+}
+
+async fn floor_of_the_lane(conn: &mut AsyncPgConnection) -> i64 {
+    let row: Floor = diesel::sql_query("SELECT floor FROM job_lanes WHERE queue = $1")
+        .bind::<Text, _>(QUEUE)
+        .get_result(conn)
+        .await
+        .unwrap();
+    row.floor
+}
+
+#[tokio::test]
+async fn a_run_with_an_older_mark_leaves_a_higher_floor_where_it_is() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let first = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![first]);
+    // Worker B's run: its mark, then it loses the lock for a while.
+    let older = queue::advance_floors(&mut conn, None, Duration::ZERO)
+        .await
+        .unwrap();
+    let second = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![second]);
+    // Worker A raises the floor past both.
+    advance_twice(&mut conn).await;
+    let raised = floor_of_the_lane(&mut conn).await;
+    // B's next run, with its older mark: nothing is ready below the floor, so
+    // the floor stays (before: pulled down to B's mark, and back up by A).
+    queue::advance_floors(&mut conn, older, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(floor_of_the_lane(&mut conn).await, raised);
+}
