@@ -132,7 +132,18 @@ BEGIN
     -- Per lane: its first ready job due within the horizon (`first`), and the
     -- floor it may rise to (`up`: never above the previous mark). Lowered only
     -- when a ready job is below it (so that a run with an older mark, of another
-    -- worker, does not pull floors down); raised at most every p_raise_every_ms.
+    -- worker, does not pull floors down); raised at most every p_raise_every_ms,
+    -- and only when the lane has a ready job or was worked lately (`busy`: a job
+    -- leased now or finished within the window): a raise is a row version, and
+    -- an idle lane has nothing new below its mark to skip.
+    WITH busy AS (
+        SELECT j.queue, j.tenant_id, j.priority FROM jobs j
+         WHERE j.lease_expires_at IS NOT NULL
+        UNION
+        SELECT j.queue, j.tenant_id, j.priority FROM jobs j
+         WHERE j.state IN ('completed', 'cancelled', 'failed')
+           AND j.completed_at > now() - (p_raise_every_ms + p_horizon_ms) * interval '1 millisecond'
+    )
     UPDATE job_lanes l
        SET floor = CASE WHEN n.first < l.floor THEN n.first ELSE n.up END,
            floor_at = CASE WHEN n.first < l.floor THEN l.floor_at ELSE clock_timestamp() END
@@ -151,7 +162,11 @@ BEGIN
      WHERE l.queue = n.queue AND l.tenant_id = n.tenant_id AND l.priority = n.priority
        AND (n.first < l.floor
             OR (n.up > l.floor
-                AND l.floor_at <= clock_timestamp() - p_raise_every_ms * interval '1 millisecond'));
+                AND l.floor_at <= clock_timestamp() - p_raise_every_ms * interval '1 millisecond'
+                AND (n.first IS NOT NULL
+                     OR EXISTS (SELECT 1 FROM busy b
+                                 WHERE b.queue = l.queue AND b.tenant_id = l.tenant_id
+                                   AND b.priority = l.priority))));
     RETURN v_mark;
 END;
 $$;

@@ -247,3 +247,69 @@ async fn a_run_with_an_older_mark_leaves_a_higher_floor_where_it_is() {
         .unwrap();
     assert_eq!(floor_of_the_lane(&mut conn).await, raised);
 }
+
+#[tokio::test]
+async fn an_idle_lane_keeps_its_row_and_a_lane_worked_lately_is_raised() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let a = send(&mut conn, SendOptions::default()).await;
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
+        .await
+        .unwrap();
+    assert_eq!(fetched[0].id, a);
+    queue::complete(&mut conn, a, fetched[0].attempt, None)
+        .await
+        .unwrap();
+    // The last raise long ago; a is finished within the window of a 10 s
+    // interval: the lane was worked lately, so the runs raise it.
+    diesel::sql_query("UPDATE job_lanes SET floor_at = now() - interval '1 hour'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let every = Duration::from_secs(10);
+    let mark = queue::advance_floors(&mut conn, None, every).await.unwrap();
+    // The sequence moves on elsewhere.
+    queue::send_in(
+        &mut conn,
+        &JobToSend {
+            tenant: None,
+            queue: "elsewhere".to_owned(),
+            payload: json!({}),
+            options: SendOptions::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    let raised = floor_of_the_lane(&mut conn).await;
+    assert!(raised > 0, "the lane worked lately was not raised");
+
+    // Nothing of the lane leased or finished within the window, nothing ready:
+    // the runs leave its row alone however far the sequence moves.
+    diesel::sql_query(
+        "UPDATE jobs SET completed_at = now() - interval '1 hour' WHERE queue = 'floors'",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    diesel::sql_query("UPDATE job_lanes SET floor_at = now() - interval '1 hour'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let mut mark = mark;
+    for _ in 0..2 {
+        queue::send_in(
+            &mut conn,
+            &JobToSend {
+                tenant: None,
+                queue: "elsewhere".to_owned(),
+                payload: json!({}),
+                options: SendOptions::default(),
+            },
+        )
+        .await
+        .unwrap();
+        mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    }
+    assert_eq!(floor_of_the_lane(&mut conn).await, raised);
+}
