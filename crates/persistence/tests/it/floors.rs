@@ -30,6 +30,15 @@ async fn send(conn: &mut AsyncPgConnection, options: SendOptions) -> JobId {
     }
 }
 
+/// A job of another queue: the sequence moves on, the lane under test is idle.
+async fn send_elsewhere(conn: &mut AsyncPgConnection) {
+    let other = JobToSend {
+        queue: "elsewhere".to_owned(),
+        ..job(SendOptions::default())
+    };
+    queue::send_in(conn, &other).await.unwrap();
+}
+
 async fn fetch_ids(conn: &mut AsyncPgConnection, n: u32) -> Vec<JobId> {
     queue::fetch(conn, &[QUEUE.to_owned()], n)
         .await
@@ -269,17 +278,7 @@ async fn an_idle_lane_keeps_its_row_and_a_lane_worked_lately_is_raised() {
     let every = Duration::from_secs(10);
     let mark = queue::advance_floors(&mut conn, None, every).await.unwrap();
     // The sequence moves on elsewhere.
-    queue::send_in(
-        &mut conn,
-        &JobToSend {
-            tenant: None,
-            queue: "elsewhere".to_owned(),
-            payload: json!({}),
-            options: SendOptions::default(),
-        },
-    )
-    .await
-    .unwrap();
+    send_elsewhere(&mut conn).await;
     let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
     let raised = floor_of_the_lane(&mut conn).await;
     assert!(raised > 0, "the lane worked lately was not raised");
@@ -298,17 +297,7 @@ async fn an_idle_lane_keeps_its_row_and_a_lane_worked_lately_is_raised() {
         .unwrap();
     let mut mark = mark;
     for _ in 0..2 {
-        queue::send_in(
-            &mut conn,
-            &JobToSend {
-                tenant: None,
-                queue: "elsewhere".to_owned(),
-                payload: json!({}),
-                options: SendOptions::default(),
-            },
-        )
-        .await
-        .unwrap();
+        send_elsewhere(&mut conn).await;
         mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
     }
     assert_eq!(floor_of_the_lane(&mut conn).await, raised);
