@@ -94,10 +94,15 @@ enum Command {
     /// The timeline of one item: every stage's runs and attempts, its jobs.
     Inspect(cli::ops::InspectArgs),
     /// Give a dead stage (or every dead stage of an item) a fresh attempt
-    /// budget and a new job.
+    /// budget and a new job; without --item, of every item the filters select.
     Retry(cli::ops::RetryArgs),
+    /// Run a finished stage again on its current input (every stage after it
+    /// is invalidated and runs again after it); without --item, of every item
+    /// the filters select, in batches, resumable.
+    Rerun(cli::ops::RerunArgs),
     /// Cancel an item: its live jobs, and its unfinished stages (`cancelled`,
-    /// final; a running attempt is fenced).
+    /// final; a running attempt is fenced); without --item, every item the
+    /// filters select.
     Cancel(cli::ops::CancelArgs),
     /// The dead-letter list: dead stages and failed jobs with their last errors.
     Dead(cli::ops::DeadArgs),
@@ -150,7 +155,8 @@ pub(crate) async fn run_parsed(mut app: App, matches: &clap::ArgMatches) -> Exit
             Command::Limit(args) => cli::controls::limit(&db, args, pipeline).await,
             Command::Inspect(args) => cli::ops::inspect(&db, args, pipeline).await,
             Command::Retry(args) => cli::ops::retry(&db, args, pipeline).await,
-            Command::Cancel(args) => cli::ops::cancel(&db, args).await,
+            Command::Rerun(args) => cli::ops::rerun(&db, args, pipeline).await,
+            Command::Cancel(args) => cli::ops::cancel(&db, args, pipeline).await,
             Command::Dead(args) => cli::ops::dead(&db, args, pipeline).await,
             Command::Console(args) => cli::console::run(&db, args, pipeline).await,
         }

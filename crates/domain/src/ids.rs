@@ -175,6 +175,12 @@ ulid_id!(
     InvalidRowId
 );
 ulid_id!(
+    /// The id of a bulk action (`bulk_actions`: a rerun, retry or cancel of
+    /// many items, resumable).
+    BulkId,
+    InvalidRowId
+);
+ulid_id!(
     /// The id of any other row we create (files, children, audit entries).
     RowId,
     InvalidRowId

@@ -18,7 +18,7 @@ pub use error::{
     map_diesel_error, sanitize_error_text, DomainError, RepoError, RepoMessage, StageError,
     MAX_ERROR_TEXT_BYTES,
 };
-pub use ids::{input_hash_of, ItemId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
+pub use ids::{input_hash_of, BulkId, ItemId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
 pub use outcome::{
     ClaimOutcome, CompleteOutcome, FailOutcome, RejectReason, RenewOutcome, RunStatus, SkipReason,
 };

@@ -252,19 +252,26 @@ pub mod db {
 /// ```
 pub mod ids {
     pub use idemstage_domain::{
-        input_hash_of, DomainError, ItemId, JobId, RowId, RunId, StageName, TenantId, WorkerId,
+        input_hash_of, BulkId, DomainError, ItemId, JobId, RowId, RunId, StageName, TenantId,
+        WorkerId,
     };
 }
 
-/// The operator commands (`idemstage inspect | retry | cancel | dead`): the
-/// timeline of an item, a retry of its dead stages (a [`Pipeline`](pipeline::Pipeline) is the
-/// [`RetryPlanner`](ops::RetryPlanner)), its cancel, the dead-letter list. Every
-/// write is tenant-scoped and recorded in `audit_log` with its [`Actor`](ops::Actor).
+/// The operator commands (`idemstage inspect | retry | rerun | cancel | dead`):
+/// the timeline of an item, a retry of its dead stages (a
+/// [`Pipeline`](pipeline::Pipeline) is the [`RetryPlanner`](ops::RetryPlanner)),
+/// a rerun of a stage and what follows it, its cancel, the dead-letter list;
+/// retry, rerun and cancel of every item a [`BulkFilter`](ops::BulkFilter)
+/// selects ([`preview`](ops::preview), [`start_bulk`](ops::start_bulk),
+/// [`run_bulk`](ops::run_bulk), resumable). Every write is tenant-scoped and
+/// recorded in `audit_log` with its [`Actor`](ops::Actor).
 pub mod ops {
     pub use idemstage_persistence::ops::{
-        cancel, dead, inspect, retry, Actor, AttemptView, CancelOutcome, CancelledFrom,
-        CancelledJob, CancelledStage, DeadFilter, DeadLetters, DeadStage, FailedJob, ItemTimeline,
-        JobView, OpsError, RetriedStage, RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
+        bulk_progress, cancel, dead, inspect, preview, rerun, retry, run_bulk, start_bulk, Actor,
+        AttemptView, BulkAction, BulkFilter, BulkPreview, BulkProgress, CancelOutcome,
+        CancelledFrom, CancelledJob, CancelledStage, DeadFilter, DeadLetters, DeadStage, FailedJob,
+        ItemTimeline, JobView, OpsError, PreviewGroup, RerunOutcome, RerunRefusal, RetriedStage,
+        RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
     };
 }
 

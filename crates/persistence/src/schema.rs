@@ -177,7 +177,37 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    stage_reruns (run_id, after_attempt) {
+        tenant_id -> Text,
+        run_id -> Text,
+        after_attempt -> Int4,
+        actor -> Text,
+        bulk_id -> Nullable<Text>,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    bulk_actions (id) {
+        id -> Text,
+        action -> Text,
+        filter -> Jsonb,
+        actor -> Text,
+        batch_size -> Int4,
+        done_tenant -> Nullable<Text>,
+        done_item -> Nullable<Text>,
+        selected -> Int4,
+        acted -> Int4,
+        batches -> Int4,
+        created_at -> Timestamptz,
+        updated_at -> Timestamptz,
+        finished_at -> Nullable<Timestamptz>,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
+    bulk_actions,
     item_inputs,
     items,
     items_open,
@@ -190,4 +220,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     queue_control_changes,
     queue_controls,
     stage_checkpoints,
+    stage_reruns,
 );

@@ -44,6 +44,19 @@ pub async fn scope(
     .map(|_| ())
 }
 
+/// Ends the scope [`scope`] set in the open transaction: the connecting user's
+/// role again, no tenant. For a transaction that does a tenant's writes and
+/// then writes as the operator it is (a bulk action's progress, in the same
+/// commit as the batch it records).
+pub(crate) async fn unscope(conn: &mut AsyncPgConnection) -> Result<(), diesel::result::Error> {
+    diesel::sql_query(
+        "SELECT set_config('role', 'none', true), set_config('app.tenant_id', '', true)",
+    )
+    .execute(conn)
+    .await
+    .map(|_| ())
+}
+
 /// Runs `body` in a transaction of its own on `conn` (a savepoint, if `conn` is
 /// in a transaction already), scoped to `tenant`: BEGIN and the scope go to the
 /// server as one message, so the scope costs no round trip of its own (inside a

@@ -29,7 +29,8 @@ pub struct Invariants {
     /// Attempts that lost their lease and were refused at commit.
     pub fenced: i64,
     /// Successful attempts of a run that computed the same thing as the run's
-    /// previous success: the same input hash and upstream attempt (must be 0).
+    /// previous success: the same input hash and upstream attempt, with no
+    /// operator rerun (`stage_reruns`) asked for between the two (must be 0).
     pub double_executions: i64,
     /// Successful runs not computed from their upstream's current successful
     /// attempt (the first stage: from the item's stored input), or from another
@@ -86,13 +87,17 @@ UNION ALL SELECT 'retries',
 UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
-        SELECT input_hash, upstream_attempt,
+        SELECT run_id, attempt, input_hash, upstream_attempt,
+               lag(attempt) OVER w AS prev_attempt,
                lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
                row_number() OVER w AS n
           FROM stage_run_attempts WHERE outcome = 'success'
         WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
       WHERE n > 1 AND prev_hash = input_hash
-        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
+        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt
+        AND NOT EXISTS (SELECT 1 FROM stage_reruns x
+                         WHERE x.run_id = s.run_id AND x.after_attempt >= s.prev_attempt
+                           AND x.after_attempt < s.attempt))
 UNION ALL SELECT 'stale_lineage',
     (SELECT count(*) FROM stage_runs d JOIN stage_order o ON o.stage = d.stage
       WHERE d.status = 'success'

@@ -32,7 +32,8 @@ pub struct PipelineCheck {
     pub fenced: i64,
     /// Successful attempts of a run that computed the same thing as the run's
     /// previous success: same input hash and same upstream attempt (must be 0). A
-    /// rerun on new input, or on a new upstream success, is not a double execution.
+    /// rerun on new input, on a new upstream success, or one an operator asked
+    /// for (`stage_reruns`), is not a double execution.
     pub double_executions: i64,
     /// Successful runs not computed from their upstream's current successful attempt
     /// (or, for the first stage, from the item's stored input), or from another
@@ -132,13 +133,17 @@ UNION ALL SELECT 'retries',
 UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
-        SELECT input_hash, upstream_attempt,
+        SELECT run_id, attempt, input_hash, upstream_attempt,
+               lag(attempt) OVER w AS prev_attempt,
                lag(input_hash) OVER w AS prev_hash, lag(upstream_attempt) OVER w AS prev_upstream,
                row_number() OVER w AS n
           FROM stage_run_attempts WHERE outcome = 'success'
         WINDOW w AS (PARTITION BY run_id ORDER BY attempt)) s
       WHERE n > 1 AND prev_hash = input_hash
-        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt)
+        AND prev_upstream IS NOT DISTINCT FROM upstream_attempt
+        AND NOT EXISTS (SELECT 1 FROM stage_reruns x
+                         WHERE x.run_id = s.run_id AND x.after_attempt >= s.prev_attempt
+                           AND x.after_attempt < s.attempt))
 UNION ALL SELECT 'stale_lineage',
     (SELECT count(*) FROM stage_runs d JOIN stage_order o ON o.stage = d.stage
       WHERE d.status = 'success'

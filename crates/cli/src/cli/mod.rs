@@ -1,5 +1,6 @@
 //! Subcommands, and the mapping of their errors to exit codes.
 
+pub mod bulk;
 pub mod console;
 pub mod controls;
 pub mod enqueue;

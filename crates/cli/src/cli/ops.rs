@@ -1,4 +1,4 @@
-//! `idemstage inspect | retry | cancel | dead`: the operator commands
+//! `idemstage inspect | retry | rerun | cancel | dead`: the operator commands
 //! (`idemstage::ops`). They connect as the `DATABASE_URL` user and
 //! name the tenant of every write, which runs scoped to it.
 
@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::ops::{
-    self, Actor, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RetryOutcome,
+    self, Actor, BulkAction, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RerunOutcome,
+    RetryOutcome,
 };
 use idemstage::pipeline::Pipeline;
 use idemstage::{ids::ItemId, ids::StageName, ids::TenantId, queue::SendResult};
@@ -26,12 +27,12 @@ pub struct InspectArgs {
 
 #[derive(clap::Args)]
 pub struct RetryArgs {
-    /// Tenant slug
+    /// Tenant slug (with --item: the item's; without: only this tenant's items)
     #[arg(long)]
-    tenant: String,
-    /// Item id (ULID)
+    tenant: Option<String>,
+    /// Item id (ULID); without it, every item the filters select
     #[arg(long)]
-    item: String,
+    item: Option<String>,
     /// Only this stage (default: every dead stage of the item)
     #[arg(long)]
     stage: Option<String>,
@@ -41,22 +42,71 @@ pub struct RetryArgs {
     /// One JSON object instead of text
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    bulk: super::bulk::BulkArgs,
+}
+
+#[derive(clap::Args)]
+pub struct RerunArgs {
+    /// Tenant slug (with --item: the item's; without: only this tenant's items)
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Item id (ULID); without it, every item the filters select
+    #[arg(long)]
+    item: Option<String>,
+    /// The stage to run again (every stage after it is invalidated and runs
+    /// again after it)
+    #[arg(long)]
+    stage: String,
+    /// Who is rerunning, for the audit log (default: $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    bulk: super::bulk::BulkArgs,
 }
 
 #[derive(clap::Args)]
 pub struct CancelArgs {
-    /// Tenant slug
+    /// Tenant slug (with --item: the item's; without: only this tenant's items)
     #[arg(long)]
-    tenant: String,
-    /// Item id (ULID)
+    tenant: Option<String>,
+    /// Item id (ULID); without it, every item the filters select
     #[arg(long)]
-    item: String,
+    item: Option<String>,
+    /// Without --item: only items with a run of this stage (--status is its status)
+    #[arg(long)]
+    stage: Option<String>,
     /// Who is cancelling, for the audit log (default: $USER, else the database user)
     #[arg(long)]
     actor: Option<String>,
     /// One JSON object instead of text
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    bulk: super::bulk::BulkArgs,
+}
+
+/// One item's command (`--item`) or a bulk action (filters): which, checked
+/// before the first connection. One item's takes `--tenant` and no bulk flag.
+fn one_item(
+    tenant: Option<&str>,
+    item: Option<&str>,
+    bulk: &super::bulk::BulkArgs,
+) -> anyhow::Result<Option<(TenantId, ItemId)>> {
+    match (tenant, item) {
+        (_, Some(_)) if bulk.any() => Err(super::BadInput(
+            "--item names one item: --status, --since, --until, --items-file, --dry-run \
+             and --resume select many, without --item"
+                .into(),
+        )
+        .into()),
+        (Some(tenant), Some(item)) => Ok(Some(ids(tenant, item)?)),
+        (None, Some(_)) => Err(super::BadInput("--item needs its --tenant".into()).into()),
+        (_, None) => Ok(None),
+    }
 }
 
 #[derive(clap::Args)]
@@ -210,7 +260,6 @@ fn print_timeline(t: &ItemTimeline, pipeline: &Pipeline) {
 }
 
 pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
-    let (tenant, item) = ids(&args.tenant, &args.item)?;
     let pipeline = team;
     let stage = args
         .stage
@@ -218,6 +267,20 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
         .map(|s| super::known::stage(&pipeline, s))
         .transpose()?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let Some((tenant, item)) = one_item(args.tenant.as_deref(), args.item.as_deref(), &args.bulk)?
+    else {
+        return super::bulk::run(
+            db,
+            BulkAction::Retry,
+            args.tenant.as_deref(),
+            stage,
+            &args.bulk,
+            flag_actor,
+            args.json,
+            &pipeline,
+        )
+        .await;
+    };
     let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::retry(&mut conn, &tenant, &item, stage.as_ref(), &actor, &pipeline).await?;
@@ -256,9 +319,35 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode> {
-    let (tenant, item) = ids(&args.tenant, &args.item)?;
+pub async fn cancel(db: &super::Db, args: CancelArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let pipeline = team;
+    let stage = args
+        .stage
+        .as_deref()
+        .map(|s| super::known::stage(&pipeline, s))
+        .transpose()?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let Some((tenant, item)) = one_item(args.tenant.as_deref(), args.item.as_deref(), &args.bulk)?
+    else {
+        return super::bulk::run(
+            db,
+            BulkAction::Cancel,
+            args.tenant.as_deref(),
+            stage,
+            &args.bulk,
+            flag_actor,
+            args.json,
+            &pipeline,
+        )
+        .await;
+    };
+    if stage.is_some() {
+        return Err(super::BadInput(
+            "--stage filters the items of a bulk cancel: an item's cancel ends all its stages"
+                .into(),
+        )
+        .into());
+    }
     let mut conn = db.connect().await?;
     let actor = actor(flag_actor, &mut conn).await?;
     let outcome = ops::cancel(&mut conn, &tenant, &item, &actor).await?;
@@ -293,6 +382,60 @@ pub async fn cancel(db: &super::Db, args: CancelArgs) -> anyhow::Result<ExitCode
             }
             CancelOutcome::NothingToCancel => {
                 println!("nothing to cancel: every stage of item {item} is final")
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn rerun(db: &super::Db, args: RerunArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let pipeline = team;
+    let stage = super::known::stage(&pipeline, &args.stage)?;
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let Some((tenant, item)) = one_item(args.tenant.as_deref(), args.item.as_deref(), &args.bulk)?
+    else {
+        return super::bulk::run(
+            db,
+            BulkAction::Rerun,
+            args.tenant.as_deref(),
+            Some(stage),
+            &args.bulk,
+            flag_actor,
+            args.json,
+            &pipeline,
+        )
+        .await;
+    };
+    let mut conn = db.connect().await?;
+    let actor = actor(flag_actor, &mut conn).await?;
+    let outcome = ops::rerun(&mut conn, &tenant, &item, &stage, &actor, &pipeline).await?;
+    if args.json {
+        let mut value = serde_json::to_value(&outcome)?;
+        value["tenant"] = serde_json::json!(tenant);
+        value["item"] = serde_json::json!(item);
+        value["actor"] = serde_json::json!(actor);
+        println!("{value}");
+    } else {
+        match &outcome {
+            RerunOutcome::Rerun {
+                stage,
+                from,
+                attempts,
+                invalidated,
+                job,
+                ..
+            } => {
+                let job = match job {
+                    SendResult::Sent(id) => format!("job {id}"),
+                    SendResult::Duplicate => "its live job".into(),
+                };
+                println!(
+                    "rerun {stage} of item {item} (was {from} after {attempts} attempts), \
+                     {invalidated} stages after it invalidated, {job}"
+                );
+            }
+            RerunOutcome::NothingToRerun { stage, status } => {
+                println!("nothing to rerun: stage {stage} is {status} (the workers run it again)")
             }
         }
     }

@@ -3,6 +3,7 @@
 //! input and the soak against a real PostgreSQL.
 
 mod bad_input;
+mod bulk;
 mod cli;
 mod console;
 mod failover;

@@ -4,7 +4,7 @@ use diesel::sql_types::{Array, Bool, Integer, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::queue::stage_singleton_key;
-use idemstage_domain::{ItemId, JobId, RunId, RunStatus, StageName, TenantId};
+use idemstage_domain::{BulkId, ItemId, JobId, RunId, RunStatus, StageName, TenantId};
 use serde::Serialize;
 
 use super::inspect::JOBS_OF_ITEM;
@@ -182,7 +182,7 @@ pub async fn cancel(
     let mut tries = 0;
     loop {
         let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
-            cancel_in(conn, tenant, item, actor).await
+            cancel_in(conn, tenant, item, actor, None).await
         })
         .await;
         if !super::again_after(&result, &mut tries).await {
@@ -191,11 +191,14 @@ pub async fn cancel(
     }
 }
 
-async fn cancel_in(
+/// [`cancel`] in the caller's transaction (scoped to `tenant`); `bulk` names the
+/// bulk action it is part of, in the audit entry.
+pub(super) async fn cancel_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
     item: &ItemId,
     actor: &Actor,
+    bulk: Option<&BulkId>,
 ) -> Result<CancelOutcome, OpsError> {
     stored_hash(conn, tenant, item).await?;
     let reason = format!("cancelled by {actor}");
@@ -285,7 +288,7 @@ async fn cancel_in(
         })
         .collect::<Result<Vec<_>, OpsError>>()?;
     let details = serde_json::json!({ "actor": actor, "stages": stages, "jobs": jobs });
-    audit(conn, tenant, item, "operator.cancel", details).await?;
+    audit(conn, tenant, item, "operator.cancel", details, bulk).await?;
     Ok(CancelOutcome::Cancelled { stages, jobs })
 }
 

@@ -5,14 +5,19 @@
 //! - [`inspect`]: the timeline of one item (runs, every attempt, its jobs).
 //!   Read-only.
 //! - [`retry`]: a `dead` stage gets a fresh attempt budget and a new job.
+//! - [`rerun`]: a finished stage runs again on its current input and upstream,
+//!   and every stage computed from it is invalidated.
 //! - [`cancel`]: the item's live jobs are cancelled and its unfinished stages
 //!   end `cancelled` (final); a running attempt is fenced.
+//! - [`preview`], [`start_bulk`], [`run_bulk`]: a rerun, retry or cancel of
+//!   every item a [`BulkFilter`] selects, previewed, in batches, resumable.
 //! - [`dead`]: the dead-letter list: dead stages and failed jobs, with their
 //!   last errors.
 //!
 //! Every write names its tenant and runs in a transaction scoped to it
 //! ([`crate::tenant::scope`]), records who made it in `audit_log` (action
-//! `operator.retry` / `operator.cancel`, the [`Actor`] in `details`; the entry
+//! `operator.retry` / `operator.rerun` / `operator.cancel`, the [`Actor`] in
+//! `details`, and the [`BulkId`] of a bulk action; the entry
 //! names no `run_id`, so that it is never taken for a stage's own write), and
 //! changes nothing when it refuses. Each is one transaction that is safe beside
 //! running workers: its conditional writes re-check the state they change
@@ -36,22 +41,29 @@
 //! # }
 //! ```
 
+mod bulk;
 mod cancel;
 mod dead;
 mod inspect;
+mod rerun;
 mod retry;
 
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{DomainError, ItemId, RepoError, RowId, StageName, TenantId};
+use idemstage_domain::{BulkId, DomainError, ItemId, RepoError, RowId, StageName, TenantId};
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::error::map_diesel_error;
 
+pub use bulk::{
+    bulk_progress, preview, run_bulk, start_bulk, BulkAction, BulkFilter, BulkPreview,
+    BulkProgress, PreviewGroup,
+};
 pub use cancel::{cancel, CancelOutcome, CancelledFrom, CancelledJob, CancelledStage};
 pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
 pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline};
+pub use rerun::{rerun, RerunOutcome, RerunRefusal};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
 
 /// Who ran an operator command, as recorded in `audit_log.details.actor`: 1 to
@@ -159,6 +171,21 @@ pub enum OpsError {
         /// Its state.
         reason: RetryRefusal,
     },
+    /// A rerun of a stage that a worker holds or whose item was cancelled.
+    #[error("stage {stage} of item {item} (tenant {tenant}) cannot be rerun: {reason}")]
+    RerunRefused {
+        /// The tenant.
+        tenant: TenantId,
+        /// The item.
+        item: ItemId,
+        /// The stage.
+        stage: StageName,
+        /// Its state.
+        reason: RerunRefusal,
+    },
+    /// No bulk action with this id.
+    #[error("bulk action {0} not found")]
+    BulkNotFound(BulkId),
     /// Bad input found before anything ran (an id, an actor, a stage name).
     #[error(transparent)]
     Invalid(#[from] DomainError),
@@ -234,14 +261,19 @@ async fn stored_hash(
 }
 
 /// Appends the audit entry of an operator command (no `run_id`: not a stage's
-/// write; the actor and what changed are in `details`).
+/// write; the actor and what changed are in `details`, with `bulk`, the bulk
+/// action it was part of, if any).
 async fn audit(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
     item: &ItemId,
     action: &str,
-    details: serde_json::Value,
+    mut details: serde_json::Value,
+    bulk: Option<&BulkId>,
 ) -> Result<(), OpsError> {
+    if let (Some(bulk), Some(map)) = (bulk, details.as_object_mut()) {
+        map.insert("bulk".into(), serde_json::json!(bulk));
+    }
     diesel::sql_query(
         "INSERT INTO audit_log (id, tenant_id, entity_id, action, details) \
          VALUES ($1, $2, $3, $4, $5)",

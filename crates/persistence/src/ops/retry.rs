@@ -4,7 +4,9 @@ use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemstage_domain::{ItemId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId};
+use idemstage_domain::{
+    BulkId, ItemId, JobToSend, RunId, RunStatus, SendResult, StageName, TenantId,
+};
 use serde::Serialize;
 
 use super::{audit, stored_hash, Actor, OpsError, RetryRefusal};
@@ -150,7 +152,7 @@ pub async fn retry(
     let mut tries = 0;
     loop {
         let result = crate::tenant::transaction::<_, OpsError, _>(conn, tenant, async |conn| {
-            retry_in(conn, tenant, item, stage, actor, planner).await
+            retry_in(conn, tenant, item, stage, actor, None, planner).await
         })
         .await;
         if !super::again_after(&result, &mut tries).await {
@@ -159,12 +161,15 @@ pub async fn retry(
     }
 }
 
-async fn retry_in(
+/// [`retry`] in the caller's transaction (scoped to `tenant`); `bulk` names the
+/// bulk action it is part of, in the audit entry.
+pub(super) async fn retry_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
     item: &ItemId,
     stage: Option<&StageName>,
     actor: &Actor,
+    bulk: Option<&BulkId>,
     planner: &dyn RetryPlanner,
 ) -> Result<RetryOutcome, OpsError> {
     let hash = stored_hash(conn, tenant, item).await?;
@@ -241,7 +246,7 @@ async fn retry_in(
             },
         })).collect::<Vec<_>>(),
     });
-    audit(conn, tenant, item, "operator.retry", details).await?;
+    audit(conn, tenant, item, "operator.retry", details, bulk).await?;
     Ok(RetryOutcome::Retried { stages })
 }
 

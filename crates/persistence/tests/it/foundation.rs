@@ -35,6 +35,7 @@ async fn migrations_round_trip_up_down_up() {
         tables,
         [
             "audit_log",
+            "bulk_actions",
             "item_inputs",
             "items",
             "items_open",
@@ -44,6 +45,7 @@ async fn migrations_round_trip_up_down_up() {
             "queue_control_changes",
             "queue_controls",
             "stage_checkpoints",
+            "stage_reruns",
             "stage_run_attempts",
             "stage_runs"
         ]

@@ -81,8 +81,9 @@ impl From<OpsError> for PageError {
         let status = match &e {
             OpsError::ItemNotFound { .. }
             | OpsError::UnknownStage(_)
-            | OpsError::StageNotStarted { .. } => StatusCode::NOT_FOUND,
-            OpsError::RetryRefused { .. } => StatusCode::CONFLICT,
+            | OpsError::StageNotStarted { .. }
+            | OpsError::BulkNotFound(_) => StatusCode::NOT_FOUND,
+            OpsError::RetryRefused { .. } | OpsError::RerunRefused { .. } => StatusCode::CONFLICT,
             OpsError::Invalid(_) => StatusCode::BAD_REQUEST,
             OpsError::Repo(repo) => return repo_status(repo, e.to_string()),
         };
