@@ -18,7 +18,7 @@
 use diesel::pg::{Pg, PgQueryBuilder};
 use diesel::query_builder::{QueryBuilder, QueryFragment};
 
-use crate::{queue, runs, tenant};
+use crate::{ops, queue, runs, tenant};
 
 /// One statement of the library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,6 +87,8 @@ pub fn all() -> Vec<Statement> {
         s("run_release", runs::sql::RELEASE),
         s("run_interrupt", runs::sql::INTERRUPT),
         s("run_renew", runs::sql::RENEW),
+        s("ops_rerun_mark", ops::rerun::MARK_RERUN),
+        s("ops_rerun_record", ops::rerun::RECORD_RERUN),
     ]
 }
 

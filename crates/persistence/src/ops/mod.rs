@@ -45,7 +45,7 @@ mod bulk;
 mod cancel;
 mod dead;
 mod inspect;
-mod rerun;
+pub(crate) mod rerun;
 mod retry;
 
 use diesel::sql_types::{Jsonb, Text};

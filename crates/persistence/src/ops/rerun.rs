@@ -94,7 +94,7 @@ struct StateRow {
 /// of the sub-select orders it with a worker's fenced commit of the stage. Not
 /// for an item that was cancelled (a stage of it `cancelled`): final. `$1`
 /// tenant, `$2` item, `$3` stage, `$4` reason.
-pub const MARK_RERUN: &str = "\
+pub(crate) const MARK_RERUN: &str = "\
 UPDATE stage_runs r
    SET status = 'stale', success_attempt = NULL, last_error = $4,
        lease_expires_at = least(r.lease_expires_at, clock_timestamp())
@@ -108,7 +108,7 @@ RETURNING r.id, old.status AS was, r.attempts";
 
 /// The record that makes the next success on the same input a rerun asked for.
 /// `$1` tenant, `$2` run, `$3` after attempt, `$4` actor, `$5` bulk action.
-pub const RECORD_RERUN: &str = "\
+pub(crate) const RECORD_RERUN: &str = "\
 INSERT INTO stage_reruns (tenant_id, run_id, after_attempt, actor, bulk_id)
 VALUES ($1, $2, $3, $4, $5)";
 
