@@ -870,3 +870,120 @@ async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pau
     .await;
     assert_eq!(revived, 1);
 }
+
+#[tokio::test]
+async fn the_console_previews_a_bulk_rerun_runs_it_and_shows_its_progress() {
+    let db = idemstage_harness::example::db().await;
+    small_pipeline_run(&db).await;
+    let mut conn = db.conn().await;
+    let console = Console::start(db.url(), &[]);
+    let addr = console.addr;
+    let (b_name, b_value) = bearer();
+    let auth = [(b_name, b_value.as_str())];
+    let before = snapshot(&mut conn).await;
+
+    // The preview: t1's two items whose calculate succeeded; nothing changed.
+    let query = "action=rerun&tenant=t1&stage=calculate&status=success";
+    let (status, _, page) = http(addr, "GET", &format!("/bulk?{query}"), &auth, "").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("2 items selected, 2 to rerun"), "{page}");
+    assert!(page.contains("id=\"bulk-run\""), "{page}");
+    // Bad filters: 400 or 404, nothing changed.
+    for (target, want) in [
+        (
+            "/bulk?action=rerun&tenant=t1&stage=calculate&status=done",
+            400,
+        ),
+        ("/bulk?action=rerun&tenant=t1&stage=ocr", 404),
+        ("/bulk?action=rerun&tenant=nobody&stage=calculate", 404),
+        ("/bulk?action=rerun&tenant=t1", 400),
+        ("/bulk?action=rerun&stage=calculate&since=yesterday", 400),
+    ] {
+        let (status, _, body) = http(addr, "GET", target, &auth, "").await;
+        assert_eq!(status, want, "{target}: {body}");
+    }
+    assert_eq!(snapshot(&mut conn).await, before);
+    assert_eq!(count(&mut conn, "SELECT 1 FROM bulk_actions").await, 0);
+
+    // Without the page's CSRF token: 403. With it: started in the background.
+    let form = format!("{query}&since=&until=");
+    let (status, _, body) = http(addr, "POST", "/actions/bulk", &auth, &form).await;
+    assert_eq!(status, 403, "{body}");
+    let csrf = csrf_of(&page);
+    let (status, _, body) = http(
+        addr,
+        "POST",
+        "/actions/bulk",
+        &auth,
+        &format!("csrf={csrf}&{form}"),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("Started"), "{body}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(
+        &mut conn,
+        "SELECT 1 FROM bulk_actions WHERE finished_at IS NOT NULL",
+    )
+    .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the bulk action did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    #[derive(diesel::QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        id: String,
+    }
+    let id: Id = diesel::sql_query("SELECT id FROM bulk_actions")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    let (status, _, progress) = http(addr, "GET", &format!("/bulk?id={}", id.id), &auth, "").await;
+    assert_eq!(status, 200, "{progress}");
+    assert!(
+        progress.contains("2 items taken in 1 batches, 2 acted on; finished"),
+        "{progress}"
+    );
+    let audited = count(
+        &mut conn,
+        "SELECT 1 FROM audit_log WHERE action = 'operator.rerun' \
+           AND details->>'actor' = 'console:bearer'",
+    )
+    .await;
+    assert_eq!(audited, 2);
+
+    // The workers rerun them; the checker finds everything sound.
+    let worker = start_pipeline_worker(
+        db.pool(4).await,
+        db.url(),
+        pipeline(),
+        2,
+        Arc::new(idemstage::worker::Counters::default()),
+    );
+    assert_quiet_and_sound(db.url(), 120).await;
+    stop_pipeline_worker(worker).await;
+    let twice = "SELECT 1 FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id \
+                  WHERE r.stage = 'calculate' AND a.outcome = 'success' \
+                  GROUP BY r.id HAVING count(*) = 2";
+    assert_eq!(count(&mut conn, twice).await, 2);
+
+    // A read-only console refuses the POST.
+    drop(console);
+    let console = Console::start(db.url(), &["--read-only"]);
+    let (_, _, page) = http(console.addr, "GET", "/", &auth, "").await;
+    let csrf = csrf_of(&page);
+    let (status, _, body) = http(
+        console.addr,
+        "POST",
+        "/actions/bulk",
+        &auth,
+        &format!("csrf={csrf}&{form}"),
+    )
+    .await;
+    assert_eq!(status, 403, "{body}");
+}

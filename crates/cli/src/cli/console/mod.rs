@@ -19,6 +19,7 @@
 
 mod actions;
 mod auth;
+mod bulk;
 mod pages;
 
 use std::net::SocketAddr;
@@ -171,6 +172,8 @@ pub(crate) fn router(console: Shared) -> Router {
         .route("/", get(pages::overview))
         .route("/item", get(pages::item))
         .route("/dead", get(pages::dead))
+        .route("/bulk", get(bulk::page))
+        .route("/actions/bulk", post(bulk::start))
         .route("/actions/retry", post(actions::retry))
         .route("/actions/cancel", post(actions::cancel))
         .route("/actions/pause", post(actions::pause))

@@ -183,6 +183,7 @@ pub(crate) fn layout(
                         nav {
                             a href="/" { "Overview" }
                             a href="/dead" { "Dead letters" }
+                            a href="/bulk" { "Many items" }
                             a href="/item" { "Item" }
                             span.who { (p.actor.as_str()) @if read_only { " · read-only" } }
                             form.inline method="post" action="/logout" {
@@ -198,7 +199,7 @@ pub(crate) fn layout(
     }
 }
 
-fn csrf_field(p: &Principal) -> Markup {
+pub(crate) fn csrf_field(p: &Principal) -> Markup {
     html! { input type="hidden" name="csrf" value=(p.csrf); }
 }
 
