@@ -51,6 +51,9 @@ pub enum Scenario {
     /// The example pipeline at a fixed offered rate while vacuum is held back
     /// (clean → stress → recovery; see --cell)
     Pressure,
+    /// A bulk rerun of the last stage for --items items of one tenant while
+    /// another tenant keeps sending
+    Bulk,
 }
 
 #[derive(clap::Args)]
@@ -64,7 +67,7 @@ pub struct Args {
     duration_s: f64,
     /// Items through the pipeline
     #[arg(long, default_value_t = 2000)]
-    items: u64,
+    pub items: u64,
     /// Sends in the enqueue test (half of them reuse a queued singleton key) and jobs
     /// in the drain test
     #[arg(long, default_value_t = 20_000)]
@@ -127,6 +130,12 @@ pub struct Args {
     /// settings; fixtures, checks and LISTEN stay on the direct URL
     #[arg(long, value_name = "URL")]
     pub pooler_url: Option<String>,
+    /// bulk: the other tenant sends an item every this many ms
+    #[arg(long, default_value_t = 50)]
+    pub bulk_gap_ms: u64,
+    /// bulk: items per batch of the bulk rerun
+    #[arg(long, default_value_t = 100)]
+    pub bulk_batch: u32,
     #[command(flatten)]
     pub pressure: super::pressure::PressureArgs,
     /// Print one JSON object instead of the table
@@ -146,7 +155,12 @@ const INPUT: &str = "10 Stk Schrauben M8\n2,5 m Kabel NYM 3x1,5\n4 h Montage";
 const SKIP_STAGE: &str = "done";
 
 pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
-    if args.concurrency == 0 || args.jobs == 0 || args.items == 0 || args.latency_sends == 0 {
+    if args.concurrency == 0
+        || args.jobs == 0
+        || args.items == 0
+        || args.latency_sends == 0
+        || args.bulk_gap_ms == 0
+    {
         return Err(BadInput("counts must be positive".into()).into());
     }
     if !args.kill_after_s.is_finite() || args.kill_after_s < 0.0 {
@@ -189,6 +203,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Caps => super::limits::caps(url, &args).await?,
         Scenario::Rate => super::limits::rate(url, &args).await?,
         Scenario::Pressure => super::pressure::pressure(url, &args).await?,
+        Scenario::Bulk => super::bulk::bulk(url, &args).await?,
     };
     let failed = report
         .get("violations")

@@ -5,6 +5,7 @@
 //! `idemstage_cli::run_app` for its own pipeline and has none of these.
 
 mod bench;
+mod bulk;
 mod demo;
 mod fairness;
 mod fixtures;
