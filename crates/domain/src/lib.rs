@@ -13,6 +13,7 @@ pub mod outcome;
 pub mod policy;
 pub mod queue;
 pub mod repo;
+pub mod wait;
 
 pub use error::{
     map_diesel_error, sanitize_error_text, DomainError, RepoError, RepoMessage, StageError,
@@ -28,3 +29,4 @@ pub use queue::{
     JobState, JobToSend, PayloadError, QueueStats, SendOptions, SendResult, StateCounts,
 };
 pub use repo::{AttemptRecord, ClaimRequest, ClaimToken, RunRecord};
+pub use wait::{OnTimeout, Signal, WaitFor};

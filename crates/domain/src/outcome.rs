@@ -27,17 +27,22 @@ pub enum RunStatus {
     /// Final: an operator cancelled the item before the stage was final
     /// (`idemstage cancel`); never claimed again, and a running attempt is fenced.
     Cancelled,
+    /// Its last attempt ended in a wait ([`WaitFor`](crate::WaitFor)) for a
+    /// signal or a timer: nobody holds it and it has no job; the signal, or the
+    /// wait's deadline, makes it claimable again (or `dead`).
+    Waiting,
 }
 
 impl RunStatus {
     /// Every status.
-    pub const ALL: [RunStatus; 6] = [
+    pub const ALL: [RunStatus; 7] = [
         RunStatus::Running,
         RunStatus::Success,
         RunStatus::Failed,
         RunStatus::Dead,
         RunStatus::Stale,
         RunStatus::Cancelled,
+        RunStatus::Waiting,
     ];
     /// The status as stored in `stage_runs.status`.
     pub fn as_str(self) -> &'static str {
@@ -48,6 +53,7 @@ impl RunStatus {
             RunStatus::Dead => "dead",
             RunStatus::Stale => "stale",
             RunStatus::Cancelled => "cancelled",
+            RunStatus::Waiting => "waiting",
         }
     }
 
@@ -107,6 +113,12 @@ pub enum SkipReason {
     /// ever.
     Cancelled {
         /// The cancelled run.
+        run_id: RunId,
+    },
+    /// The stage waits for a signal or a timer: the signal's delivery, or the
+    /// wait's deadline, sends its job again.
+    Waiting {
+        /// The waiting run.
         run_id: RunId,
     },
 }

@@ -142,7 +142,8 @@ pub mod prelude {
     pub use crate::ids::{ItemId, TenantId};
     pub use crate::pipeline::{start, start_in, Pipeline};
     pub use crate::stage::{
-        Done, InputChangePolicy, PrepareContext, Stage, StageError, StageFlow, StagePolicy,
+        Done, InputChangePolicy, OnTimeout, PrepareContext, Signal, Stage, StageError, StageFlow,
+        StagePolicy, WaitFor,
     };
     pub use crate::worker::{CancellationToken, PipelineWorker};
 }
@@ -155,7 +156,9 @@ pub mod prelude {
 /// types erased; [`Executor`](stage::Executor) runs one stage job (what a worker
 /// does for each job it fetches).
 pub mod stage {
-    pub use idemstage_domain::{InputChangePolicy, StageError, StagePolicy};
+    pub use idemstage_domain::{
+        InputChangePolicy, OnTimeout, Signal, StageError, StagePolicy, WaitFor,
+    };
     pub use idemstage_stage::{
         AttemptInfo, Done, ExecutionOutcome, Executor, PrepareContext, Stage, StageData, StageFlow,
         StageJob, StageRef,

@@ -382,6 +382,14 @@ impl<'c> FencedTx<'c> {
     pub async fn item_text(&mut self) -> Result<String, RepoError> {
         crate::runs::bound_input_text(self.conn, &self.token).await
     }
+
+    /// How the run's last wait on this attempt's binding ended: the signal
+    /// delivered with its payload, or its deadline (`None`: it has not waited
+    /// on this binding). A stage that waits (`StageError::Wait`) reads here,
+    /// when it runs again, what it waited for.
+    pub async fn signal(&mut self) -> Result<Option<idemstage_domain::Signal>, RepoError> {
+        crate::runs::signal_in(self.conn, &self.token).await
+    }
 }
 
 /// The rows of one statement of a chunked write whose rows bind at most

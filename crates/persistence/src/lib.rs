@@ -69,6 +69,7 @@ pub mod runs;
 pub mod schema;
 pub mod statements;
 pub mod tenant;
+pub mod waits;
 
 pub use db::{
     connect, connect_pool, connect_with, get, pinned, redact_url, PgPool, PoolConfig, PooledConn,

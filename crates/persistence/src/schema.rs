@@ -189,6 +189,23 @@ diesel::table! {
 }
 
 diesel::table! {
+    stage_waits (run_id, attempt) {
+        tenant_id -> Text,
+        run_id -> Text,
+        attempt -> Int4,
+        stage -> Text,
+        signal -> Nullable<Text>,
+        wait_until -> Timestamptz,
+        on_timeout -> Text,
+        created_at -> Timestamptz,
+        ended_at -> Nullable<Timestamptz>,
+        ended_by -> Nullable<Text>,
+        payload -> Nullable<Jsonb>,
+        actor -> Nullable<Text>,
+    }
+}
+
+diesel::table! {
     bulk_actions (id) {
         id -> Text,
         action -> Text,
@@ -221,4 +238,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     queue_controls,
     stage_checkpoints,
     stage_reruns,
+    stage_waits,
 );

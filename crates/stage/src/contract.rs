@@ -209,6 +209,21 @@ impl<I> PrepareContext<'_, I> {
         Ok(self.repo.bound_input(&token).await?)
     }
 
+    /// How the run's last wait on this attempt's binding ended, if it waited
+    /// (a stage that returned [`StageError::Wait`] reads here, when it runs
+    /// again, the signal's payload or that the deadline passed); `None` if it
+    /// has not waited on this binding. One read.
+    pub async fn signal(&self) -> Result<Option<idemstage_domain::Signal>, StageError> {
+        let token = idemstage_domain::ClaimToken {
+            run_id: self.attempt.run_id,
+            tenant: self.attempt.tenant.clone(),
+            item: self.attempt.item,
+            stage: self.attempt.stage.clone(),
+            attempt: self.attempt.attempt,
+        };
+        Ok(self.repo.signal(&token).await?)
+    }
+
     /// Runs `body` in a read-only transaction scoped to the run's tenant
     /// (row-level security, as the stage's own writes are): for reading the
     /// team's tables before an external call. A write in it fails, not retryable.

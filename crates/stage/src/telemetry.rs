@@ -52,7 +52,7 @@ pub(crate) fn record_prepared(stage: &str, source: &'static str) {
 
 /// The `outcome` label of an execution's result: `success`, `skipped`,
 /// `rejected`, `fenced`, `upstream_changed`, `interrupted`, `rate_limited`,
-/// `failed` (will retry), `dead`, `exhausted`, or `error` (a database error left
+/// `failed` (will retry), `dead`, `exhausted`, `waiting`, or `error` (a database error left
 /// the outcome unknown; the job is deferred).
 pub fn outcome_label(outcome: &Result<ExecutionOutcome, RepoError>) -> &'static str {
     match outcome {
@@ -66,6 +66,7 @@ pub fn outcome_label(outcome: &Result<ExecutionOutcome, RepoError>) -> &'static 
         Ok(ExecutionOutcome::Failed { dead: false, .. }) => "failed",
         Ok(ExecutionOutcome::Failed { dead: true, .. }) => "dead",
         Ok(ExecutionOutcome::Exhausted { .. }) => "exhausted",
+        Ok(ExecutionOutcome::Waiting { .. }) => "waiting",
         Err(_) => "error",
     }
 }
@@ -76,6 +77,7 @@ fn reason_label(outcome: &Result<ExecutionOutcome, RepoError>) -> Option<&'stati
         Ok(ExecutionOutcome::Skipped(SkipReason::AlreadySucceeded { .. })) => "already_succeeded",
         Ok(ExecutionOutcome::Skipped(SkipReason::InFlight { .. })) => "in_flight",
         Ok(ExecutionOutcome::Skipped(SkipReason::UpstreamNotDone { .. })) => "upstream_not_done",
+        Ok(ExecutionOutcome::Skipped(SkipReason::Waiting { .. })) => "waiting",
         Ok(ExecutionOutcome::Rejected(RejectReason::InputChanged { .. })) => "input_changed",
         Ok(ExecutionOutcome::Rejected(RejectReason::InputMismatch { .. })) => "input_mismatch",
         _ => return None,

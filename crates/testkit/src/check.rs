@@ -18,7 +18,8 @@ use idemstage_stage::Pipeline;
 pub struct Invariants {
     /// Items registered.
     pub items: i64,
-    /// Items whose every expected stage is final (success, dead or cancelled).
+    /// Items whose every expected stage is final (success, dead or cancelled)
+    /// or waiting (for a signal or a timer: nothing to do until it comes).
     pub items_final: i64,
     /// `stage_runs` counted by status.
     pub runs_by_status: BTreeMap<String, i64>,
@@ -28,6 +29,11 @@ pub struct Invariants {
     pub retries: i64,
     /// Attempts that lost their lease and were refused at commit.
     pub fenced: i64,
+    /// Runs waiting for a signal or a timer (`waiting`): not lost, not final.
+    pub waiting: i64,
+    /// Waits still open two minutes past their deadline (must be 0): a wait
+    /// nobody ended (the reconciler ends each within its interval).
+    pub overdue_waits: i64,
     /// Successful attempts of a run that computed the same thing as the run's
     /// previous success: the same input hash and upstream attempt, with no
     /// operator rerun (`stage_reruns`) asked for between the two (must be 0).
@@ -74,7 +80,7 @@ expected AS (
 open_stages AS (
     SELECT e.* FROM expected e
       LEFT JOIN stage_runs r USING (tenant_id, item_id, stage)
-     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
+     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled', 'waiting')
 )
 SELECT 'items' AS k, (SELECT count(*) FROM items) AS v
 UNION ALL SELECT 'items_final',
@@ -84,6 +90,11 @@ UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
 UNION ALL SELECT 'retries',
     (SELECT count(*) FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
       WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
+UNION ALL SELECT 'overdue_waits',
+    (SELECT count(*) FROM stage_waits w
+      WHERE w.ended_at IS NULL AND w.wait_until < now() - interval '2 minutes')
+UNION ALL SELECT 'waiting',
+    (SELECT count(*) FROM stage_runs WHERE status = 'waiting')
 UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
@@ -150,6 +161,8 @@ pub async fn check_pipeline(
             "lost_stages" => check.lost_stages = v,
             "retries" => check.retries = v,
             "fenced" => check.fenced = v,
+            "overdue_waits" => check.overdue_waits = v,
+            "waiting" => check.waiting = v,
             "double_executions" => check.double_executions = v,
             "stale_lineage" => check.stale_lineage = v,
             "attempt_history_errors" => check.attempt_history_errors = v,
@@ -175,6 +188,7 @@ impl Invariants {
                 "successes not computed from their upstream's current success",
             ),
             (self.lost_stages, "lost stages"),
+            (self.overdue_waits, "waits open past their deadline"),
             (
                 self.attempt_history_errors,
                 "runs whose attempt history does not match",

@@ -30,6 +30,11 @@ pub struct PipelineCheck {
     pub retries: i64,
     /// Attempts that lost their lease and were refused at commit.
     pub fenced: i64,
+    /// Runs waiting for a signal or a timer (`waiting`): not lost, not final.
+    pub waiting: i64,
+    /// Waits still open two minutes past their deadline (must be 0): a wait
+    /// nobody ended (the reconciler ends each within its interval).
+    pub overdue_waits: i64,
     /// Successful attempts of a run that computed the same thing as the run's
     /// previous success: same input hash and same upstream attempt (must be 0). A
     /// rerun on new input, on a new upstream success, or one an operator asked
@@ -104,7 +109,7 @@ expected AS (
 open_stages AS (
     SELECT e.* FROM expected e
       LEFT JOIN stage_runs r USING (tenant_id, item_id, stage)
-     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled')
+     WHERE r.status IS NULL OR r.status NOT IN ('success', 'dead', 'cancelled', 'waiting')
 ),
 -- The attempt whose writes stand: the current success, or for a run invalidated
 -- since (stale, and blocked if its upstream's rerun died), its last success.
@@ -130,6 +135,11 @@ UNION ALL SELECT 'lost_stages', (SELECT count(*) FROM open_stages)
 UNION ALL SELECT 'retries',
     (SELECT count(*) FROM stage_run_attempts a JOIN stage_runs r ON r.id = a.run_id
       WHERE a.outcome IN ('failed', 'abandoned') AND a.attempt < r.attempts)
+UNION ALL SELECT 'overdue_waits',
+    (SELECT count(*) FROM stage_waits w
+      WHERE w.ended_at IS NULL AND w.wait_until < now() - interval '2 minutes')
+UNION ALL SELECT 'waiting',
+    (SELECT count(*) FROM stage_runs WHERE status = 'waiting')
 UNION ALL SELECT 'fenced', (SELECT count(*) FROM stage_run_attempts WHERE outcome = 'fenced')
 UNION ALL SELECT 'double_executions',
     (SELECT count(*) FROM (
@@ -217,6 +227,8 @@ pub async fn check_example_pipeline(
             "lost_stages" => check.lost_stages = v,
             "retries" => check.retries = v,
             "fenced" => check.fenced = v,
+            "overdue_waits" => check.overdue_waits = v,
+            "waiting" => check.waiting = v,
             "double_executions" => check.double_executions = v,
             "stale_lineage" => check.stale_lineage = v,
             "foreign_writes" => check.foreign_writes = v,
@@ -261,6 +273,12 @@ impl PipelineCheck {
             v.push(format!(
                 "{} rows written by a non-successful attempt",
                 self.foreign_writes
+            ));
+        }
+        if self.overdue_waits != 0 {
+            v.push(format!(
+                "{} waits open past their deadline",
+                self.overdue_waits
             ));
         }
         if self.lost_stages != 0 {

@@ -371,6 +371,7 @@ pub async fn cancel(db: &super::Db, args: CancelArgs, team: Pipeline) -> anyhow:
                         }
                         CancelledFrom::Failed => "failed".into(),
                         CancelledFrom::Stale => "stale".into(),
+                        CancelledFrom::Waiting => "waiting".into(),
                         CancelledFrom::Queued => "queued".into(),
                         CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
                     };

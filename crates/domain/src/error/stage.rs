@@ -41,6 +41,17 @@ pub enum StageError {
         /// How long the service asked to wait.
         retry_after: std::time::Duration,
     },
+    /// Not a failure: the stage waits for a signal or a timer
+    /// ([`WaitFor`](crate::WaitFor)). The attempt ends `waiting` (not counted),
+    /// nothing of it is written, and the stage runs again once the wait ends.
+    #[error("waiting for {}", .0.signal.as_ref().map_or("a timer".to_owned(), |s| format!("signal {s}")))]
+    Wait(crate::WaitFor),
+}
+
+impl From<crate::WaitFor> for StageError {
+    fn from(wait: crate::WaitFor) -> Self {
+        StageError::Wait(wait)
+    }
 }
 
 /// Any error that may cross threads: what [`StageError::Permanent`] and
@@ -68,7 +79,8 @@ impl StageError {
             StageError::Transient(_)
             | StageError::Panicked(_)
             | StageError::TimedOut(_)
-            | StageError::RateLimited { .. } => true,
+            | StageError::RateLimited { .. }
+            | StageError::Wait(_) => true,
         }
     }
 }

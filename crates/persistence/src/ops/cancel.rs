@@ -26,6 +26,9 @@ pub enum CancelledFrom {
     Failed,
     /// Invalidated by its upstream's new success, waiting to run again.
     Stale,
+    /// Waiting for a signal or a timer: the wait ends unanswered (a later
+    /// delivery is refused).
+    Waiting,
     /// It had no run, only a live job: its run was created `cancelled`, so no
     /// later job can claim it.
     Queued,
@@ -128,7 +131,7 @@ UPDATE stage_runs
    SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $4,
        lease_expires_at = least(lease_expires_at, clock_timestamp())
  WHERE tenant_id = $1 AND item_id = $2 AND id = ANY($3::text[])
-   AND status IN ('running', 'failed', 'stale')";
+   AND status IN ('running', 'failed', 'stale', 'waiting')";
 
 /// A first stage's success whose live job carries another input (a rerun sent,
 /// not yet claimed) ends `cancelled`; its `success_attempt` stays, so what was
@@ -320,6 +323,7 @@ async fn cancel_runs(
             },
             RunStatus::Failed => CancelledFrom::Failed,
             RunStatus::Stale => CancelledFrom::Stale,
+            RunStatus::Waiting => CancelledFrom::Waiting,
             RunStatus::Success | RunStatus::Dead | RunStatus::Cancelled => continue,
         };
         ids.push(r.id.clone());

@@ -11,6 +11,7 @@
 //!   end `cancelled` (final); a running attempt is fenced.
 //! - [`preview`], [`start_bulk`], [`run_bulk`]: a rerun, retry or cancel of
 //!   every item a [`BulkFilter`] selects, previewed, in batches, resumable.
+//! - [`signal`]: the signal a waiting stage waits for, delivered once.
 //! - [`dead`]: the dead-letter list: dead stages and failed jobs, with their
 //!   last errors.
 //!
@@ -47,6 +48,7 @@ mod dead;
 mod inspect;
 pub(crate) mod rerun;
 mod retry;
+mod signal;
 
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -65,6 +67,7 @@ pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
 pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline};
 pub use rerun::{rerun, RerunOutcome, RerunRefusal};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
+pub use signal::{signal, SignalOutcome, SignalRefusal};
 
 /// Who ran an operator command, as recorded in `audit_log.details.actor`: 1 to
 /// 128 bytes, no control characters, trimmed.
@@ -182,6 +185,18 @@ pub enum OpsError {
         stage: StageName,
         /// Its state.
         reason: RerunRefusal,
+    },
+    /// A signal the stage does not wait for.
+    #[error("a signal for stage {stage} of item {item} (tenant {tenant}) was refused: {reason}")]
+    SignalRefused {
+        /// The tenant.
+        tenant: TenantId,
+        /// The item.
+        item: ItemId,
+        /// The stage.
+        stage: StageName,
+        /// Its state.
+        reason: SignalRefusal,
     },
     /// No bulk action with this id.
     #[error("bulk action {0} not found")]

@@ -279,6 +279,9 @@ async fn explain_skip(
         RunStatus::Cancelled => Some(ClaimOutcome::Skipped(SkipReason::Cancelled {
             run_id: RunId::parse(&run_id)?,
         })),
+        RunStatus::Waiting => Some(ClaimOutcome::Skipped(SkipReason::Waiting {
+            run_id: RunId::parse(&run_id)?,
+        })),
         RunStatus::Failed | RunStatus::Running if attempts >= max_attempts => {
             // Out of budget but not yet marked: mark it dead, if it is still in a
             // state the guard refused for that reason (a concurrent release or

@@ -6,10 +6,13 @@ mod complete;
 mod lease;
 mod read;
 pub mod sql;
+mod wait;
 
 pub(crate) use bound::bound_input_text;
 pub use bound::{BoundInput, ReadBound};
 pub use lease::InterruptOutcome;
+pub(crate) use wait::signal_in;
+pub use wait::WaitOutcome;
 
 use std::time::Duration;
 

@@ -47,7 +47,8 @@ async fn migrations_round_trip_up_down_up() {
             "stage_checkpoints",
             "stage_reruns",
             "stage_run_attempts",
-            "stage_runs"
+            "stage_runs",
+            "stage_waits"
         ]
     );
 

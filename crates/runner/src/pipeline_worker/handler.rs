@@ -75,8 +75,15 @@ impl JobHandler for PipelineHandler {
                     Handled::Complete
                 })
             }
+            // A waiting stage has no job: the end of its wait sends one.
+            ExecutionOutcome::Waiting { .. } => {
+                Counters::bump(&c.skipped);
+                Ok(Handled::Complete)
+            }
             ExecutionOutcome::Skipped(
-                SkipReason::AlreadySucceeded { .. } | SkipReason::Cancelled { .. },
+                SkipReason::AlreadySucceeded { .. }
+                | SkipReason::Cancelled { .. }
+                | SkipReason::Waiting { .. },
             ) => {
                 Counters::bump(&c.skipped);
                 Ok(Handled::Complete)
@@ -97,7 +104,10 @@ impl JobHandler for PipelineHandler {
                 match (status, lease_expires_at) {
                     // Final without a success: nothing will ever be computed from it
                     // (its success, should it come, sends this stage's job anew).
-                    (Some(RunStatus::Dead | RunStatus::Cancelled), _) => Ok(Handled::Complete),
+                    // Waiting: its success, after the wait, sends this job anew.
+                    (Some(RunStatus::Dead | RunStatus::Cancelled | RunStatus::Waiting), _) => {
+                        Ok(Handled::Complete)
+                    }
                     (_, Some(lease)) => Err(HandlerError::Defer {
                         until: Some(lease + DEFER_SLACK),
                         reason: format!("upstream stage {upstream} is running"),

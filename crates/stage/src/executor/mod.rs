@@ -10,7 +10,7 @@ use idemstage_domain::{
     ClaimOutcome, ClaimRequest, ClaimToken, FailOutcome, JobId, RejectReason, RenewOutcome,
     RepoError, RunId, SkipReason, StageError, WorkerId,
 };
-use idemstage_persistence::runs::InterruptOutcome;
+use idemstage_persistence::runs::{InterruptOutcome, WaitOutcome};
 use idemstage_persistence::PgRunRepository;
 use serde::Serialize;
 use tokio::sync::watch;
@@ -84,6 +84,15 @@ pub enum ExecutionOutcome {
         error: String,
         /// The run is `dead`: the error was permanent or `max_attempts` is used up.
         dead: bool,
+    },
+    /// The body waits for a signal or a timer ([`StageError::Wait`]): the run
+    /// is `waiting` (not counted, nothing written, no lease); the signal's
+    /// delivery or the deadline sends its job again.
+    Waiting {
+        /// The attempt that ended in the wait.
+        attempt: i32,
+        /// The wait's deadline (database clock).
+        until: chrono::DateTime<chrono::Utc>,
     },
     /// `max_attempts` reached before this claim: the run is `dead`, nothing ran.
     Exhausted {
@@ -367,6 +376,13 @@ impl Executor {
                     retry_after,
                 })
             }
+            Err(StageError::Wait(wait)) => match self.repo.wait(&token, &wait).await? {
+                WaitOutcome::Waiting { until } => {
+                    tracing::info!(signal = ?wait.signal, %until, "stage waits");
+                    Ok(ExecutionOutcome::Waiting { attempt, until })
+                }
+                WaitOutcome::Fenced => Ok(ExecutionOutcome::Fenced { attempt }),
+            },
             Err(error) if is_infrastructure(&error) => {
                 // The database, not the stage: give the claim back uncounted, so
                 // that an outage or a lock timeout cannot use up the stage's

@@ -30,6 +30,7 @@ mod lineage;
 mod ops;
 mod quantities;
 mod rate_limited;
+mod waits;
 
 pub(crate) struct Fixture {
     _db: TestDb,

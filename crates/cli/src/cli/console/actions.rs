@@ -139,6 +139,7 @@ pub(crate) async fn cancel(
                             }
                             CancelledFrom::Failed => "failed".into(),
                             CancelledFrom::Stale => "stale".into(),
+                            CancelledFrom::Waiting => "waiting".into(),
                             CancelledFrom::Queued => "queued".into(),
                             CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
                         };

@@ -83,7 +83,9 @@ impl From<OpsError> for PageError {
             | OpsError::UnknownStage(_)
             | OpsError::StageNotStarted { .. }
             | OpsError::BulkNotFound(_) => StatusCode::NOT_FOUND,
-            OpsError::RetryRefused { .. } | OpsError::RerunRefused { .. } => StatusCode::CONFLICT,
+            OpsError::RetryRefused { .. }
+            | OpsError::RerunRefused { .. }
+            | OpsError::SignalRefused { .. } => StatusCode::CONFLICT,
             OpsError::Invalid(_) => StatusCode::BAD_REQUEST,
             OpsError::Repo(repo) => return repo_status(repo, e.to_string()),
         };
