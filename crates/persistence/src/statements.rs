@@ -18,7 +18,7 @@
 use diesel::pg::{Pg, PgQueryBuilder};
 use diesel::query_builder::{QueryBuilder, QueryFragment};
 
-use crate::{ops, queue, runs, tenant};
+use crate::{ops, queue, runs, tenant, waits};
 
 /// One statement of the library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,6 +89,11 @@ pub fn all() -> Vec<Statement> {
         s("run_renew", runs::sql::RENEW),
         s("ops_rerun_mark", ops::rerun::MARK_RERUN),
         s("ops_rerun_record", ops::rerun::RECORD_RERUN),
+        s("run_wait", runs::wait::WAIT),
+        s("run_signal_of", runs::wait::SIGNAL_OF),
+        s("ops_signal_deliver", ops::signal::DELIVER),
+        s("waits_due", waits::DUE),
+        s("waits_expire", waits::EXPIRE),
     ]
 }
 

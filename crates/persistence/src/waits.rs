@@ -25,7 +25,7 @@ pub struct ExpiredWaits {
 
 /// The open waits of the stages `$2` past their deadline, oldest first
 /// (`stage_waits_open_idx`). `$1` how many.
-const DUE: &str = "\
+pub(crate) const DUE: &str = "\
 SELECT tenant_id, run_id, attempt FROM stage_waits
  WHERE ended_at IS NULL AND wait_until <= clock_timestamp() AND stage = ANY($2::text[])
  ORDER BY wait_until
@@ -34,7 +34,7 @@ SELECT tenant_id, run_id, attempt FROM stage_waits
 /// Ends one wait past its deadline, in its tenant's scope: `timeout` if its run
 /// still waits in that attempt (then the run is `dead`, or claimable with one
 /// more attempt in its budget), else `gone`. `$1` run, `$2` attempt.
-const EXPIRE: &str = "\
+pub(crate) const EXPIRE: &str = "\
 WITH run AS (
     SELECT id, attempts, status FROM stage_runs WHERE id = $1 FOR UPDATE),
 ended AS (

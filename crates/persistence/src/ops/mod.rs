@@ -48,7 +48,7 @@ mod dead;
 mod inspect;
 pub(crate) mod rerun;
 mod retry;
-mod signal;
+pub(crate) mod signal;
 
 use diesel::sql_types::{Jsonb, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};

@@ -6,7 +6,7 @@ mod complete;
 mod lease;
 mod read;
 pub mod sql;
-mod wait;
+pub(crate) mod wait;
 
 pub(crate) use bound::bound_input_text;
 pub use bound::{BoundInput, ReadBound};
