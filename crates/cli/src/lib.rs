@@ -104,6 +104,9 @@ enum Command {
     /// final; a running attempt is fenced); without --item, every item the
     /// filters select.
     Cancel(cli::ops::CancelArgs),
+    /// Deliver the signal a waiting stage waits for (once: a second delivery
+    /// changes nothing); the stage runs again and reads it.
+    Signal(cli::ops::SignalArgs),
     /// The dead-letter list: dead stages and failed jobs with their last errors.
     Dead(cli::ops::DeadArgs),
     /// The web console: overview, item timelines, dead letters, retry, cancel,
@@ -157,6 +160,7 @@ pub(crate) async fn run_parsed(mut app: App, matches: &clap::ArgMatches) -> Exit
             Command::Retry(args) => cli::ops::retry(&db, args, pipeline).await,
             Command::Rerun(args) => cli::ops::rerun(&db, args, pipeline).await,
             Command::Cancel(args) => cli::ops::cancel(&db, args, pipeline).await,
+            Command::Signal(args) => cli::ops::signal(&db, args, pipeline).await,
             Command::Dead(args) => cli::ops::dead(&db, args, pipeline).await,
             Command::Console(args) => cli::console::run(&db, args, pipeline).await,
         }

@@ -58,6 +58,12 @@ struct ExampleWorker {
     /// and inside the fenced transaction (widens the windows fault tests hit)
     #[arg(long, default_value_t = 0, hide = true)]
     stage_delay_ms: u64,
+    /// An infeasible item waits this many seconds for a person's review (the
+    /// signal `review` to stage feasibility: `idemstage signal --stage
+    /// feasibility --signal review --payload '{"approve":true}'`) before it
+    /// stops; 0: it stops at once
+    #[arg(long, default_value_t = 0)]
+    review_infeasible_s: u64,
 }
 
 impl ExampleWorker {
@@ -79,12 +85,16 @@ impl ExampleWorker {
             })
             .with_lease(stage_lease)
             .with_heartbeat(stage_lease / 3);
-        Ok(example::pipeline_with(
+        let review =
+            (self.review_infeasible_s > 0).then(|| Duration::from_secs(self.review_infeasible_s));
+        Ok(example::pipeline_with_options(
             Chaos {
                 crash_rate: self.crash_rate,
                 delay_ms: self.stage_delay_ms,
             },
             policy,
+            None,
+            review,
         )
         .map_err(|e| BadInput(e.to_string()))?)
     }

@@ -276,6 +276,8 @@ pub mod ops {
         ItemTimeline, JobView, OpsError, PreviewGroup, RerunOutcome, RerunRefusal, RetriedStage,
         RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
     };
+    pub use idemstage_persistence::ops::{signal, SignalOutcome, SignalRefusal};
+    pub use idemstage_persistence::waits::{expire_due, ExpiredWaits};
 }
 
 /// The database roles (migration `2026-11-30-000000_baseline`; README, "Deploying"):

@@ -49,8 +49,8 @@ mod tables;
 pub use check::{check_example_pipeline, PipelineCheck};
 pub use stages::{
     extract_positions, feasibility_reasons, pipeline, pipeline_with, pipeline_with_llm,
-    price_positions, Calculate, Chaos, Extract, Feasibility, Intake, PriceError, MAX_QUANTITY,
-    PRICES,
+    pipeline_with_options, price_positions, Calculate, Chaos, Extract, Feasibility, Intake,
+    PriceError, MAX_QUANTITY, PRICES,
 };
 pub use tables::{insert_or_get_datei, DateiRef, ExampleTables, Extraktion};
 

@@ -3,7 +3,8 @@
 use idemstage::serde_json::json;
 use idemstage::{
     async_trait, fenced::FencedTx, pipeline::Pipeline, pipeline::PipelineError, stage::Done,
-    stage::PrepareContext, stage::Stage, stage::StageError, stage::StagePolicy,
+    stage::OnTimeout, stage::PrepareContext, stage::Signal, stage::Stage, stage::StageError,
+    stage::StagePolicy, stage::WaitFor,
 };
 
 use crate::llm::LlmClient;
@@ -127,6 +128,9 @@ struct Named {
     chaos: Chaos,
     /// The extract stage's "LLM" (`None`: the same extraction, in process).
     llm: Option<LlmClient>,
+    /// Feasibility: how long an infeasible item waits for a person's review
+    /// (`None`: it stops at once).
+    review: Option<std::time::Duration>,
 }
 
 impl Named {
@@ -135,6 +139,7 @@ impl Named {
             policy: StagePolicy::default(),
             chaos,
             llm: None,
+            review: None,
         }
     }
 }
@@ -143,8 +148,19 @@ impl Named {
 pub struct Intake(Named);
 /// Stage 2: replaces the item's extracted positions (`extract_positions`).
 pub struct Extract(Named);
-/// Stage 3: records whether every position can be priced; stops the item if not.
+/// Stage 3: records whether every position can be priced; stops the item if
+/// not, or (with [`Feasibility::with_review`]) waits for a person's review
+/// first: the signal `review` with `{"approve": true|false, "note": ".."}`.
 pub struct Feasibility(Named);
+
+impl Feasibility {
+    /// An infeasible item waits up to `timeout` for the signal `review`:
+    /// approved, it goes on to calculate; rejected or unanswered, it stops.
+    pub fn with_review(mut self, timeout: std::time::Duration) -> Self {
+        self.0.review = Some(timeout);
+        self
+    }
+}
 /// Stage 4: prices the positions (`price_positions`); an overflow fails permanently.
 pub struct Calculate(Named);
 
@@ -320,8 +336,29 @@ impl Stage for Feasibility {
     }
     async fn commit(&self, tx: &mut FencedTx<'_>, _: &(), _: &()) -> Result<Done<()>, StageError> {
         let positions = tx.extraktionen().await?;
-        let reasons = feasibility_reasons(&positions);
-        let feasible = reasons.is_empty();
+        let mut reasons = feasibility_reasons(&positions);
+        let mut feasible = reasons.is_empty();
+        if let (false, Some(timeout)) = (feasible, self.0.review) {
+            // A person decides; until then the stage holds nothing.
+            match tx.signal().await? {
+                None => {
+                    return Err(WaitFor::signal("review", timeout)?
+                        .on_timeout(OnTimeout::Resume)
+                        .into())
+                }
+                Some(Signal::Delivered { payload, actor, .. }) => {
+                    feasible = payload["approve"].as_bool() == Some(true);
+                    let note = payload["note"].as_str().unwrap_or("");
+                    let verdict = if feasible { "approved" } else { "rejected" };
+                    reasons.push(
+                        format!("review: {verdict} by {actor} {note}")
+                            .trim()
+                            .to_owned(),
+                    );
+                }
+                Some(Signal::TimedOut) => reasons.push("review: none before the deadline".into()),
+            }
+        }
         tx.put_feasibility(feasible, json!(reasons)).await?;
         self.0.chaos.in_tx_delay().await;
         self.0.chaos.maybe_crash("feasibility")?;
@@ -450,13 +487,29 @@ pub fn pipeline_with_llm(
     policy: StagePolicy,
     llm: Option<LlmClient>,
 ) -> Result<Pipeline, PipelineError> {
+    pipeline_with_options(chaos, policy, llm, None)
+}
+
+/// The example pipeline as [`pipeline_with_llm`], whose feasibility stage lets
+/// an infeasible item wait up to `review` for a person's review
+/// ([`Feasibility::with_review`]; `None`: it stops at once).
+pub fn pipeline_with_options(
+    chaos: Chaos,
+    policy: StagePolicy,
+    llm: Option<LlmClient>,
+    review: Option<std::time::Duration>,
+) -> Result<Pipeline, PipelineError> {
+    let mut feasibility = Feasibility::new(chaos).with_policy(policy.clone());
+    if let Some(timeout) = review {
+        feasibility = feasibility.with_review(timeout);
+    }
     let mut extract = Extract::new(chaos).with_policy(policy.clone());
     if let Some(llm) = llm {
         extract = extract.with_llm(llm);
     }
     Pipeline::builder(Intake::new(chaos).with_policy(policy.clone()))
         .then(extract)
-        .then(Feasibility::new(chaos).with_policy(policy.clone()))
+        .then(feasibility)
         .then(Calculate::new(chaos).with_policy(policy))
         .build()
 }

@@ -1,4 +1,4 @@
-//! `idemstage inspect | retry | rerun | cancel | dead`: the operator commands
+//! `idemstage inspect | retry | rerun | cancel | signal | dead`: the operator commands
 //! (`idemstage::ops`). They connect as the `DATABASE_URL` user and
 //! name the tenant of every write, which runs scoped to it.
 
@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::ops::{
     self, Actor, BulkAction, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RerunOutcome,
-    RetryOutcome,
+    RetryOutcome, SignalOutcome,
 };
 use idemstage::pipeline::Pipeline;
 use idemstage::{ids::ItemId, ids::StageName, ids::TenantId, queue::SendResult};
@@ -107,6 +107,34 @@ fn one_item(
         (None, Some(_)) => Err(super::BadInput("--item needs its --tenant".into()).into()),
         (_, None) => Ok(None),
     }
+}
+
+#[derive(clap::Args)]
+pub struct SignalArgs {
+    /// Tenant slug
+    #[arg(long)]
+    tenant: String,
+    /// Item id (ULID)
+    #[arg(long)]
+    item: String,
+    /// The waiting stage
+    #[arg(long)]
+    stage: String,
+    /// The signal's name (what the stage waits for)
+    #[arg(long)]
+    signal: String,
+    /// What is sent with it, as JSON (default: null)
+    #[arg(long, conflicts_with = "payload_file")]
+    payload: Option<String>,
+    /// The payload from a file (JSON)
+    #[arg(long)]
+    payload_file: Option<std::path::PathBuf>,
+    /// Who is signalling, for the audit log (default: $USER, else the database user)
+    #[arg(long)]
+    actor: Option<String>,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -438,6 +466,65 @@ pub async fn rerun(db: &super::Db, args: RerunArgs, team: Pipeline) -> anyhow::R
             RerunOutcome::NothingToRerun { stage, status } => {
                 println!("nothing to rerun: stage {stage} is {status} (the workers run it again)")
             }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn signal(db: &super::Db, args: SignalArgs, team: Pipeline) -> anyhow::Result<ExitCode> {
+    let pipeline = team;
+    let (tenant, item) = ids(&args.tenant, &args.item)?;
+    let stage = super::known::stage(&pipeline, &args.stage)?;
+    let name = StageName::parse(&args.signal).map_err(|_| {
+        super::BadInput(format!(
+            "invalid signal name {:?}: expected [a-z][a-z0-9_]{{0,62}}",
+            args.signal
+        ))
+    })?;
+    let text = match (&args.payload, &args.payload_file) {
+        (Some(text), _) => Some(text.clone()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| super::BadInput(format!("--payload-file {}: {e}", path.display())))?,
+        ),
+        (None, None) => None,
+    };
+    let payload: serde_json::Value = match text {
+        Some(text) => serde_json::from_str(&text)
+            .map_err(|e| super::BadInput(format!("the payload is not JSON: {e}")))?,
+        None => serde_json::Value::Null,
+    };
+    let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let mut conn = db.connect().await?;
+    let actor = actor(flag_actor, &mut conn).await?;
+    let outcome = ops::signal(
+        &mut conn, &tenant, &item, &stage, &name, &payload, &actor, &pipeline,
+    )
+    .await?;
+    if args.json {
+        let mut value = serde_json::to_value(&outcome)?;
+        value["tenant"] = serde_json::json!(tenant);
+        value["item"] = serde_json::json!(item);
+        value["stage"] = serde_json::json!(stage);
+        value["signal"] = serde_json::json!(name);
+        println!("{value}");
+    } else {
+        match &outcome {
+            SignalOutcome::Delivered { attempt, job, .. } => {
+                let job = match job {
+                    SendResult::Sent(id) => format!("job {id}"),
+                    SendResult::Duplicate => "its live job".into(),
+                };
+                println!(
+                    "signal {name} delivered to {stage} of item {item} (it waited after attempt {attempt}); {job}"
+                );
+            }
+            SignalOutcome::AlreadyDelivered {
+                delivered_at,
+                actor,
+            } => println!(
+                "signal {name} was delivered already (by {actor} at {delivered_at}): nothing changed"
+            ),
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -15,6 +15,7 @@ mod nul_input;
 mod ops;
 mod pooler;
 mod processes;
+mod signal;
 mod soak;
 mod support;
 mod unknown_names;
