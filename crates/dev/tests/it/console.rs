@@ -987,3 +987,74 @@ async fn the_console_previews_a_bulk_rerun_runs_it_and_shows_its_progress() {
     .await;
     assert_eq!(status, 403, "{body}");
 }
+
+#[tokio::test]
+async fn the_console_delivers_a_waiting_stages_signal_once() {
+    let db = idemstage_harness::example::db().await;
+    let mut conn = db.conn().await;
+    let t1 = TenantId::parse("t1").unwrap();
+    let item = ItemId::new();
+    send(&mut conn, &t1, item, "5 Kisten Bier").await;
+    let mut workers =
+        crate::support::Workers::start(db.url(), 1, &["--review-infeasible-s", "3600"]);
+    crate::support::wait_until(db.url(), "the item waiting for review", 120, |c| {
+        c.is_quiet() && c.waiting == 1
+    })
+    .await;
+    let console = Console::start(db.url(), &[]);
+    let (b_name, b_value) = bearer();
+    let auth = [(b_name, b_value.as_str())];
+    let (status, _, page) = http(
+        console.addr,
+        "GET",
+        &format!("/item?tenant=t1&item={item}"),
+        &auth,
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("id=\"signal-feasibility\""), "{page}");
+    let csrf = csrf_of(&page);
+    let post = |body: String| async move {
+        http(console.addr, "POST", "/actions/signal", &auth, &body).await
+    };
+    let form = |signal: &str, payload: &str| {
+        format!(
+            "csrf={csrf}&tenant=t1&item={item}&stage=feasibility&signal={signal}&payload={}",
+            payload
+                .replace('{', "%7B")
+                .replace('}', "%7D")
+                .replace('"', "%22")
+                .replace(':', "%3A")
+                .replace(' ', "+")
+        )
+    };
+    // Bad JSON (400) and another signal (409): nothing changed.
+    let (status, _, body) = post(form("review", "{nope")).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) = post(form("payment", "{}")).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM audit_log WHERE action = 'operator.signal'"
+        )
+        .await,
+        0
+    );
+    // Delivered once; the second is reported.
+    let (status, _, body) = post(form("review", r#"{"approve": false}"#)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("Delivered"), "{body}");
+    let (status, _, body) = post(form("review", r#"{"approve": true}"#)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("Delivered already"), "{body}");
+    crate::support::wait_until(db.url(), "the reviewed item stopped", 60, |c| {
+        c.is_quiet() && c.waiting == 0
+    })
+    .await;
+    workers.stop_all();
+    let signalled = "SELECT 1 FROM audit_log WHERE action = 'operator.signal' \
+                      AND details->>'actor' = 'console:bearer'";
+    assert_eq!(count(&mut conn, signalled).await, 1);
+}

@@ -1,4 +1,4 @@
-//! The console's POSTs: retry, cancel (through `idemstage::ops`,
+//! The console's POSTs: retry, cancel, signal (through `idemstage::ops`,
 //! which records the actor in `audit_log`), pause and resume (through
 //! `idemstage::queue`). Each checks, in this order: read-only mode
 //! (403), the form (413 / 400), its CSRF token (403), its ids (400 / 404); only
@@ -24,6 +24,8 @@ pub(crate) struct ActionForm {
     tenant: Option<String>,
     item: Option<String>,
     stage: Option<String>,
+    signal: Option<String>,
+    payload: Option<String>,
 }
 
 fn field(value: &Option<String>) -> Option<&str> {
@@ -162,6 +164,64 @@ pub(crate) async fn cancel(
         &p,
         title,
         &lines,
+        Some((item_href(&tenant, &item), "The item")),
+    ))
+}
+
+pub(crate) async fn signal(
+    State(console): State<Shared>,
+    Extension(p): Extension<Principal>,
+    form: Result<Form<ActionForm>, FormRejection>,
+) -> Result<Response, PageError> {
+    let form = admit(&console, &p, form)?;
+    let (tenant, item) = ids(&form)?;
+    let (Some(stage), Some(name)) = (field(&form.stage), field(&form.signal)) else {
+        return Err(PageError::bad_request(
+            "The form needs a stage and a signal. Nothing was changed.",
+        ));
+    };
+    let stage = known_stage(&console, stage)?;
+    let name = idemstage::ids::StageName::parse(name)?;
+    let payload: serde_json::Value = match field(&form.payload) {
+        Some(text) => serde_json::from_str(text).map_err(|e| {
+            PageError::bad_request(format!(
+                "The payload is not JSON ({e}). Nothing was changed."
+            ))
+        })?,
+        None => serde_json::Value::Null,
+    };
+    let mut conn = idemstage::db::get(&console.pool).await?;
+    let outcome = ops::signal(
+        &mut conn,
+        &tenant,
+        &item,
+        &stage,
+        &name,
+        &payload,
+        &p.actor,
+        &console.pipeline,
+    )
+    .await?;
+    drop(conn);
+    tracing::info!(actor = %p.actor, %tenant, %item, %stage, signal = %name, "console: signal");
+    let (title, line) = match &outcome {
+        ops::SignalOutcome::Delivered { .. } => (
+            "Delivered",
+            format!("signal {name} delivered to stage {stage} of item {item}: it runs again"),
+        ),
+        ops::SignalOutcome::AlreadyDelivered {
+            delivered_at,
+            actor,
+        } => (
+            "Delivered already",
+            format!("signal {name} was delivered by {actor} at {delivered_at}: nothing changed"),
+        ),
+    };
+    Ok(done_page(
+        &console,
+        &p,
+        title,
+        &[line],
         Some((item_href(&tenant, &item), "The item")),
     ))
 }

@@ -176,6 +176,7 @@ pub(crate) fn router(console: Shared) -> Router {
         .route("/actions/bulk", post(bulk::start))
         .route("/actions/retry", post(actions::retry))
         .route("/actions/cancel", post(actions::cancel))
+        .route("/actions/signal", post(actions::signal))
         .route("/actions/pause", post(actions::pause))
         .route("/actions/resume", post(actions::resume))
         .route("/logout", post(auth::logout))

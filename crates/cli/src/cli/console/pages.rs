@@ -541,6 +541,17 @@ fn timeline(console: &Shared, p: &Principal, t: &ItemTimeline) -> Markup {
                     }
                 }
                 @if let Some(e) = &run.last_error { p.error { "last error: " (e) } }
+                @if !ro && run.status == RunStatus::Waiting {
+                    form.signal method="post" action="/actions/signal" {
+                        (csrf_field(p))
+                        input type="hidden" name="tenant" value=(tenant);
+                        input type="hidden" name="item" value=(item);
+                        input type="hidden" name="stage" value=(stage);
+                        label { "Signal " input #{"signal-name-" (stage)} type="text" name="signal" maxlength="63" required; }
+                        label { "Payload (JSON) " textarea #{"signal-payload-" (stage)} name="payload" rows="2" cols="40" { "{}" } }
+                        button #{"signal-" (stage)} type="submit" { "Deliver the signal" }
+                    }
+                }
                 @if !ro && run.status == RunStatus::Dead {
                     (action_button(p, &format!("retry-{tenant}-{item}-{stage}"), "/actions/retry", &[("tenant", tenant), ("item", &item), ("stage", stage)], "Retry this stage", "retry"))
                 }
