@@ -794,18 +794,22 @@ fn peak_rss_mb() -> Option<f64> {
     Some(round1(kb / 1024.0))
 }
 
-async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
-    let mut conn = idemstage::db::connect(url).await?;
-    fixtures::reset(&mut conn).await?;
-    // Every item is feasible, so each runs all four stages.
-    fixtures::insert_numbered_items(&mut conn, TENANT, args.items, INPUT).await?;
-    let pipeline = example::pipeline(Chaos::default());
-    let tenant = TenantId::parse(TENANT)?;
-    let input_hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
-    let jobs: Vec<JobToSend> = (0..args.items)
+/// Numbered items `0..n` of `tenant` with `input`, and their first stage's jobs
+/// (sent in batches of 1,000).
+pub(super) async fn seed_items(
+    conn: &mut diesel_async::AsyncPgConnection,
+    pipeline: &idemstage::pipeline::Pipeline,
+    tenant: &str,
+    n: u64,
+    input: &str,
+) -> anyhow::Result<()> {
+    fixtures::insert_numbered_items(conn, tenant, n, input).await?;
+    let tenant = TenantId::parse(tenant)?;
+    let input_hash = idemstage::ids::input_hash_of(input.as_bytes());
+    let jobs: Vec<JobToSend> = (0..n)
         .map(|i| {
             first_job(
-                &pipeline,
+                pipeline,
                 tenant.clone(),
                 fixtures::numbered_item_id(i),
                 input_hash.clone(),
@@ -813,9 +817,17 @@ async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
         })
         .collect();
     for chunk in jobs.chunks(1000) {
-        queue::send_batch(&mut conn, chunk).await?;
+        queue::send_batch(conn, chunk).await?;
     }
-    drop(jobs);
+    Ok(())
+}
+
+async fn pipeline(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
+    let mut conn = idemstage::db::connect(url).await?;
+    fixtures::reset(&mut conn).await?;
+    let pipeline = example::pipeline(Chaos::default());
+    // Every item is feasible, so each runs all four stages.
+    seed_items(&mut conn, &pipeline, TENANT, args.items, INPUT).await?;
     fixtures::vacuum_analyze(&mut conn, &["items", "jobs", "stage_runs"]).await?;
 
     let expected = args.items * pipeline.stages().len() as u64;

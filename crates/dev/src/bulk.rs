@@ -20,7 +20,7 @@ use diesel_async::RunQueryDsl as _;
 use idemstage::db::PoolConfig;
 use idemstage::ops::{self, Actor, BulkAction, BulkFilter};
 use idemstage::pipeline::first_job;
-use idemstage::queue::{self, JobToSend};
+use idemstage::queue;
 use idemstage::runs::TxError;
 use idemstage::worker::{Counters, PipelineWorker, PipelineWorkerConfig, QueueWorkerConfig};
 use idemstage::{ids::ItemId, ids::StageName, ids::TenantId};
@@ -88,24 +88,9 @@ async fn db_now(
 pub async fn bulk(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let mut conn = idemstage::db::connect(url).await?;
     fixtures::reset(&mut conn).await?;
-    fixtures::insert_numbered_items(&mut conn, BULK_TENANT, args.items, INPUT).await?;
     let pipeline = example::pipeline(Chaos::default());
+    super::bench::seed_items(&mut conn, &pipeline, BULK_TENANT, args.items, INPUT).await?;
     let tenant = TenantId::parse(BULK_TENANT)?;
-    let input_hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
-    let jobs: Vec<JobToSend> = (0..args.items)
-        .map(|i| {
-            first_job(
-                &pipeline,
-                tenant.clone(),
-                fixtures::numbered_item_id(i),
-                input_hash.clone(),
-            )
-        })
-        .collect();
-    for chunk in jobs.chunks(1000) {
-        queue::send_batch(&mut conn, chunk).await?;
-    }
-    drop(jobs);
 
     let counters = Arc::new(Counters::default());
     let config = PipelineWorkerConfig::default()

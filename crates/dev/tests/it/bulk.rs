@@ -5,26 +5,10 @@
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::support::{count, enqueue, wait_until, Workers};
+use crate::support::{count, enqueue, stdout_json, wait_until, Workers};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idemstage"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "error")
-        .env("USER", "bulk-user")
-        .output()
-        .expect("run idemstage")
-}
-
-fn stdout_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    crate::support::idemstage_as(url, "bulk-user", args)
 }
 
 #[tokio::test]

@@ -4,29 +4,13 @@
 //! tenant only; a waiting item can be cancelled, and a signal after that is
 //! refused.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-use crate::support::{count, send, wait_until, Workers};
+use crate::support::{count, send, stdout_json, wait_until, Workers};
 use idemstage::{ids::ItemId, ids::TenantId};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idemstage"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "error")
-        .env("USER", "reviewer-anna")
-        .output()
-        .expect("run idemstage")
-}
-
-fn stdout_json(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    crate::support::idemstage_as(url, "reviewer-anna", args)
 }
 
 #[tokio::test]

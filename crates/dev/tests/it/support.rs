@@ -166,3 +166,26 @@ pub fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `idemstage ARGS` on `url`'s database as `$USER` `user` (the default actor),
+/// waited for.
+pub fn idemstage_as(url: &str, user: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "error")
+        .env("USER", user)
+        .output()
+        .expect("run idemstage")
+}
+
+/// The JSON object a command that succeeded printed.
+pub fn stdout_json(out: &std::process::Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}

@@ -275,6 +275,44 @@ async fn stored_hash(
         })
 }
 
+/// A stage run's status and lease, as an operator command that changed nothing
+/// explains it.
+#[derive(diesel::QueryableByName)]
+struct RunState {
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+    lease_expires_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    lease_live: bool,
+}
+
+/// The run of `stage` for the item, read in the caller's (scoped) transaction;
+/// `StageNotStarted` if it has none.
+async fn run_state(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    item: &ItemId,
+    stage: &StageName,
+) -> Result<RunState, OpsError> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(
+        "SELECT status, lease_expires_at, lease_expires_at >= clock_timestamp() AS lease_live \
+           FROM stage_runs WHERE tenant_id = $1 AND item_id = $2 AND stage = $3",
+    )
+    .bind::<Text, _>(tenant.as_str())
+    .bind::<Text, _>(item.to_string())
+    .bind::<Text, _>(stage.as_str())
+    .get_result(conn)
+    .await
+    .optional()?
+    .ok_or_else(|| OpsError::StageNotStarted {
+        tenant: tenant.clone(),
+        item: *item,
+        stage: stage.clone(),
+    })
+}
+
 /// Appends the audit entry of an operator command (no `run_id`: not a stage's
 /// write; the actor and what changed are in `details`, with `bulk`, the bulk
 /// action it was part of, if any).

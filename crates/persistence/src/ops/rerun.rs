@@ -2,7 +2,7 @@
 //! everything computed from it is invalidated.
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Integer, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{BulkId, ItemId, RunId, RunStatus, SendResult, StageName, TenantId};
@@ -78,16 +78,6 @@ struct MarkedRow {
     attempts: i32,
 }
 
-#[derive(QueryableByName)]
-struct StateRow {
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = Timestamptz)]
-    lease_expires_at: DateTime<Utc>,
-    #[diesel(sql_type = Bool)]
-    lease_live: bool,
-}
-
 /// The conditional write: the run, if it is still `success` or `dead`, becomes
 /// `stale` with no current success, which the claim admits with a fresh budget
 /// (its guard compares a new attempt only with a current success). The row lock
@@ -111,10 +101,6 @@ RETURNING r.id, old.status AS was, r.attempts";
 pub(crate) const RECORD_RERUN: &str = "\
 INSERT INTO stage_reruns (tenant_id, run_id, after_attempt, actor, bulk_id)
 VALUES ($1, $2, $3, $4, $5)";
-
-const STATE_SQL: &str = "\
-SELECT status, lease_expires_at, lease_expires_at >= clock_timestamp() AS lease_live
-  FROM stage_runs WHERE tenant_id = $1 AND item_id = $2 AND stage = $3";
 
 /// Reruns `stage` of the item: a stage that is `success` (or `dead`) runs again
 /// on the input and upstream its lineage names now, through the normal claim,
@@ -233,24 +219,7 @@ async fn not_marked(
     item: &ItemId,
     stage: &StageName,
 ) -> Result<RerunOutcome, OpsError> {
-    let state: Option<StateRow> = diesel::sql_query(STATE_SQL)
-        .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(item.to_string())
-        .bind::<Text, _>(stage.as_str())
-        .get_result(conn)
-        .await
-        .map(Some)
-        .or_else(|e| match e {
-            diesel::result::Error::NotFound => Ok(None),
-            e => Err(e),
-        })?;
-    let Some(state) = state else {
-        return Err(OpsError::StageNotStarted {
-            tenant: tenant.clone(),
-            item: *item,
-            stage: stage.clone(),
-        });
-    };
+    let state = super::run_state(conn, tenant, item, stage).await?;
     let status: RunStatus = state.status.parse()?;
     let refused = |reason| OpsError::RerunRefused {
         tenant: tenant.clone(),

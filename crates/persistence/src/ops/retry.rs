@@ -1,7 +1,6 @@
 //! `retry`: a dead stage gets a fresh attempt budget and a new job.
 
-use chrono::{DateTime, Utc};
-use diesel::sql_types::{Array, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, Integer, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{
@@ -91,16 +90,6 @@ struct RevivedRow {
     last_error: Option<String>,
 }
 
-#[derive(QueryableByName)]
-struct StateRow {
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = Timestamptz)]
-    lease_expires_at: DateTime<Utc>,
-    #[diesel(sql_type = Bool)]
-    lease_live: bool,
-}
-
 /// The conditional write: every named stage that is still `dead` becomes
 /// `failed` with `$4[i]` more attempts. `$1` tenant, `$2` item, `$3` stages,
 /// `$4` budgets. A concurrent retry waits for this row lock and then finds
@@ -116,10 +105,6 @@ const DEAD_STAGES_SQL: &str = "\
 SELECT stage FROM stage_runs
  WHERE tenant_id = $1 AND item_id = $2 AND status = 'dead'
  ORDER BY created_at, id";
-
-const STATE_SQL: &str = "\
-SELECT status, lease_expires_at, lease_expires_at >= clock_timestamp() AS lease_live
-  FROM stage_runs WHERE tenant_id = $1 AND item_id = $2 AND stage = $3";
 
 /// Retries `stage` of the item, or with `None` every dead stage of it: each
 /// `dead` stage gets a fresh attempt budget (`attempts` + the stage's
@@ -257,24 +242,7 @@ async fn not_revived(
     item: &ItemId,
     stage: &StageName,
 ) -> Result<RetryOutcome, OpsError> {
-    let state: Option<StateRow> = diesel::sql_query(STATE_SQL)
-        .bind::<Text, _>(tenant.as_str())
-        .bind::<Text, _>(item.to_string())
-        .bind::<Text, _>(stage.as_str())
-        .get_result(conn)
-        .await
-        .map(Some)
-        .or_else(|e| match e {
-            diesel::result::Error::NotFound => Ok(None),
-            e => Err(e),
-        })?;
-    let Some(state) = state else {
-        return Err(OpsError::StageNotStarted {
-            tenant: tenant.clone(),
-            item: *item,
-            stage: stage.clone(),
-        });
-    };
+    let state = super::run_state(conn, tenant, item, stage).await?;
     let status: RunStatus = state.status.parse()?;
     let refused = |reason| OpsError::RetryRefused {
         tenant: tenant.clone(),
