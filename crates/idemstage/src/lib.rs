@@ -276,7 +276,7 @@ pub mod ops {
         ItemTimeline, JobView, OpsError, PreviewGroup, RerunOutcome, RerunRefusal, RetriedStage,
         RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
     };
-    pub use idemstage_persistence::ops::{signal, SignalOutcome, SignalRefusal};
+    pub use idemstage_persistence::ops::{signal, SignalOutcome, SignalRefusal, WaitView};
     pub use idemstage_persistence::waits::{expire_due, ExpiredWaits};
 }
 

@@ -238,6 +238,16 @@ fn print_timeline(t: &ItemTimeline, pipeline: &Pipeline) {
             run.max_attempts,
             run.success_attempt.map_or("-".into(), |a| a.to_string()),
         );
+        if let Some(w) = &run.wait {
+            println!(
+                "  waits for {} until {} (then {})",
+                w.signal
+                    .as_ref()
+                    .map_or("a timer".to_owned(), |s| format!("signal {s}")),
+                w.until,
+                w.on_timeout
+            );
+        }
         if let Some(e) = &run.last_error {
             println!("  last error: {e}");
         }

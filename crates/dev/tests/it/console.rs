@@ -1014,6 +1014,7 @@ async fn the_console_delivers_a_waiting_stages_signal_once() {
     .await;
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("id=\"signal-feasibility\""), "{page}");
+    assert!(page.contains("Waits for signal review until"), "{page}");
     let csrf = csrf_of(&page);
     let post = |body: String| async move {
         http(console.addr, "POST", "/actions/signal", &auth, &body).await

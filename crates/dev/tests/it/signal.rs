@@ -42,6 +42,20 @@ async fn an_infeasible_item_waits_for_its_review_which_is_delivered_once_to_its_
     );
 
     let (rejected_s, cancelled_s) = (rejected.to_string(), cancelled.to_string());
+    // inspect says what it waits for.
+    let timeline = stdout_json(&idemstage(
+        db.url(),
+        &["inspect", "--tenant", "t1", "--item", &rejected_s, "--json"],
+    ));
+    let feasibility = timeline["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "feasibility")
+        .unwrap();
+    assert_eq!(feasibility["status"], "waiting", "{timeline}");
+    assert_eq!(feasibility["wait"]["signal"], "review", "{timeline}");
+    assert_eq!(feasibility["wait"]["on_timeout"], "resume", "{timeline}");
     let review = |tenant: &str, item: &str, signal: &str, payload: &str| {
         idemstage(
             db.url(),

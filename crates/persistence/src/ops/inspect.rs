@@ -55,8 +55,21 @@ pub struct StageTimeline {
     pub lease_live: bool,
     /// The run's last error (sanitised).
     pub last_error: Option<String>,
+    /// While it is `waiting`: what for and until when.
+    pub wait: Option<WaitView>,
     /// Every attempt, in order.
     pub attempts_history: Vec<AttemptView>,
+}
+
+/// What a waiting stage waits for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WaitView {
+    /// The signal (`None`: a timer).
+    pub signal: Option<StageName>,
+    /// The deadline (database clock).
+    pub until: DateTime<Utc>,
+    /// What the deadline does: `fail` or `resume`.
+    pub on_timeout: String,
 }
 
 /// One attempt of a stage.
@@ -70,7 +83,8 @@ pub struct AttemptView {
     pub started_at: DateTime<Utc>,
     /// When it ended, if it did.
     pub finished_at: Option<DateTime<Utc>>,
-    /// `running`, `success`, `failed`, `abandoned`, `fenced` or `cancelled`.
+    /// `running`, `success`, `failed`, `abandoned`, `fenced`, `cancelled` or
+    /// `waiting`.
     pub outcome: String,
     /// Its error (sanitised).
     pub error: Option<String>,
@@ -144,6 +158,12 @@ struct RunRow {
     lease_live: bool,
     #[diesel(sql_type = Nullable<Text>)]
     last_error: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    wait_signal: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    wait_until: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    wait_on_timeout: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -199,12 +219,15 @@ SELECT input_sha256, created_at, clock_timestamp() AS read_at
   FROM items WHERE tenant_id = $1 AND id = $2";
 
 const RUNS_SQL: &str = "\
-SELECT id, stage, status, attempts, max_attempts, success_attempt, upstream_stage,
-       upstream_attempt, lease_expires_at,
-       (status = 'running' AND lease_expires_at >= clock_timestamp()) AS lease_live,
-       last_error
-  FROM stage_runs WHERE tenant_id = $1 AND item_id = $2
- ORDER BY created_at, id";
+SELECT r.id, r.stage, r.status, r.attempts, r.max_attempts, r.success_attempt, r.upstream_stage,
+       r.upstream_attempt, r.lease_expires_at,
+       (r.status = 'running' AND r.lease_expires_at >= clock_timestamp()) AS lease_live,
+       r.last_error, w.signal AS wait_signal, w.wait_until, w.on_timeout AS wait_on_timeout
+  FROM stage_runs r
+  LEFT JOIN stage_waits w
+         ON r.status = 'waiting' AND w.run_id = r.id AND w.attempt = r.attempts
+ WHERE r.tenant_id = $1 AND r.item_id = $2
+ ORDER BY r.created_at, r.id";
 
 const ATTEMPTS_SQL: &str = "\
 SELECT a.run_id, a.attempt, a.worker_id, a.started_at, a.finished_at, a.outcome, a.error,
@@ -302,6 +325,14 @@ pub async fn inspect(
             lease_expires_at: r.lease_expires_at,
             lease_live: r.lease_live,
             last_error: r.last_error,
+            wait: match (r.wait_until, r.wait_on_timeout) {
+                (Some(until), Some(on_timeout)) => Some(WaitView {
+                    signal: r.wait_signal.as_deref().map(StageName::parse).transpose()?,
+                    until,
+                    on_timeout,
+                }),
+                _ => None,
+            },
             attempts_history: history,
         });
     }

@@ -64,7 +64,7 @@ pub use bulk::{
 };
 pub use cancel::{cancel, CancelOutcome, CancelledFrom, CancelledJob, CancelledStage};
 pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
-pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline};
+pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline, WaitView};
 pub use rerun::{rerun, RerunOutcome, RerunRefusal};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
 pub use signal::{signal, SignalOutcome, SignalRefusal};

@@ -547,7 +547,14 @@ fn timeline(console: &Shared, p: &Principal, t: &ItemTimeline) -> Markup {
                         input type="hidden" name="tenant" value=(tenant);
                         input type="hidden" name="item" value=(item);
                         input type="hidden" name="stage" value=(stage);
-                        label { "Signal " input #{"signal-name-" (stage)} type="text" name="signal" maxlength="63" required; }
+                        @if let Some(w) = &run.wait {
+                            p.wait #{"wait-" (stage)} {
+                                "Waits for " (w.signal.as_ref().map_or("a timer".to_owned(), |s| format!("signal {s}")))
+                                " until " (w.until.format("%Y-%m-%d %H:%M:%S UTC")) " (then " (w.on_timeout) ")."
+                            }
+                        }
+                        label { "Signal " input #{"signal-name-" (stage)} type="text" name="signal" maxlength="63" required
+                            value=(run.wait.as_ref().and_then(|w| w.signal.as_ref()).map_or("", |s| s.as_str())); }
                         label { "Payload (JSON) " textarea #{"signal-payload-" (stage)} name="payload" rows="2" cols="40" { "{}" } }
                         button #{"signal-" (stage)} type="submit" { "Deliver the signal" }
                     }
