@@ -49,6 +49,11 @@ pub struct PipelineWorkerConfig {
     pub reconcile_interval: Option<Duration>,
     /// The most open items one reconciler pass looks at (default 1000).
     pub reconcile_batch_limit: u32,
+    /// How often the worker ends the durable waits past their deadline
+    /// (`waits::expire_due`: one index probe when none is due), so that a
+    /// wait's timeout or a timer is kept to within this (default 1 s; `None`:
+    /// only the reconciler's passes do it).
+    pub wait_interval: Option<Duration>,
 }
 
 impl PipelineWorkerConfig {
@@ -76,6 +81,13 @@ impl PipelineWorkerConfig {
         self
     }
 
+    /// The same, ending waits past their deadline every `interval` (`None`:
+    /// only in the reconciler's passes).
+    pub fn with_wait_interval(mut self, interval: Option<Duration>) -> Self {
+        self.wait_interval = interval;
+        self
+    }
+
     /// The same, looking at most at `limit` open items per reconciler pass.
     pub fn with_reconcile_batch_limit(mut self, limit: u32) -> Self {
         self.reconcile_batch_limit = limit;
@@ -85,7 +97,7 @@ impl PipelineWorkerConfig {
     /// The pool size a worker with this config needs: per stage execution, its
     /// connection and its heartbeat's, plus the loop's, the completer's and the
     /// notifier's (the job lease keeper borrows one briefly, for one statement for
-    /// all jobs), and one for the queue gauges' sampler if it runs. A smaller pool
+    /// all jobs, and so does the waits' loop), and one for the queue gauges' sampler if it runs. A smaller pool
     /// makes executions wait for connections (and time out).
     pub fn pool_size(&self) -> u32 {
         let gauges = usize::from(self.queue.queue_gauges_interval.is_some());
@@ -101,12 +113,16 @@ impl Default for PipelineWorkerConfig {
             wake: Wake::default(),
             reconcile_interval: Some(DEFAULT_RECONCILE_INTERVAL),
             reconcile_batch_limit: Reconciler::DEFAULT_BATCH_LIMIT,
+            wait_interval: Some(DEFAULT_WAIT_INTERVAL),
         }
     }
 }
 
 /// How often a `PipelineWorker` reconciles by default.
 pub const DEFAULT_RECONCILE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How often a `PipelineWorker` ends the waits past their deadline by default.
+pub const DEFAULT_WAIT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How long a stopping worker waits for the releases of its aborted stages.
 const RELEASE_WAIT: Duration = Duration::from_secs(5);
@@ -122,6 +138,8 @@ pub struct PipelineWorker {
     executor: Executor,
     /// The reconciler and its interval, if it runs.
     reconciler: Option<(Reconciler, Duration, PgPool)>,
+    /// The pipeline, its interval and pool for the waits' deadlines, if they run.
+    waits: Option<(Pipeline, Duration, PgPool)>,
     /// The handler's counters.
     counters: Arc<Counters>,
 }
@@ -186,6 +204,9 @@ impl PipelineWorker {
                 Reconciler::new(pipeline.clone()).with_batch_limit(config.reconcile_batch_limit);
             (reconciler, every, pool.clone())
         });
+        let waits = config
+            .wait_interval
+            .map(|every| (pipeline.clone(), every, pool.clone()));
         let handler = PipelineHandler {
             pipeline,
             executor: executor.clone(),
@@ -196,6 +217,7 @@ impl PipelineWorker {
             worker_id,
             executor,
             reconciler,
+            waits,
             counters,
         })
     }
@@ -236,6 +258,11 @@ impl PipelineWorker {
                 "reconcile_interval must be positive (None: no reconciler)".into(),
             ));
         }
+        if config.wait_interval == Some(Duration::ZERO) {
+            return Err(WorkerError::Config(
+                "wait_interval must be positive (None: only the reconciler ends waits)".into(),
+            ));
+        }
         queue.validate()?;
         Ok(queue)
     }
@@ -259,14 +286,48 @@ impl PipelineWorker {
         let reconciling = self.reconciler.map(|(reconciler, every, pool)| {
             tokio::spawn(reconcile_loop(reconciler, every, pool, shutdown.clone()))
         });
+        let waiting = self.waits.map(|(pipeline, every, pool)| {
+            tokio::spawn(waits_loop(pipeline, every, pool, shutdown.clone()))
+        });
         let stats = self.inner.run(shutdown).await;
-        if let Some(task) = reconciling {
+        for task in [reconciling, waiting].into_iter().flatten() {
             if let Err(e) = task.await {
-                tracing::error!(error = %e, "reconciler failed");
+                tracing::error!(error = %e, "reconciler or waits loop failed");
             }
         }
         self.executor.finish_releases(RELEASE_WAIT).await;
         stats
+    }
+}
+
+/// The waits of `pipeline`'s stages past their deadline ended every `every`,
+/// until `stop`; a failed pass is logged and the next one tries again.
+async fn waits_loop(pipeline: Pipeline, every: Duration, pool: PgPool, stop: CancellationToken) {
+    let stages: Vec<_> = pipeline.stages().iter().map(|s| s.name().clone()).collect();
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let ended = async {
+            let mut conn = idemstage_persistence::get(&pool).await?;
+            idemstage_persistence::waits::expire_due(&mut conn, &stages, &pipeline, 1000).await
+        }
+        .await;
+        match ended {
+            Ok(e) if e.failed + e.resumed + e.gone > 0 => {
+                tracing::info!(
+                    failed = e.failed,
+                    resumed = e.resumed,
+                    gone = e.gone,
+                    "waits past their deadline ended"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "ending waits past their deadline failed"),
+        }
     }
 }
 

@@ -386,3 +386,62 @@ async fn a_wait_past_its_deadline_fails_the_run_or_resumes_it_as_configured() {
     assert_eq!(output(&mut f).await, json!("ANGEBOT 20: no review"));
     assert_eq!(AtomicUsize::load(&resuming.calls, Ordering::SeqCst), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_worker_ends_a_timed_out_wait_within_its_wait_interval_not_the_reconcilers() {
+    let db = idemstage_harness::example::db().await;
+    let pool = db.pool(16).await;
+    let mut conn = db.conn().await;
+    let resuming = approve(Duration::from_millis(300), OnTimeout::Resume);
+    let pipeline = pipeline(&resuming);
+    let tenant = TenantId::parse("t1").unwrap();
+    idemstage::pipeline::start(&pool, &pipeline, &tenant, &ItemId::new(), "angebot 21")
+        .await
+        .unwrap();
+    // The reconciler would come after 10 minutes: only the waits' loop can end it.
+    let config = idemstage::worker::PipelineWorkerConfig::default()
+        .with_reconcile_interval(Some(Duration::from_secs(600)))
+        .with_wait_interval(Some(Duration::from_millis(200)));
+    let worker = idemstage::worker::PipelineWorker::new(
+        pool,
+        db.url(),
+        pipeline.clone(),
+        config,
+        Arc::new(idemstage::worker::Counters::default()),
+    )
+    .unwrap();
+    let stop = idemstage::worker::CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(
+        &mut conn,
+        "SELECT 1 FROM stage_runs WHERE stage = 'approve' AND status = 'success'",
+    )
+    .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the wait never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    running.await.unwrap();
+    let ended = count(
+        &mut conn,
+        "SELECT 1 FROM stage_waits WHERE ended_by = 'timeout' AND ended_at >= wait_until",
+    )
+    .await;
+    assert_eq!(ended, 1);
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Jsonb)]
+        output: serde_json::Value,
+    }
+    let out: Row = diesel::sql_query("SELECT output FROM stage_runs WHERE stage = 'approve'")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(out.output, json!("ANGEBOT 21: no review"));
+}
