@@ -41,13 +41,15 @@ RETURNING wait_until";
 
 /// How the last wait of the run ended that was on the binding the current
 /// attempt (`$2`) has: its input hash and upstream attempt. No row: none
-/// (never waited, or waited on another binding). Fenced on the token.
+/// (never waited, or waited on another binding, or its deadline failed the run:
+/// an operator's retry of that run waits again). Fenced on the token.
 pub const SIGNAL_OF: &str = "\
 SELECT w.signal, w.ended_by, w.payload, w.actor
   FROM stage_runs r
   JOIN stage_waits w ON w.run_id = r.id AND w.attempt < r.attempts
   JOIN stage_run_attempts a ON a.run_id = w.run_id AND a.attempt = w.attempt
- WHERE r.id = $1 AND r.attempts = $2 AND w.ended_by IN ('signal', 'timeout')
+ WHERE r.id = $1 AND r.attempts = $2
+   AND (w.ended_by = 'signal' OR (w.ended_by = 'timeout' AND w.on_timeout = 'resume'))
    AND a.input_hash = r.input_hash AND a.upstream_attempt IS NOT DISTINCT FROM r.upstream_attempt
  ORDER BY w.attempt DESC
  LIMIT 1";

@@ -357,6 +357,22 @@ async fn a_wait_past_its_deadline_fails_the_run_or_resumes_it_as_configured() {
         .await
         .unwrap();
     assert_eq!(again, Default::default(), "ended once");
+    // An operator's retry of the run that timed out: it waits again.
+    ops::retry(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        None,
+        &Actor::parse("ops").unwrap(),
+        &pipeline,
+    )
+    .await
+    .unwrap();
+    let rewaited = run(&f, &pipeline, "approve", &job).await;
+    assert!(
+        matches!(rewaited, ExecutionOutcome::Waiting { attempt: 2, .. }),
+        "{rewaited:?}"
+    );
 
     // Resume: the stage runs again and reads that nobody answered.
     let mut f = fixture().await;
