@@ -15,7 +15,7 @@ pub struct StageStatusCount {
     /// The stage name.
     pub stage: String,
     /// The run status as stored (`running`, `success`, `failed`, `dead`, `stale`,
-    /// `cancelled`).
+    /// `cancelled`, `waiting`).
     pub status: String,
     /// How many runs of `stage` are in `status`.
     pub count: i64,
