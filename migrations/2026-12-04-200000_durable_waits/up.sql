@@ -9,7 +9,8 @@
 -- (NULL: a timer), its deadline, what its end is (`fail`: the run ends `dead`;
 -- `resume`: it runs again, the signal read as timed out), and how it ended
 -- (`signal` with the payload and who delivered it, `timeout`, or `gone` when
--- the run was no longer waiting: cancelled, or invalidated by its upstream).
+-- the run stopped waiting otherwise: cancelled, or invalidated by its upstream;
+-- the attempt trigger ends it then).
 -- Ended once: the delivery is a conditional write on `ended_at IS NULL`, under
 -- the run's row lock. The open waits have their own index, so the timeouts are
 -- found without reading `stage_runs` (an index there on the status would make
@@ -45,7 +46,12 @@ CREATE TABLE stage_waits (
 CREATE INDEX stage_waits_open_idx ON stage_waits (wait_until, stage) WHERE ended_at IS NULL;
 
 GRANT SELECT, INSERT, UPDATE ON stage_waits TO idemstage_app;
-GRANT SELECT ON stage_waits TO idemstage_operator, idemstage_worker;
+GRANT SELECT ON stage_waits TO idemstage_operator;
+-- The worker finds the waits past their deadline across tenants (outside any
+-- scope, as it finds ready jobs): the columns that say which and when, never
+-- what a signal carried or who sent it; the rest it reads in the tenant's scope.
+GRANT SELECT (tenant_id, run_id, attempt, stage, wait_until, ended_at)
+    ON stage_waits TO idemstage_worker;
 
 ALTER TABLE stage_waits ENABLE ROW LEVEL SECURITY;
 ALTER TABLE stage_waits FORCE ROW LEVEL SECURITY;
@@ -110,6 +116,14 @@ BEGIN
                finished_at = greatest(started_at, coalesce(NEW.finished_at, clock_timestamp())),
                error = NEW.last_error
          WHERE run_id = NEW.id AND attempt = NEW.attempts AND outcome = 'running';
+    END IF;
+    -- A run that stops waiting other than by its wait's end (cancelled, or
+    -- invalidated by its upstream's new success) ends its open wait: no wait
+    -- stays open on a run that no longer waits, and no late signal finds it.
+    IF TG_OP = 'UPDATE' AND OLD.status = 'waiting' AND NEW.status <> 'waiting' THEN
+        UPDATE stage_waits
+           SET ended_at = clock_timestamp(), ended_by = 'gone'
+         WHERE run_id = NEW.id AND ended_at IS NULL;
     END IF;
     RETURN NULL;
 END;

@@ -276,7 +276,9 @@ pub mod ops {
         ItemTimeline, JobView, OpsError, PreviewGroup, RerunOutcome, RerunRefusal, RetriedStage,
         RetryOutcome, RetryPlanner, RetryRefusal, StageTimeline,
     };
-    pub use idemstage_persistence::ops::{signal, SignalOutcome, SignalRefusal, WaitView};
+    pub use idemstage_persistence::ops::{
+        signal, SignalOutcome, SignalRefusal, WaitView, MAX_SIGNAL_PAYLOAD_BYTES,
+    };
     pub use idemstage_persistence::waits::{expire_due, ExpiredWaits};
 }
 

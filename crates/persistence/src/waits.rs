@@ -1,7 +1,7 @@
 //! The deadlines of durable waits: each wait past its deadline ends as it said
 //! ([`OnTimeout`](idemstage_domain::OnTimeout)): the run `dead`, or running
-//! again (with a job) and reading the signal as timed out. Run by the stage
-//! worker's reconciler on every pass; safe beside any number of others (each
+//! again (with a job) and reading the signal as timed out. Run by every
+//! `PipelineWorker` each `wait_interval`; safe beside any number of others (each
 //! wait is ended by a conditional write under the run's row lock).
 
 use diesel::sql_types::{Integer, Text};
@@ -33,7 +33,9 @@ SELECT tenant_id, run_id, attempt FROM stage_waits
 
 /// Ends one wait past its deadline, in its tenant's scope: `timeout` if its run
 /// still waits in that attempt (then the run is `dead`, or claimable with one
-/// more attempt in its budget), else `gone`. `$1` run, `$2` attempt.
+/// more attempt in its budget, and the item's stored input hash for its job
+/// comes back with it), else `gone` (the attempt trigger ends a wait whose run
+/// stops waiting otherwise, so this is only a guard). `$1` run, `$2` attempt.
 pub(crate) const EXPIRE: &str = "\
 WITH run AS (
     SELECT id, attempts, status FROM stage_runs WHERE id = $1 FOR UPDATE),
@@ -59,8 +61,10 @@ moved AS (
                                   || ': timed out' END
       FROM ended
      WHERE r.id = $1 AND r.attempts = $2 AND r.status = 'waiting' AND ended.ended_by = 'timeout'
-    RETURNING r.item_id, r.stage, r.status)
-SELECT ended.ended_by, moved.item_id, moved.stage, moved.status
+    RETURNING r.item_id, r.stage, r.status,
+              (SELECT a.input_sha256 FROM items a
+                WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id) AS input_hash)
+SELECT ended.ended_by, moved.item_id, moved.stage, moved.status, moved.input_hash
   FROM ended LEFT JOIN moved ON true";
 
 #[derive(QueryableByName)]
@@ -83,6 +87,8 @@ struct Expired {
     stage: Option<String>,
     #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
     status: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    input_hash: Option<String>,
 }
 
 /// Ends up to `limit` waits of `stages` (the planner's) past their deadline
@@ -119,13 +125,15 @@ pub async fn expire_due(
             let Some(ended) = ended else {
                 return Ok(None);
             };
-            if let (Some(item), Some(stage), Some("running")) =
-                (&ended.item_id, &ended.stage, ended.status.as_deref())
-            {
+            if let (Some(item), Some(stage), Some("running"), Some(hash)) = (
+                &ended.item_id,
+                &ended.stage,
+                ended.status.as_deref(),
+                &ended.input_hash,
+            ) {
                 let item = ItemId::parse(item).map_err(|e| TxError::Repo(e.into()))?;
                 let stage = StageName::parse(stage).map_err(|e| TxError::Repo(e.into()))?;
-                let hash = stored_hash(conn, &item).await?;
-                crate::queue::send_in(conn, &planner.job(&stage, &tenant, &item, &hash)).await?;
+                crate::queue::send_in(conn, &planner.job(&stage, &tenant, &item, hash)).await?;
             }
             Ok(Some(ended))
         })
@@ -139,20 +147,4 @@ pub async fn expire_due(
         }
     }
     Ok(report)
-}
-
-async fn stored_hash(
-    conn: &mut AsyncPgConnection,
-    item: &ItemId,
-) -> Result<String, diesel::result::Error> {
-    #[derive(QueryableByName)]
-    struct Hash {
-        #[diesel(sql_type = Text)]
-        input_sha256: String,
-    }
-    let hash: Hash = diesel::sql_query("SELECT input_sha256 FROM items WHERE id = $1")
-        .bind::<Text, _>(item.to_string())
-        .get_result(conn)
-        .await?;
-    Ok(hash.input_sha256)
 }

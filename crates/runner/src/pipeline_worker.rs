@@ -52,7 +52,8 @@ pub struct PipelineWorkerConfig {
     /// How often the worker ends the durable waits past their deadline
     /// (`waits::expire_due`: one index probe when none is due), so that a
     /// wait's timeout or a timer is kept to within this (default 1 s; `None`:
-    /// only the reconciler's passes do it).
+    /// never, another worker's must; several at once are harmless, each wait
+    /// ends once).
     pub wait_interval: Option<Duration>,
 }
 
@@ -82,7 +83,7 @@ impl PipelineWorkerConfig {
     }
 
     /// The same, ending waits past their deadline every `interval` (`None`:
-    /// only in the reconciler's passes).
+    /// never).
     pub fn with_wait_interval(mut self, interval: Option<Duration>) -> Self {
         self.wait_interval = interval;
         self
@@ -260,7 +261,7 @@ impl PipelineWorker {
         }
         if config.wait_interval == Some(Duration::ZERO) {
             return Err(WorkerError::Config(
-                "wait_interval must be positive (None: only the reconciler ends waits)".into(),
+                "wait_interval must be positive (None: this worker ends no waits)".into(),
             ));
         }
         queue.validate()?;
@@ -292,7 +293,7 @@ impl PipelineWorker {
         let stats = self.inner.run(shutdown).await;
         for task in [reconciling, waiting].into_iter().flatten() {
             if let Err(e) = task.await {
-                tracing::error!(error = %e, "reconciler or waits loop failed");
+                tracing::error!(error = %e, "reconciler or waits' loop failed");
             }
         }
         self.executor.finish_releases(RELEASE_WAIT).await;

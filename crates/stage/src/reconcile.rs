@@ -12,8 +12,8 @@
 //! probes (the plan, and the sends), and one to settle the items it found
 //! finished. A `dead` stage is final and never sent again (an operator's retry
 //! revives it, and its job reopens the item). A `waiting` stage has no job by
-//! design; each pass ends the waits past their deadline first
-//! (`idemstage_persistence::waits::expire_due`).
+//! design: the end of its wait sends one (a delivered signal, or the deadline,
+//! which the `PipelineWorker` checks every `wait_interval`).
 
 use diesel_async::AsyncPgConnection;
 use idemstage_domain::{InputChangePolicy, ItemId, JobToSend, RepoError, SendResult, TenantId};
@@ -35,10 +35,6 @@ pub struct ReconcileReport {
     /// Items found finished (every expected stage final, no live job): not
     /// looked at again until a job is written for them.
     pub settled: usize,
-    /// Waits past their deadline that ended their run `dead`.
-    pub waits_failed: usize,
-    /// Waits past their deadline whose run runs again (a job sent).
-    pub waits_resumed: usize,
 }
 
 /// Sends again the jobs of a pipeline's lost stages, one batch of open items
@@ -95,16 +91,6 @@ impl Reconciler {
             examined: batch.len(),
             ..ReconcileReport::default()
         };
-        // The waits past their deadline first: a resumed one's job is sent now.
-        let expired = idemstage_persistence::waits::expire_due(
-            &mut conn,
-            &self.stages.stages,
-            &self.pipeline,
-            self.batch_limit,
-        )
-        .await?;
-        report.waits_failed = expired.failed;
-        report.waits_resumed = expired.resumed;
         // The batch is in key order: each tenant's items are together.
         for group in batch.chunk_by(|a, b| a.tenant == b.tenant) {
             let tenant = &group[0].tenant;

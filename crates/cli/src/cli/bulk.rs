@@ -81,6 +81,9 @@ fn items_file(path: &PathBuf) -> anyhow::Result<Vec<ItemId>> {
             ))
         })?);
     }
+    // An id listed twice is one item.
+    items.sort();
+    items.dedup();
     Ok(items)
 }
 

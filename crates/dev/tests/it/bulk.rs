@@ -5,6 +5,8 @@
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use idemstage::ids::ItemId;
+
 use crate::support::{count, enqueue, stdout_json, wait_until, Workers};
 
 fn idemstage(url: &str, args: &[&str]) -> Output {
@@ -26,8 +28,18 @@ async fn a_bulk_rerun_of_1000_items_killed_half_way_resumes_and_reruns_each_item
     assert_eq!(count(&mut conn, calculated).await, 1000);
     let operator = db.operator_url();
 
-    // Bad filters: exit 2, nothing recorded.
+    // Bad filters: exit 2, nothing recorded. One id over the list's limit too.
+    let long_list = std::env::temp_dir().join(format!("idemstage-items-{}", ItemId::new()));
+    let ids: Vec<String> = (0..=idemstage::ops::BulkFilter::MAX_ITEMS)
+        .map(|_| ItemId::new().to_string())
+        .collect();
+    std::fs::write(&long_list, ids.join("\n")).unwrap();
+    let long_list = long_list.to_str().unwrap().to_owned();
     for (args, message) in [
+        (
+            vec!["rerun", "--stage", "calculate", "--items-file", &long_list],
+            "more than 10,000 items",
+        ),
         (vec!["rerun", "--stage", "calculate"], "names a tenant"),
         (
             vec![
@@ -73,6 +85,7 @@ async fn a_bulk_rerun_of_1000_items_killed_half_way_resumes_and_reruns_each_item
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
+    std::fs::remove_file(&long_list).unwrap();
     assert_eq!(count(&mut conn, "SELECT 1 FROM bulk_actions").await, 0);
 
     // The preview: counts, nothing changed.

@@ -75,8 +75,10 @@ pub struct BulkFilter {
 }
 
 impl BulkFilter {
-    /// The most item ids a filter names.
-    pub const MAX_ITEMS: usize = 1_000_000;
+    /// The most item ids a filter names: the list travels with every batch's
+    /// selection (and is kept in the action's record), so a longer one goes as
+    /// several bulk actions, or as a tenant and a time.
+    pub const MAX_ITEMS: usize = 10_000;
 
     /// Checks the filter for `action`: a rerun names a stage, statuses need a
     /// stage, `since` is before `until`, an item list is not empty, and the
@@ -98,7 +100,9 @@ impl BulkFilter {
         match &self.items {
             Some(items) if items.is_empty() => return bad("the item list is empty"),
             Some(items) if items.len() > Self::MAX_ITEMS => {
-                return bad("more than 1,000,000 items in the list")
+                return bad(
+                    "more than 10,000 items in the list: split it into several bulk actions",
+                )
             }
             _ => {}
         }
@@ -399,6 +403,9 @@ pub async fn run_bulk(
     mut on_batch: impl FnMut(&BulkProgress) + Send,
 ) -> Result<BulkProgress, OpsError> {
     let progress = bulk_progress(conn, id).await?;
+    // The record is read back, not trusted: a filter changed by hand is
+    // refused as it would have been at the start.
+    progress.filter.check(progress.action)?;
     if let Some(stage) = &progress.filter.stage {
         if planner.budget(stage).is_none() {
             return Err(OpsError::UnknownStage(stage.to_string()));
@@ -484,7 +491,9 @@ async fn run_batch(
     for item in items {
         let changed = match action {
             BulkAction::Rerun => {
-                let stage = stage.as_ref().expect("checked: a rerun names its stage");
+                let stage = stage.as_ref().ok_or_else(|| {
+                    DomainError::InvalidOption("a bulk rerun names its stage".into())
+                })?;
                 super::rerun::rerun_in(conn, tenant, item, stage, actor, Some(id), planner)
                     .await
                     .map(|o| matches!(o, super::RerunOutcome::Rerun { .. }))

@@ -67,7 +67,7 @@ pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
 pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline, WaitView};
 pub use rerun::{rerun, RerunOutcome, RerunRefusal};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
-pub use signal::{signal, SignalOutcome, SignalRefusal};
+pub use signal::{signal, SignalOutcome, SignalRefusal, MAX_SIGNAL_PAYLOAD_BYTES};
 
 /// Who ran an operator command, as recorded in `audit_log.details.actor`: 1 to
 /// 128 bytes, no control characters, trimmed.

@@ -9,6 +9,10 @@ use serde::Serialize;
 
 use super::{audit, stored_hash, Actor, OpsError, RetryPlanner};
 
+/// The most a signal's payload holds, as JSON text: 64 KiB. A signal carries a
+/// decision (an approval, a provider's answer), not a document.
+pub const MAX_SIGNAL_PAYLOAD_BYTES: usize = 64 * 1024;
+
 /// Why a signal was not delivered: the stage does not wait for it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "state")]
@@ -122,7 +126,8 @@ struct Explained {
 /// ended and is `AlreadyDelivered`, nothing changed), the stage gets its job
 /// (`planner.job`) and runs again through the normal claim, reading the
 /// payload; one `audit_log` entry (`operator.signal`, with `actor`). Refused
-/// with nothing changed: an unknown stage (`UnknownStage`), one without a run
+/// with nothing changed: a payload over [`MAX_SIGNAL_PAYLOAD_BYTES`]
+/// (`Invalid`), an unknown stage (`UnknownStage`), one without a run
 /// (`StageNotStarted`), one that does not wait for this signal
 /// (`SignalRefused`).
 #[allow(clippy::too_many_arguments)]
@@ -138,6 +143,13 @@ pub async fn signal(
 ) -> Result<SignalOutcome, OpsError> {
     if planner.budget(stage).is_none() {
         return Err(OpsError::UnknownStage(stage.to_string()));
+    }
+    let size = payload.to_string().len();
+    if size > MAX_SIGNAL_PAYLOAD_BYTES {
+        return Err(idemstage_domain::DomainError::InvalidOption(format!(
+            "a signal's payload of {size} bytes: at most {MAX_SIGNAL_PAYLOAD_BYTES} (as JSON)"
+        ))
+        .into());
     }
     let mut tries = 0;
     loop {

@@ -75,7 +75,7 @@ struct SignalRow {
 impl PgRunRepository {
     /// Ends the attempt in `wait`, fenced on the token: the run is `waiting`,
     /// holds no lease, and runs again once a signal is delivered
-    /// (`ops::signal`) or the deadline passes (`ops::expire_waits`). What
+    /// (`ops::signal`) or the deadline passes (`waits::expire_due`). What
     /// `prepare` checkpointed stays for the next attempt on the same binding.
     pub async fn wait(&self, token: &ClaimToken, wait: &WaitFor) -> Result<WaitOutcome, RepoError> {
         let mut conn = self.conn().await?;

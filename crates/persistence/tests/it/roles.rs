@@ -91,6 +91,20 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
         .await
         .unwrap();
     refused(&mut w, "DELETE FROM job_lanes").await;
+    // The waits past their deadline: which and when across tenants, never what
+    // a signal carried or who sent it.
+    assert_eq!(
+        count(
+            &mut w,
+            "SELECT tenant_id, run_id, attempt FROM stage_waits \
+              WHERE ended_at IS NULL AND wait_until <= now() AND stage = 'approve'"
+        )
+        .await,
+        0
+    );
+    refused(&mut w, "SELECT payload FROM stage_waits").await;
+    refused(&mut w, "SELECT actor, signal FROM stage_waits").await;
+    refused(&mut w, "SELECT * FROM stage_waits").await;
 
     // Without a scope: no tenant table at all, no deletes, no DDL, no owner.
     refused(&mut w, "SELECT * FROM stage_runs").await;

@@ -272,7 +272,7 @@ async fn a_bulk_rerun_acts_on_the_items_its_filter_selects_once_and_a_second_run
         .unwrap();
     assert_eq!(preview.selected, 0, "the reruns are stale now: {preview:?}");
 
-    let worker = start_pipeline_worker(pool, db.url(), pipeline, 2, counters);
+    let worker = start_pipeline_worker(pool, db.url(), pipeline.clone(), 2, counters);
     assert_quiet_and_sound(db.url(), 60).await;
     stop_pipeline_worker(worker).await;
     for (tenant, item) in &items {
@@ -294,6 +294,27 @@ async fn a_bulk_rerun_acts_on_the_items_its_filter_selects_once_and_a_second_run
     )
     .await;
     assert_eq!(audited, 8);
+
+    // A record changed by hand (its rerun's stage removed) is refused when run,
+    // not acted on (and no worker panics on it).
+    let tampered = ops::start_bulk(&mut conn, ops::BulkAction::Rerun, &filter, &actor, 3)
+        .await
+        .unwrap();
+    diesel_async::RunQueryDsl::execute(
+        diesel::sql_query(format!(
+            "UPDATE bulk_actions SET filter = filter - 'stage' WHERE id = '{}'",
+            tampered.id
+        )),
+        &mut conn,
+    )
+    .await
+    .unwrap();
+    let err = ops::run_bulk(&mut conn, &tampered.id, &actor, &pipeline, |_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ops::OpsError::Invalid(_)), "{err}");
+    let progress = ops::bulk_progress(&mut conn, &tampered.id).await.unwrap();
+    assert_eq!((progress.batches, progress.acted), (0, 0));
 }
 
 async fn rows(c: &mut diesel_async::AsyncPgConnection) -> i64 {

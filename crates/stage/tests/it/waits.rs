@@ -307,8 +307,105 @@ async fn a_signal_for_another_tenant_or_another_name_is_refused_and_changes_noth
         "{err}"
     );
     assert!(err.is_bad_request());
+    // A payload one byte over the limit (as JSON text).
+    let over = json!("x".repeat(ops::MAX_SIGNAL_PAYLOAD_BYTES - 1));
+    assert_eq!(over.to_string().len(), ops::MAX_SIGNAL_PAYLOAD_BYTES + 1);
+    let err = ops::signal(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        &stage,
+        &review(),
+        &over,
+        &actor,
+        &pipeline,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, ops::OpsError::Invalid(_)), "{err}");
     assert_eq!(count(&mut f.conn, snapshot).await, before);
     assert_eq!(status(&mut f, "approve").await, "waiting");
+
+    // One exactly at the limit is delivered.
+    let at = json!("x".repeat(ops::MAX_SIGNAL_PAYLOAD_BYTES - 2));
+    assert_eq!(at.to_string().len(), ops::MAX_SIGNAL_PAYLOAD_BYTES);
+    let delivered = ops::signal(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        &stage,
+        &review(),
+        &at,
+        &actor,
+        &pipeline,
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(delivered, SignalOutcome::Delivered { .. }),
+        "{delivered:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_stage_cancelled_or_invalidated_ends_its_wait_at_once() {
+    let mut f = fixture().await;
+    let approver = approve(Duration::from_secs(3600), OnTimeout::Fail);
+    let pipeline = pipeline(&approver);
+    let stage = StageName::parse("approve").unwrap();
+    let actor = Actor::parse("ops").unwrap();
+    let open = "SELECT 1 FROM stage_waits WHERE ended_at IS NULL";
+    let gone = "SELECT 1 FROM stage_waits WHERE ended_by = 'gone'";
+
+    // Cancelled: the wait ends with the run; a signal finds nothing waiting.
+    let job = f.item("angebot 22").await;
+    run(&f, &pipeline, "draft", &job).await;
+    run(&f, &pipeline, "approve", &job).await;
+    assert_eq!(count(&mut f.conn, open).await, 1);
+    ops::cancel(&mut f.conn, &job.tenant_id, &job.item_id, &actor)
+        .await
+        .unwrap();
+    assert_eq!(count(&mut f.conn, open).await, 0);
+    assert_eq!(count(&mut f.conn, gone).await, 1);
+    let err = ops::signal(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        &stage,
+        &review(),
+        &json!({}),
+        &actor,
+        &pipeline,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, ops::OpsError::SignalRefused { .. }), "{err}");
+
+    // Invalidated by an operator's rerun of its upstream: the wait ends; the
+    // stage runs on the new upstream success and waits anew.
+    let job = f.item("angebot 23").await;
+    run(&f, &pipeline, "draft", &job).await;
+    run(&f, &pipeline, "approve", &job).await;
+    let draft = StageName::parse("draft").unwrap();
+    ops::rerun(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        &draft,
+        &actor,
+        &pipeline,
+    )
+    .await
+    .unwrap();
+    assert_eq!(count(&mut f.conn, open).await, 0);
+    assert_eq!(count(&mut f.conn, gone).await, 2);
+    run(&f, &pipeline, "draft", &job).await;
+    let again = run(&f, &pipeline, "approve", &job).await;
+    assert!(
+        matches!(again, ExecutionOutcome::Waiting { attempt: 2, .. }),
+        "{again:?}"
+    );
+    assert_eq!(count(&mut f.conn, open).await, 1);
 }
 
 /// Waits until the open wait's deadline has passed on the database clock.
