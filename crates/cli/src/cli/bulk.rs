@@ -54,16 +54,6 @@ impl BulkArgs {
     }
 }
 
-fn time(flag: &str, value: Option<&str>) -> anyhow::Result<Option<chrono::DateTime<chrono::Utc>>> {
-    value
-        .map(|v| {
-            chrono::DateTime::parse_from_rfc3339(v)
-                .map(|t| t.with_timezone(&chrono::Utc))
-                .map_err(|e| BadInput(format!("--{flag} {v:?}: not an RFC 3339 time ({e})")).into())
-        })
-        .transpose()
-}
-
 fn items_file(path: &PathBuf) -> anyhow::Result<Vec<ItemId>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| BadInput(format!("--items-file {}: {e}", path.display())))?;
@@ -94,11 +84,12 @@ fn filter(
     stage: Option<StageName>,
     args: &BulkArgs,
 ) -> anyhow::Result<BulkFilter> {
-    let statuses = args
-        .status
-        .iter()
-        .map(|s| s.trim().parse())
-        .collect::<Result<Vec<_>, _>>()?;
+    let statuses = BulkFilter::parse_statuses(&args.status.join(","))?;
+    let time = |flag: &str, value: Option<&str>| {
+        value
+            .map(|v| BulkFilter::parse_time(&format!("--{flag}"), v))
+            .transpose()
+    };
     let filter = BulkFilter {
         tenant: tenant.map(TenantId::parse).transpose()?,
         stage,

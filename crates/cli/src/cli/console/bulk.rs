@@ -55,18 +55,7 @@ async fn parsed(
         return Ok(None);
     }
     let action: BulkAction = field(&form.action).unwrap_or("rerun").parse()?;
-    let time = |name: &str, v: Option<&str>| {
-        v.map(|v| {
-            chrono::DateTime::parse_from_rfc3339(v)
-                .map(|t| t.with_timezone(&chrono::Utc))
-                .map_err(|e| {
-                    PageError::bad_request(format!(
-                        "{name} {v:?} is not an RFC 3339 time ({e}). Nothing was changed."
-                    ))
-                })
-        })
-        .transpose()
-    };
+    let time = |name: &str, v: Option<&str>| v.map(|v| BulkFilter::parse_time(name, v)).transpose();
     let filter = BulkFilter {
         tenant: match field(&form.tenant) {
             Some(t) => Some(known_tenant(console, t).await?),
@@ -76,7 +65,7 @@ async fn parsed(
             .map(|s| known_stage(console, s))
             .transpose()?,
         statuses: field(&form.status)
-            .map(|s| s.split(',').map(|s| s.trim().parse()).collect())
+            .map(BulkFilter::parse_statuses)
             .transpose()?
             .unwrap_or_default(),
         since: time("since", field(&form.since))?,
