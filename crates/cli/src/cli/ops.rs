@@ -159,6 +159,15 @@ fn ids(tenant: &str, item: &str) -> anyhow::Result<(TenantId, ItemId)> {
     Ok((TenantId::parse(tenant)?, ItemId::parse(item)?))
 }
 
+/// Why a stage a retry or rerun left alone runs again anyway: a waiting one
+/// when its signal or deadline comes, any other when a worker takes it.
+pub(crate) fn what_runs_it_again(status: Option<idemstage::runs::RunStatus>) -> &'static str {
+    match status {
+        Some(idemstage::runs::RunStatus::Waiting) => "its signal or its deadline runs it again",
+        _ => "the workers run it again",
+    }
+}
+
 /// `--actor`, else `$USER`, else the database's `current_user`.
 pub(crate) async fn actor(
     flag: Option<Actor>,
@@ -346,8 +355,9 @@ pub async fn retry(db: &super::Db, args: RetryArgs, team: Pipeline) -> anyhow::R
                 stage: Some(stage),
                 status,
             } => println!(
-                "nothing to retry: stage {stage} is {} (the workers retry it)",
-                status.map_or("-".into(), |s| s.to_string())
+                "nothing to retry: stage {stage} is {} ({})",
+                status.map_or("-".into(), |s| s.to_string()),
+                what_runs_it_again(*status)
             ),
             RetryOutcome::NothingToRetry { stage: None, .. } => {
                 println!("nothing to retry: item {item} has no dead stage")
@@ -473,9 +483,10 @@ pub async fn rerun(db: &super::Db, args: RerunArgs, team: Pipeline) -> anyhow::R
                      {invalidated} stages after it invalidated, {job}"
                 );
             }
-            RerunOutcome::NothingToRerun { stage, status } => {
-                println!("nothing to rerun: stage {stage} is {status} (the workers run it again)")
-            }
+            RerunOutcome::NothingToRerun { stage, status } => println!(
+                "nothing to rerun: stage {stage} is {status} ({})",
+                what_runs_it_again(Some(*status))
+            ),
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -96,6 +96,27 @@ async fn an_infeasible_item_waits_for_its_review_which_is_delivered_once_to_its_
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(message), "{stderr}");
     }
+    // A retry or a rerun of the waiting stage changes nothing and says why.
+    for command in ["retry", "rerun"] {
+        let out = idemstage(
+            db.url(),
+            &[
+                command,
+                "--tenant",
+                "t1",
+                "--item",
+                &rejected_s,
+                "--stage",
+                "feasibility",
+            ],
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}");
+        assert!(
+            stdout.contains("is waiting (its signal or its deadline runs it again)"),
+            "{command}: {stdout}"
+        );
+    }
     assert_eq!(count(&mut conn, audit).await, 0);
     assert_eq!(count(&mut conn, waiting).await, 2);
 

@@ -59,7 +59,8 @@ pub enum RerunOutcome {
         job: SendResult,
     },
     /// The stage is `failed`, `stale`, or `running` with an expired lease: the
-    /// workers run it again anyway, on its current input; nothing changed.
+    /// workers run it again anyway, on its current input; or `waiting`: its
+    /// signal or deadline runs it again. Nothing changed.
     NothingToRerun {
         /// The stage.
         stage: StageName,

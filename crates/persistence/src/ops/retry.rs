@@ -60,7 +60,8 @@ pub enum RetryOutcome {
     },
     /// Nothing was dead, so nothing changed. For one stage: it is `failed`,
     /// `stale`, or `running` with an expired lease, and the workers retry it
-    /// themselves (or a concurrent retry came first). For the whole item: no
+    /// themselves (or a concurrent retry came first), or `waiting`, and its
+    /// signal or deadline runs it again. For the whole item: no
     /// stage of it is dead.
     NothingToRetry {
         /// The stage asked for, if one was.

@@ -105,8 +105,9 @@ pub(crate) async fn retry(
         } => (
             "Nothing to retry",
             vec![format!(
-                "stage {stage} of item {item} (tenant {tenant}) is {}: the workers retry it",
-                status.map_or("-".into(), |s| s.to_string())
+                "stage {stage} of item {item} (tenant {tenant}) is {}: {}",
+                status.map_or("-".into(), |s| s.to_string()),
+                crate::cli::ops::what_runs_it_again(*status)
             )],
         ),
         RetryOutcome::NothingToRetry { stage: None, .. } => (
