@@ -51,6 +51,10 @@ pub enum DomainError {
     /// A setting out of its range (a policy, send options, a run status name).
     #[error("invalid option: {0}")]
     InvalidOption(String),
+    /// A fan-out's children are refused (too many, a key empty, too long or
+    /// twice): the fan-out stage's attempt fails permanently.
+    #[error("invalid fan-out: {0}")]
+    InvalidFanOut(String),
 }
 
 /// The text of a [`RepoError`], with the error it came from if there is one (a

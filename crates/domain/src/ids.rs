@@ -123,6 +123,10 @@ macro_rules! ulid_id {
             pub fn ulid(&self) -> Ulid {
                 self.0
             }
+            /// The id of a [`Ulid`] made elsewhere (a derived one).
+            pub fn from_ulid(ulid: Ulid) -> Self {
+                Self(ulid)
+            }
         }
 
         impl Default for $name {

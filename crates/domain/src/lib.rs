@@ -8,6 +8,7 @@
 
 mod diesel_error;
 pub mod error;
+pub mod fanout;
 pub mod ids;
 pub mod outcome;
 pub mod policy;
@@ -18,6 +19,9 @@ pub mod wait;
 pub use error::{
     map_diesel_error, sanitize_error_text, DomainError, RepoError, RepoMessage, StageError,
     MAX_ERROR_TEXT_BYTES,
+};
+pub use fanout::{
+    child_item_id, Child, ChildFailure, Children, GatherPolicy, Gathered, GatheredChild,
 };
 pub use ids::{input_hash_of, BulkId, ItemId, JobId, RowId, RunId, StageName, TenantId, WorkerId};
 pub use outcome::{

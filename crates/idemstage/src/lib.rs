@@ -142,8 +142,8 @@ pub mod prelude {
     pub use crate::ids::{ItemId, TenantId};
     pub use crate::pipeline::{start, start_in, Pipeline};
     pub use crate::stage::{
-        Done, InputChangePolicy, OnTimeout, PrepareContext, Signal, Stage, StageError, StageFlow,
-        StagePolicy, WaitFor,
+        ChildFailure, Children, Done, GatherPolicy, Gathered, InputChangePolicy, OnTimeout,
+        PrepareContext, Signal, Stage, StageError, StageFlow, StagePolicy, WaitFor,
     };
     pub use crate::worker::{CancellationToken, PipelineWorker};
 }
@@ -157,7 +157,8 @@ pub mod prelude {
 /// does for each job it fetches).
 pub mod stage {
     pub use idemstage_domain::{
-        InputChangePolicy, OnTimeout, Signal, StageError, StagePolicy, WaitFor,
+        Child, ChildFailure, Children, GatherPolicy, Gathered, GatheredChild, InputChangePolicy,
+        OnTimeout, Signal, StageError, StagePolicy, WaitFor,
     };
     pub use idemstage_stage::{
         AttemptInfo, Done, ExecutionOutcome, Executor, PrepareContext, Stage, StageData, StageFlow,
@@ -180,7 +181,8 @@ pub mod stage {
 /// ```
 pub mod pipeline {
     pub use idemstage_stage::{
-        first_job, start, start_in, Pipeline, PipelineBuilder, PipelineError,
+        first_job, start, start_in, FanOutBuilder, Pipeline, PipelineBuilder, PipelineError,
+        StageRole,
     };
 }
 

@@ -285,6 +285,13 @@ impl<'c> FencedTx<'c> {
         Ok(sent)
     }
 
+    /// Sends many jobs in this transaction, in one round trip (as
+    /// `queue::send_batch`): they exist (and wake workers) only if the
+    /// completion commits. Results in input order.
+    pub async fn send_jobs(&mut self, jobs: &[JobToSend]) -> Result<Vec<SendResult>, RepoError> {
+        crate::queue::send_batch(self.conn, jobs).await
+    }
+
     /// Completes the queue job this execution runs for, in this transaction, fenced
     /// on the job's token: the job is completed if and only if the stage's success
     /// commits. `Fenced` (the job was taken over) does not stop the commit.

@@ -48,6 +48,7 @@
 pub mod cached;
 pub mod db;
 pub mod error;
+pub mod fanout;
 pub mod fenced;
 pub mod items;
 pub mod migrations;

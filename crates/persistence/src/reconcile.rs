@@ -89,8 +89,39 @@ struct Locked {
 pub struct ReconciledStages {
     /// The stages, in pipeline order.
     pub stages: Vec<StageName>,
+    /// Each stage's upstream (`None`: it reads its item's input; the first
+    /// stage, a fan-out's first child stage).
+    pub upstreams: Vec<Option<StageName>>,
+    /// Whether each stage runs per child of a fan-out (on the child items,
+    /// not on their parents).
+    pub per_child: Vec<bool>,
+    /// Whether each stage is a gather (expected once its upstream's fan-out is
+    /// complete).
+    pub gathers: Vec<bool>,
     /// Whether the first stage re-runs on new input (`InputChangePolicy::Rerun`).
     pub first_reruns: bool,
+}
+
+impl ReconciledStages {
+    /// A line of stages: each after the one before it.
+    pub fn line(stages: Vec<StageName>, first_reruns: bool) -> Self {
+        let upstreams = std::iter::once(None)
+            .chain(
+                stages
+                    .iter()
+                    .take(stages.len().saturating_sub(1))
+                    .cloned()
+                    .map(Some),
+            )
+            .collect();
+        Self {
+            per_child: vec![false; stages.len()],
+            gathers: vec![false; stages.len()],
+            upstreams,
+            stages,
+            first_reruns,
+        }
+    }
 }
 
 /// `$1`, `$2` the last item of the previous batch (tenant, item; `''` to
@@ -102,20 +133,32 @@ SELECT tenant_id, item_id FROM items_open
  LIMIT $3";
 
 /// `$1` the stages in pipeline order, `$2` the tenant, `$3` its items, `$4`
-/// whether the first stage re-runs on new input: one row per (item, stage) of
-/// the items that exist for the tenant. Under `Rerun` a first stage that
-/// succeeded on another input than the item's stored one has a rerun due (its
-/// job may have been lost before its claim): not final. Index probes
-/// only: the item's primary key, `stage_runs_tenant_item_stage_uq` for the
-/// run and its upstream's, `jobs_singleton_live_uq` for a live job.
+/// whether the first stage re-runs on new input, `$5` each stage's upstream
+/// (NULL: it reads its item's input), `$6` whether it runs per child, `$7`
+/// whether it is a gather: one row per (item, stage) of the items that exist
+/// for the tenant, the stages of its kind only (a fan-out's child items run
+/// the child stages, every other item the rest). A gather is expected once
+/// the fan-out its upstream's success wrote is complete. Under `Rerun` a
+/// first stage that succeeded on another input than the item's stored one has
+/// a rerun due (its job may have been lost before its claim): not final.
+/// Index probes only: the item's primary key, `fanout_children`'s and
+/// `fanouts`' primary keys, `stage_runs_tenant_item_stage_uq` for the run and
+/// its upstream's, `jobs_singleton_live_uq` for a live job.
 const PLAN_SQL: &str = "\
 WITH stages AS (
-    SELECT s.stage, s.pos FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
+    SELECT s.stage, s.up, s.per_child, s.gather, s.pos
+      FROM unnest($1::text[], $5::text[], $6::bool[], $7::bool[])
+           WITH ORDINALITY AS s(stage, up, per_child, gather, pos)
 ), stage_state AS (
     SELECT a.id AS item_id, a.input_sha256, s.stage, r.status,
            r.status = 'running' AND r.lease_expires_at < clock_timestamp() AS lease_over,
-           s.pos = 1 OR (u.success_attempt IS NOT NULL
-                         AND u.stopped_attempt IS DISTINCT FROM u.success_attempt) AS expected,
+           s.up IS NULL OR (u.success_attempt IS NOT NULL
+                            AND u.stopped_attempt IS DISTINCT FROM u.success_attempt
+                            AND (NOT s.gather OR EXISTS (
+                                SELECT 1 FROM fanouts f
+                                 WHERE f.tenant_id = a.tenant_id AND f.parent_item = a.id
+                                   AND f.stage = s.up AND f.attempt = u.success_attempt
+                                   AND f.completed_at IS NOT NULL))) AS expected,
            coalesce(s.pos = 1 AND $4 AND r.status = 'success'
                     AND r.input_hash <> a.input_sha256, false) AS rerun_due,
            EXISTS (SELECT 1 FROM jobs j
@@ -123,12 +166,12 @@ WITH stages AS (
                       AND j.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
                       AND j.state IN ('created', 'retry', 'active')) AS live_job
       FROM items a
-     CROSS JOIN stages s
+      LEFT JOIN fanout_children c ON c.tenant_id = a.tenant_id AND c.item_id = a.id
+      JOIN stages s ON s.per_child = (c.item_id IS NOT NULL)
       LEFT JOIN stage_runs r
              ON r.tenant_id = a.tenant_id AND r.item_id = a.id AND r.stage = s.stage
-      LEFT JOIN stages us ON us.pos = s.pos - 1
       LEFT JOIN stage_runs u
-             ON u.tenant_id = a.tenant_id AND u.item_id = a.id AND u.stage = us.stage
+             ON u.tenant_id = a.tenant_id AND u.item_id = a.id AND u.stage = s.up
      WHERE a.tenant_id = $2 AND a.id = ANY($3::text[])
 )
 SELECT item_id, stage, input_sha256 AS input_hash,
@@ -191,11 +234,19 @@ pub async fn plan(
 ) -> Result<TenantPlan, RepoError> {
     let stage_names: Vec<&str> = stages.stages.iter().map(StageName::as_str).collect();
     let ids: Vec<String> = items.iter().map(ToString::to_string).collect();
+    let upstreams: Vec<Option<&str>> = stages
+        .upstreams
+        .iter()
+        .map(|u| u.as_ref().map(StageName::as_str))
+        .collect();
     let rows: Vec<StageRow> = diesel::sql_query(PLAN_SQL)
         .bind::<Array<Text>, _>(&stage_names)
         .bind::<Text, _>(tenant.as_str())
         .bind::<Array<Text>, _>(&ids)
         .bind::<diesel::sql_types::Bool, _>(stages.first_reruns)
+        .bind::<Array<diesel::sql_types::Nullable<Text>>, _>(&upstreams)
+        .bind::<Array<Bool>, _>(&stages.per_child)
+        .bind::<Array<Bool>, _>(&stages.gathers)
         .load(conn)
         .await
         .map_err(map_diesel_error)?;

@@ -223,8 +223,42 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    fanouts (tenant_id, parent_item, stage, attempt) {
+        tenant_id -> Text,
+        parent_item -> Text,
+        stage -> Text,
+        attempt -> Int4,
+        gather_stage -> Text,
+        input_hash -> Text,
+        children -> Int4,
+        final_children -> Int4,
+        version -> Int4,
+        created_at -> Timestamptz,
+        completed_at -> Nullable<Timestamptz>,
+        superseded_at -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    fanout_children (tenant_id, item_id) {
+        tenant_id -> Text,
+        item_id -> Text,
+        parent_item -> Text,
+        stage -> Text,
+        attempt -> Int4,
+        child_key -> Text,
+        position -> Int4,
+        outcome -> Nullable<Text>,
+        final_stage -> Nullable<Text>,
+        finished_at -> Nullable<Timestamptz>,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
     bulk_actions,
+    fanout_children,
+    fanouts,
     item_inputs,
     items,
     items_open,

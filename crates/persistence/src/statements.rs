@@ -18,7 +18,7 @@
 use diesel::pg::{Pg, PgQueryBuilder};
 use diesel::query_builder::{QueryBuilder, QueryFragment};
 
-use crate::{ops, queue, runs, tenant, waits};
+use crate::{fanout, ops, queue, runs, tenant, waits};
 
 /// One statement of the library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,6 +90,9 @@ pub fn all() -> Vec<Statement> {
         s("ops_rerun_mark", ops::rerun::MARK_RERUN),
         s("ops_rerun_record", ops::rerun::RECORD_RERUN),
         s("run_wait", runs::wait::WAIT),
+        s("fanout_child_final", fanout::CHILD_FINAL),
+        s("fanout_gather_read", fanout::GATHER_READ),
+        s("fanout_gather_version", fanout::GATHER_VERSION),
         s("run_signal_of", runs::wait::SIGNAL_OF),
         s("ops_signal_deliver", ops::signal::DELIVER),
         s("waits_due", waits::DUE),

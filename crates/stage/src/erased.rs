@@ -6,7 +6,10 @@ use std::any::Any;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idemstage_domain::{DomainError, StageError, StageName, StagePolicy};
+use idemstage_domain::{
+    ChildFailure, ClaimToken, DomainError, GatherPolicy, Gathered, GatheredChild, RepoError,
+    StageError, StageName, StagePolicy,
+};
 use idemstage_persistence::runs::BoundInput;
 use idemstage_persistence::{FencedTx, PgRunRepository};
 use serde_json::Value;
@@ -53,6 +56,25 @@ impl StageRef {
         })
     }
 
+    /// A gather stage under its `NAME`: its input is read from the children
+    /// of the fan-out its run is bound to, not from its upstream's output
+    /// ([`FanOutBuilder::gather`](crate::FanOutBuilder::gather)).
+    pub(crate) fn gather<S, O>(stage: S, policy: GatherPolicy) -> Result<Self, DomainError>
+    where
+        S: Stage<Input = Gathered<O>>,
+        O: crate::StageData,
+    {
+        Ok(Self {
+            name: StageName::parse(S::NAME)?,
+            policy: stage.policy(),
+            stage: Arc::new(GatherTyped {
+                stage,
+                policy,
+                output: std::marker::PhantomData::<fn() -> O>,
+            }),
+        })
+    }
+
     /// As [`named`](Self::named), with `policy` instead of the stage's own.
     pub fn with_policy(mut self, policy: StagePolicy) -> Self {
         self.policy = policy;
@@ -93,6 +115,9 @@ pub(crate) struct Prepared {
     pub checkpoint: Option<Value>,
     /// The value came from a checkpoint, not from `prepare`.
     pub reused: bool,
+    /// A gather's: the version of its fan-out its children were read at,
+    /// checked again at its commit.
+    pub gather_version: Option<i32>,
 }
 
 #[async_trait]
@@ -121,48 +146,10 @@ impl<S: Stage> ErasedStage for Typed<S> {
             || (attempt > 1 && reuse_prepared && TypeId::of::<S::Prepared>() != TypeId::of::<()>())
     }
 
-    async fn prepare(&self, bound: Bound<'_>) -> Result<Prepared, StageError> {
-        let stage = &bound.attempt.stage;
-        let input: S::Input = decode_input(stage, bound.input)?;
-        if let Some(kept) = bound.checkpoint.filter(|_| bound.reuse_prepared) {
-            match serde_json::from_value::<S::Prepared>(kept) {
-                Ok(prepared) => {
-                    crate::telemetry::record_prepared(stage.as_str(), "reused");
-                    return Ok(Prepared {
-                        state: Box::new((input, prepared)),
-                        checkpoint: None,
-                        reused: true,
-                    });
-                }
-                // Kept by another version of the stage: prepare anew.
-                Err(e) => {
-                    tracing::warn!(error = %e, "checkpoint does not fit the stage's Prepared type; preparing anew")
-                }
-            }
-        }
-        let ctx = PrepareContext {
-            input: &input,
-            attempt: bound.attempt,
-            repo: bound.repo,
-            lease_lost: bound.lease_lost,
-        };
-        let prepared = self.0.prepare(&ctx).await?;
-        crate::telemetry::record_prepared(stage.as_str(), "prepared");
-        let checkpoint = if bound.reuse_prepared {
-            let value = serde_json::to_value(&prepared).map_err(|e| {
-                StageError::Permanent(
-                    format!("stage {stage}: its prepared value does not serialize: {e}").into(),
-                )
-            })?;
-            (!value.is_null()).then_some(value)
-        } else {
-            None
-        };
-        Ok(Prepared {
-            state: Box::new((input, prepared)),
-            checkpoint,
-            reused: false,
-        })
+    async fn prepare(&self, mut bound: Bound<'_>) -> Result<Prepared, StageError> {
+        let raw = std::mem::replace(&mut bound.input, BoundInput::Text(String::new()));
+        let input: S::Input = decode_input(&bound.attempt.stage, raw)?;
+        prepare_typed(&self.0, input, bound, None).await
     }
 
     async fn commit(
@@ -170,21 +157,225 @@ impl<S: Stage> ErasedStage for Typed<S> {
         tx: &mut FencedTx<'_>,
         prepared: &Prepared,
     ) -> Result<(Value, StageFlow), StageError> {
-        let (input, value) = prepared
-            .state
-            .downcast_ref::<(S::Input, S::Prepared)>()
-            .expect("the state `prepare` of the same stage made");
-        let done = self.0.commit(tx, input, value).await?;
-        let output = serde_json::to_value(&done.output).map_err(|e| {
+        commit_typed(&self.0, tx, prepared).await
+    }
+}
+
+/// `prepare` of a typed stage on `input`, or its checkpoint on this binding
+/// reused. A gather's checkpoint keeps the version of the children it was
+/// computed from (`gather_version`), and is reused only at that version.
+async fn prepare_typed<S: Stage>(
+    stage_impl: &S,
+    input: S::Input,
+    bound: Bound<'_>,
+    gather_version: Option<i32>,
+) -> Result<Prepared, StageError> {
+    let stage = &bound.attempt.stage;
+    let kept = bound
+        .checkpoint
+        .filter(|_| bound.reuse_prepared)
+        .and_then(|kept| match gather_version {
+            None => Some(kept),
+            Some(version) => (kept.get("version").and_then(Value::as_i64)
+                == Some(i64::from(version)))
+            .then(|| kept.get("prepared").cloned())
+            .flatten(),
+        });
+    if let Some(kept) = kept {
+        match serde_json::from_value::<S::Prepared>(kept) {
+            Ok(prepared) => {
+                crate::telemetry::record_prepared(stage.as_str(), "reused");
+                return Ok(Prepared {
+                    state: Box::new((input, prepared)),
+                    checkpoint: None,
+                    reused: true,
+                    gather_version,
+                });
+            }
+            // Kept by another version of the stage: prepare anew.
+            Err(e) => {
+                tracing::warn!(error = %e, "checkpoint does not fit the stage's Prepared type; preparing anew")
+            }
+        }
+    }
+    let ctx = PrepareContext {
+        input: &input,
+        attempt: bound.attempt,
+        repo: bound.repo,
+        lease_lost: bound.lease_lost,
+    };
+    let prepared = stage_impl.prepare(&ctx).await?;
+    crate::telemetry::record_prepared(stage.as_str(), "prepared");
+    let checkpoint = if bound.reuse_prepared {
+        let value = serde_json::to_value(&prepared).map_err(|e| {
             StageError::Permanent(
-                format!(
-                    "stage {}: its output does not serialize: {e}",
-                    tx.token().stage
-                )
-                .into(),
+                format!("stage {stage}: its prepared value does not serialize: {e}").into(),
             )
         })?;
-        Ok((output, done.flow))
+        match (value.is_null(), gather_version) {
+            (true, _) => None,
+            (false, None) => Some(value),
+            (false, Some(version)) => {
+                Some(serde_json::json!({ "version": version, "prepared": value }))
+            }
+        }
+    } else {
+        None
+    };
+    Ok(Prepared {
+        state: Box::new((input, prepared)),
+        checkpoint,
+        reused: false,
+        gather_version,
+    })
+}
+
+/// `commit` of a typed stage, its output as JSON.
+async fn commit_typed<S: Stage>(
+    stage_impl: &S,
+    tx: &mut FencedTx<'_>,
+    prepared: &Prepared,
+) -> Result<(Value, StageFlow), StageError> {
+    let (input, value) = prepared
+        .state
+        .downcast_ref::<(S::Input, S::Prepared)>()
+        .expect("the state `prepare` of the same stage made");
+    let done = stage_impl.commit(tx, input, value).await?;
+    let output = serde_json::to_value(&done.output).map_err(|e| {
+        StageError::Permanent(
+            format!(
+                "stage {}: its output does not serialize: {e}",
+                tx.token().stage
+            )
+            .into(),
+        )
+    })?;
+    Ok((output, done.flow))
+}
+
+/// A gather stage: its input is every child of the fan-out its run is bound
+/// to, read in one statement with the fan-out's version; its commit checks
+/// that version again, so a child that ended again meanwhile is never
+/// gathered in its old state.
+struct GatherTyped<S, O> {
+    stage: S,
+    policy: GatherPolicy,
+    output: std::marker::PhantomData<fn() -> O>,
+}
+
+#[async_trait]
+impl<S, O> ErasedStage for GatherTyped<S, O>
+where
+    S: Stage<Input = Gathered<O>>,
+    O: crate::StageData,
+{
+    fn reads_binding(&self, _attempt: i32, _reuse_prepared: bool) -> bool {
+        true
+    }
+
+    async fn prepare(&self, bound: Bound<'_>) -> Result<Prepared, StageError> {
+        let info = bound.attempt;
+        let token = ClaimToken {
+            run_id: info.run_id,
+            tenant: info.tenant.clone(),
+            item: info.item,
+            stage: info.stage.clone(),
+            attempt: info.attempt,
+        };
+        let Some(read) = bound.repo.gather_read(&token).await? else {
+            return Err(StageError::Transient(
+                format!("gather {}: no fan-out for this attempt", info.stage).into(),
+            ));
+        };
+        if !read.complete {
+            let done = read.children.iter().filter(|c| c.outcome.is_some()).count();
+            return Err(StageError::Transient(
+                format!(
+                    "gather {}: {done} of {} children final; it runs when all are",
+                    info.stage,
+                    read.children.len()
+                )
+                .into(),
+            ));
+        }
+        let mut children = Vec::with_capacity(read.children.len());
+        for child in read.children {
+            let stage = child
+                .final_stage
+                .clone()
+                .unwrap_or_else(|| info.stage.clone());
+            let result = match child.outcome.as_deref() {
+                Some("success") if child.current => {
+                    match serde_json::from_value::<O>(child.output) {
+                        Ok(output) => Ok(output),
+                        Err(e) => {
+                            return Err(StageError::Permanent(
+                                format!(
+                                    "gather {}: child {}'s output does not fit its Input: {e}",
+                                    info.stage, child.key
+                                )
+                                .into(),
+                            ))
+                        }
+                    }
+                }
+                Some("success") => {
+                    return Err(StageError::Transient(
+                        format!("gather {}: child {} runs again", info.stage, child.key).into(),
+                    ))
+                }
+                Some("stopped") => Err(ChildFailure::Stopped { stage }),
+                Some("dead") => Err(ChildFailure::Dead {
+                    stage,
+                    error: child.error,
+                }),
+                Some("cancelled") => Err(ChildFailure::Cancelled { stage }),
+                _ => {
+                    return Err(StageError::Transient(
+                        format!("gather {}: child {} is not final", info.stage, child.key).into(),
+                    ))
+                }
+            };
+            if let (GatherPolicy::FailOnDead, Err(failure)) = (self.policy, &result) {
+                return Err(StageError::Permanent(
+                    format!(
+                        "gather {}: child {} (item {}): {failure}",
+                        info.stage, child.key, child.item
+                    )
+                    .into(),
+                ));
+            }
+            children.push(GatheredChild {
+                key: child.key,
+                item: child.item,
+                result,
+            });
+        }
+        prepare_typed(
+            &self.stage,
+            Gathered { children },
+            bound,
+            Some(read.version),
+        )
+        .await
+    }
+
+    async fn commit(
+        &self,
+        tx: &mut FencedTx<'_>,
+        prepared: &Prepared,
+    ) -> Result<(Value, StageFlow), StageError> {
+        // A child that ended again after the read (an operator's retry of a
+        // dead child, a rerun of one) changed the version: this attempt read
+        // an old state. Not the stage's fault: run again (uncounted after the
+        // retries), and the next attempt reads the children anew.
+        let read = prepared.gather_version;
+        if tx.gather_version().await? != read {
+            return Err(StageError::Repo(RepoError::Conflict(
+                "a child of the fan-out ended again after the gather read it".into(),
+            )));
+        }
+        commit_typed(&self.stage, tx, prepared).await
     }
 }
 

@@ -19,7 +19,9 @@ pub mod telemetry;
 pub use contract::{AttemptInfo, Done, PrepareContext, Stage, StageData};
 pub use erased::StageRef;
 pub use executor::{ExecutionOutcome, Executor, JobLease};
-pub use pipeline::{first_job, Pipeline, PipelineBuilder, PipelineError, StageJob};
+pub use pipeline::{
+    first_job, FanOutBuilder, Pipeline, PipelineBuilder, PipelineError, StageJob, StageRole,
+};
 pub use reconcile::{ReconcileReport, Reconciler};
 pub use start::{start, start_in};
 

@@ -1,7 +1,10 @@
 //! A pipeline: stages in order, the jobs between them, and their payload.
 
 use idemstage_domain::queue::stage_singleton_key;
-use idemstage_domain::{DomainError, ItemId, JobToSend, SendOptions, StageName, TenantId};
+use idemstage_domain::{
+    Children, DomainError, GatherPolicy, Gathered, ItemId, JobToSend, SendOptions, StageName,
+    TenantId,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -68,6 +71,33 @@ pub enum PipelineError {
     /// A stage's policy is invalid (`StagePolicy::validate`).
     #[error(transparent)]
     Invalid(#[from] DomainError),
+    /// A fan-out whose gather follows it at once: at least one stage runs per
+    /// child.
+    #[error("fan-out stage {0} has no stage per child before its gather")]
+    NoChildStage(StageName),
+}
+
+/// What a stage is in its pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageRole {
+    /// Runs once per item: on the item's input (the first stage) or on the
+    /// current success of the stage before it.
+    Plain,
+    /// Runs once per item, and its success hands on children
+    /// ([`Children`]): each runs the stages after it, up to the gather, as an
+    /// item of its own.
+    FanOut,
+    /// Runs once per child of the fan-out before it. The first reads the
+    /// child's input; the last one's end makes the child final.
+    Child {
+        /// Reads the child's input (the stage right after the fan-out).
+        first: bool,
+        /// The child's last stage before the gather.
+        last: bool,
+    },
+    /// Runs once per fan-out, on the parent item, when every child is final,
+    /// on the fan-out stage's current success.
+    Gather(GatherPolicy),
 }
 
 /// Stages in order. Each stage's `policy().downstream` is what a rerun invalidates;
@@ -75,6 +105,7 @@ pub enum PipelineError {
 #[derive(Clone)]
 pub struct Pipeline {
     stages: Vec<StageRef>,
+    roles: Vec<StageRole>,
     index: HashMap<StageName, usize>,
     send_options: SendOptions,
 }
@@ -135,11 +166,63 @@ impl Pipeline {
             }
         }
         Self {
+            roles: vec![StageRole::Plain; stages.len()],
             stages,
             index,
             send_options: SendOptions::default(),
         }
         .with_send_options(Self::default_send_options())
+    }
+
+    /// As [`new`](Self::new), with each stage's role (the typed builder's).
+    fn with_roles(stages: Vec<StageRef>, roles: Vec<StageRole>) -> Result<Self, PipelineError> {
+        let mut pipeline = Self::new(stages)?;
+        for (i, role) in roles.iter().enumerate() {
+            if *role == StageRole::FanOut
+                && !matches!(roles.get(i + 1), Some(StageRole::Child { .. }))
+            {
+                return Err(PipelineError::NoChildStage(
+                    pipeline.stages[i].name().clone(),
+                ));
+            }
+        }
+        pipeline.roles = roles;
+        Ok(pipeline)
+    }
+
+    /// What `stage` is in this pipeline (`Plain` for a name not in it).
+    pub fn role(&self, stage: &StageName) -> StageRole {
+        self.index
+            .get(stage)
+            .map_or(StageRole::Plain, |&i| self.roles[i])
+    }
+
+    /// The fan-out stage a child stage or a gather belongs to (the last one
+    /// before it).
+    pub fn fan_out_of(&self, stage: &StageName) -> Option<&StageRef> {
+        let &i = self.index.get(stage)?;
+        if !matches!(
+            self.roles[i],
+            StageRole::Child { .. } | StageRole::Gather(_)
+        ) {
+            return None;
+        }
+        (0..i)
+            .rev()
+            .find(|&j| self.roles[j] == StageRole::FanOut)
+            .map(|j| &self.stages[j])
+    }
+
+    /// The gather of a fan-out stage, or of a child stage's fan-out (the first
+    /// gather after it).
+    pub fn gather_of(&self, stage: &StageName) -> Option<&StageRef> {
+        let &i = self.index.get(stage)?;
+        if !matches!(self.roles[i], StageRole::FanOut | StageRole::Child { .. }) {
+            return None;
+        }
+        (i + 1..self.stages.len())
+            .find(|&j| matches!(self.roles[j], StageRole::Gather(_)))
+            .map(|j| &self.stages[j])
     }
 
     /// A pipeline that starts with `first`, typed: [`PipelineBuilder::then`]
@@ -231,17 +314,55 @@ impl Pipeline {
 
     /// The stage before `stage`, whose current success `stage` runs on (`None` for
     /// the first stage, which runs on the item's stored input).
+    ///
+    /// With a fan-out: a child's first stage runs on the child's input (`None`),
+    /// a gather on the fan-out stage's success.
     pub fn upstream_of(&self, stage: &StageName) -> Option<&StageRef> {
         match self.index.get(stage) {
-            Some(&i) if i > 0 => Some(&self.stages[i - 1]),
-            _ => None,
+            Some(&i) => match self.roles[i] {
+                StageRole::Child { first: true, .. } => None,
+                StageRole::Gather(_) => self.fan_out_of(stage),
+                _ if i > 0 => Some(&self.stages[i - 1]),
+                _ => None,
+            },
+            None => None,
         }
     }
 
     /// The stage after `stage`, whose job `stage`'s success sends (`None` for the
-    /// last stage, or a name not in the pipeline).
+    /// last stage, or a name not in the pipeline). `None` too for a fan-out
+    /// (its success sends its children's jobs) and a child's last stage (the
+    /// child that completes the fan-out sends the gather's job).
     pub fn next(&self, stage: &StageName) -> Option<&StageRef> {
+        let &i = self.index.get(stage)?;
+        match self.roles[i] {
+            StageRole::FanOut | StageRole::Child { last: true, .. } => None,
+            _ => self.stages.get(i + 1),
+        }
+    }
+
+    /// The stage listed after `stage`, whatever its role (a fan-out's first
+    /// child stage).
+    pub(crate) fn following(&self, stage: &StageName) -> Option<&StageRef> {
         self.index.get(stage).and_then(|&i| self.stages.get(i + 1))
+    }
+
+    /// Each stage's upstream (by name; `None`: it reads its item's input),
+    /// whether it runs per child, and whether it is a gather: what the
+    /// reconciler needs to know which stages an item expects.
+    pub fn shape(&self) -> Vec<(StageName, Option<StageName>, bool, bool)> {
+        self.stages
+            .iter()
+            .zip(&self.roles)
+            .map(|(s, role)| {
+                (
+                    s.name().clone(),
+                    self.upstream_of(s.name()).map(|u| u.name().clone()),
+                    matches!(role, StageRole::Child { .. }),
+                    matches!(role, StageRole::Gather(_)),
+                )
+            })
+            .collect()
     }
 
     /// The names of the stages after `stage`: what a successful rerun of `stage`
@@ -290,7 +411,7 @@ pub fn first_job(
 /// ([`Pipeline::builder`]). Errors (an invalid name, a repeated one, an invalid
 /// policy) are reported by [`build`](Self::build).
 pub struct PipelineBuilder<O> {
-    stages: Result<Vec<StageRef>, DomainError>,
+    stages: Result<Vec<(StageRef, StageRole)>, DomainError>,
     send_options: Option<SendOptions>,
     last_output: std::marker::PhantomData<fn() -> O>,
 }
@@ -298,20 +419,43 @@ pub struct PipelineBuilder<O> {
 impl<O> PipelineBuilder<O> {
     fn start(first: Result<StageRef, DomainError>) -> Self {
         Self {
-            stages: first.map(|s| vec![s]),
+            stages: first.map(|s| vec![(s, StageRole::Plain)]),
             send_options: None,
             last_output: std::marker::PhantomData,
         }
     }
 
     fn push<N>(self, stage: Result<StageRef, DomainError>) -> PipelineBuilder<N> {
+        self.push_as(stage, StageRole::Plain)
+    }
+
+    fn push_as<N>(
+        self,
+        stage: Result<StageRef, DomainError>,
+        role: StageRole,
+    ) -> PipelineBuilder<N> {
         PipelineBuilder {
             stages: self.stages.and_then(|mut stages| {
-                stages.push(stage?);
+                stages.push((stage?, role));
                 Ok(stages)
             }),
             send_options: self.send_options,
             last_output: std::marker::PhantomData,
+        }
+    }
+
+    /// Appends a fan-out `stage`: it runs on this pipeline's last stage's
+    /// output, and its success hands on [`Children`]. The stages appended to
+    /// the [`FanOutBuilder`] run once per child (each child an item of its
+    /// own), up to its [`gather`](FanOutBuilder::gather).
+    pub fn fan_out<S, C>(self, stage: S) -> FanOutBuilder<C>
+    where
+        S: Stage<Input = O, Output = Children<C>>,
+        C: crate::StageData,
+    {
+        FanOutBuilder {
+            inner: self.push_as(StageRef::new(stage), StageRole::FanOut),
+            children: 0,
         }
     }
 
@@ -338,10 +482,69 @@ impl<O> PipelineBuilder<O> {
 
     /// The pipeline, checked as [`Pipeline::new`] checks one.
     pub fn build(self) -> Result<Pipeline, PipelineError> {
-        let pipeline = Pipeline::new(self.stages?)?;
+        let (stages, roles) = self.stages?.into_iter().unzip();
+        let pipeline = Pipeline::with_roles(stages, roles)?;
         match self.send_options {
             Some(options) => pipeline.with_send_options(options),
             None => Ok(pipeline),
         }
+    }
+}
+
+/// The stages that run per child of a fan-out, the last of which hands on an
+/// `O` ([`PipelineBuilder::fan_out`]); [`gather`](Self::gather) ends them.
+pub struct FanOutBuilder<O> {
+    inner: PipelineBuilder<O>,
+    children: usize,
+}
+
+impl<O> FanOutBuilder<O> {
+    /// Appends `stage`, run once per child on the previous child stage's
+    /// output (the first: on the child's input).
+    pub fn then<S: Stage<Input = O>>(self, stage: S) -> FanOutBuilder<S::Output> {
+        let role = StageRole::Child {
+            first: self.children == 0,
+            last: false,
+        };
+        FanOutBuilder {
+            inner: self.inner.push_as(StageRef::new(stage), role),
+            children: self.children + 1,
+        }
+    }
+
+    /// As [`then`](Self::then), under `name` instead of the stage's `NAME`.
+    pub fn then_named<S: Stage<Input = O>>(self, name: &str, stage: S) -> FanOutBuilder<S::Output> {
+        let role = StageRole::Child {
+            first: self.children == 0,
+            last: false,
+        };
+        FanOutBuilder {
+            inner: self.inner.push_as(StageRef::named(name, stage), role),
+            children: self.children + 1,
+        }
+    }
+
+    /// Appends the gather `stage`: it runs once per fan-out, on the parent
+    /// item, when every child is final, and reads each child's last output
+    /// ([`Gathered`]); `policy` says what a child that did not succeed does.
+    /// The pipeline goes on after it with its output.
+    pub fn gather<S: Stage<Input = Gathered<O>>>(
+        self,
+        stage: S,
+        policy: GatherPolicy,
+    ) -> PipelineBuilder<S::Output>
+    where
+        O: crate::StageData,
+    {
+        let mut inner = self.inner;
+        if let Ok(stages) = &mut inner.stages {
+            if let Some((_, StageRole::Child { last, .. })) = stages.last_mut() {
+                *last = true;
+            }
+        }
+        inner.push_as(
+            StageRef::gather::<S, O>(stage, policy),
+            StageRole::Gather(policy),
+        )
     }
 }

@@ -55,8 +55,12 @@ impl Reconciler {
     /// A reconciler of `pipeline`'s stages, looking at
     /// [`DEFAULT_BATCH_LIMIT`](Self::DEFAULT_BATCH_LIMIT) items per pass.
     pub fn new(pipeline: Pipeline) -> Self {
+        let shape = pipeline.shape();
         let stages = ReconciledStages {
-            stages: pipeline.stages().iter().map(|s| s.name().clone()).collect(),
+            stages: shape.iter().map(|s| s.0.clone()).collect(),
+            upstreams: shape.iter().map(|s| s.1.clone()).collect(),
+            per_child: shape.iter().map(|s| s.2).collect(),
+            gathers: shape.iter().map(|s| s.3).collect(),
             first_reruns: pipeline.first_stage().policy().on_input_change
                 == InputChangePolicy::Rerun,
         };

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use diesel::sql_types::{Array, BigInt, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Nullable, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::RepoError;
@@ -42,6 +42,14 @@ pub struct Invariants {
     /// attempt (the first stage: from the item's stored input), or from another
     /// stage than the one before them in the pipeline (must be 0).
     pub stale_lineage: i64,
+    /// Successful gathers not computed from every child's final state: their
+    /// fan-out is not complete, or a child ended after the gather's success
+    /// and the gather was not made to run again (must be 0).
+    pub stale_gathers: i64,
+    /// Children whose end (a dead or cancelled stage, their last stage's
+    /// success, a stop) was not counted on their fan-out (must be 0): their
+    /// gather would never run.
+    pub children_uncounted: i64,
     /// Expected stages that are not final (must be 0 at the end): the first stage
     /// of every item, and each later stage whose upstream has a current success
     /// that did not stop the item.
@@ -62,20 +70,30 @@ struct Kv {
     v: Option<i64>,
 }
 
-/// `$1` the pipeline's stage names, in order.
+/// `$1` the pipeline's stage names, in order; `$2` each one's upstream (NULL:
+/// it reads its item's input); `$3` whether it runs per child of a fan-out;
+/// `$4` whether it is a gather.
 const CHECK_SQL: &str = "
 WITH stage_order AS (
-    SELECT s.stage, lag(s.stage) OVER (ORDER BY s.pos) AS upstream, s.pos
-      FROM unnest($1::text[]) WITH ORDINALITY AS s(stage, pos)
+    SELECT s.stage, s.upstream, s.per_child, s.gather, s.pos
+      FROM unnest($1::text[], $2::text[], $3::bool[], $4::bool[])
+           WITH ORDINALITY AS s(stage, upstream, per_child, gather, pos)
 ),
 expected AS (
     SELECT a.tenant_id, a.id AS item_id, o.stage
-      FROM items a JOIN stage_order o ON o.pos = 1
+      FROM items a
+      LEFT JOIN fanout_children c ON c.tenant_id = a.tenant_id AND c.item_id = a.id
+      JOIN stage_order o ON o.upstream IS NULL AND o.per_child = (c.item_id IS NOT NULL)
     UNION ALL
     SELECT u.tenant_id, u.item_id, o.stage
       FROM stage_runs u JOIN stage_order o ON o.upstream = u.stage
      WHERE u.success_attempt IS NOT NULL
        AND u.stopped_attempt IS DISTINCT FROM u.success_attempt
+       AND (NOT o.gather OR EXISTS (
+               SELECT 1 FROM fanouts f
+                WHERE f.tenant_id = u.tenant_id AND f.parent_item = u.item_id
+                  AND f.stage = u.stage AND f.attempt = u.success_attempt
+                  AND f.completed_at IS NOT NULL))
 ),
 open_stages AS (
     SELECT e.* FROM expected e
@@ -121,6 +139,28 @@ UNION ALL SELECT 'stale_lineage',
                     SELECT 1 FROM stage_runs u
                      WHERE u.tenant_id = d.tenant_id AND u.item_id = d.item_id
                        AND u.stage = d.upstream_stage AND u.success_attempt = d.upstream_attempt))))
+UNION ALL SELECT 'stale_gathers',
+    (SELECT count(*) FROM stage_runs g JOIN stage_order o ON o.stage = g.stage AND o.gather
+      WHERE g.status = 'success'
+        AND NOT EXISTS (
+            SELECT 1 FROM fanouts f
+             WHERE f.tenant_id = g.tenant_id AND f.parent_item = g.item_id
+               AND f.stage = g.upstream_stage AND f.attempt = g.upstream_attempt
+               AND f.completed_at IS NOT NULL
+               AND NOT EXISTS (
+                   SELECT 1 FROM fanout_children c
+                    WHERE c.tenant_id = f.tenant_id AND c.parent_item = f.parent_item
+                      AND c.stage = f.stage AND c.attempt = f.attempt
+                      AND (c.outcome IS NULL OR c.finished_at > g.finished_at))))
+UNION ALL SELECT 'children_uncounted',
+    (SELECT count(*) FROM fanout_children c JOIN stage_order o ON o.per_child
+       JOIN stage_runs r ON r.tenant_id = c.tenant_id AND r.item_id = c.item_id AND r.stage = o.stage
+      WHERE c.outcome IS NULL
+        AND (r.status IN ('dead', 'cancelled')
+             OR (r.status = 'success'
+                 AND (r.stopped_attempt = r.success_attempt
+                      OR NOT EXISTS (SELECT 1 FROM stage_order n
+                                      WHERE n.per_child AND n.upstream = o.stage)))))
 UNION ALL SELECT 'attempt_history_errors',
     (SELECT count(*) FROM stage_runs r
       WHERE (SELECT count(*) FROM stage_run_attempts a WHERE a.run_id = r.id) <> r.attempts
@@ -142,13 +182,19 @@ pub async fn check_pipeline(
     conn: &mut AsyncPgConnection,
     pipeline: &Pipeline,
 ) -> Result<Invariants, RepoError> {
-    let stages: Vec<String> = pipeline
-        .stages()
+    let shape = pipeline.shape();
+    let stages: Vec<&str> = shape.iter().map(|s| s.0.as_str()).collect();
+    let upstreams: Vec<Option<&str>> = shape
         .iter()
-        .map(|s| s.name().as_str().to_owned())
+        .map(|s| s.1.as_ref().map(|u| u.as_str()))
         .collect();
+    let per_child: Vec<bool> = shape.iter().map(|s| s.2).collect();
+    let gathers: Vec<bool> = shape.iter().map(|s| s.3).collect();
     let rows: Vec<Kv> = diesel::sql_query(CHECK_SQL)
         .bind::<Array<Text>, _>(stages)
+        .bind::<Array<Nullable<Text>>, _>(upstreams)
+        .bind::<Array<Bool>, _>(per_child)
+        .bind::<Array<Bool>, _>(gathers)
         .load(conn)
         .await
         .map_err(map_diesel_error)?;
@@ -165,6 +211,8 @@ pub async fn check_pipeline(
             "waiting" => check.waiting = v,
             "double_executions" => check.double_executions = v,
             "stale_lineage" => check.stale_lineage = v,
+            "stale_gathers" => check.stale_gathers = v,
+            "children_uncounted" => check.children_uncounted = v,
             "attempt_history_errors" => check.attempt_history_errors = v,
             "live_jobs" => check.live_jobs = v,
             status => {
@@ -188,6 +236,14 @@ impl Invariants {
                 "successes not computed from their upstream's current success",
             ),
             (self.lost_stages, "lost stages"),
+            (
+                self.stale_gathers,
+                "gathers not computed from every child's final state",
+            ),
+            (
+                self.children_uncounted,
+                "children whose end was not counted",
+            ),
             (self.overdue_waits, "waits open past their deadline"),
             (
                 self.attempt_history_errors,

@@ -73,7 +73,7 @@ impl PgRunRepository {
         &self.pool
     }
 
-    async fn conn(&self) -> Result<crate::db::PooledConn<'_>, RepoError> {
+    pub(crate) async fn conn(&self) -> Result<crate::db::PooledConn<'_>, RepoError> {
         crate::db::get(&self.pool).await
     }
 }

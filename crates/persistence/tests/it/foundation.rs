@@ -36,6 +36,8 @@ async fn migrations_round_trip_up_down_up() {
         [
             "audit_log",
             "bulk_actions",
+            "fanout_children",
+            "fanouts",
             "item_inputs",
             "items",
             "items_open",

@@ -125,7 +125,39 @@ impl Executor {
             .instrument(span)
             .await;
         crate::telemetry::record_execution(stage.name().as_str(), &outcome, started.elapsed());
+        if let Ok(
+            ExecutionOutcome::Failed { dead: true, .. } | ExecutionOutcome::Exhausted { .. },
+        ) = &outcome
+        {
+            self.send_due_gather(pipeline, stage, job).await;
+        }
         outcome
+    }
+
+    /// A child's stage ended `dead`: the trigger counted the child final; if
+    /// that completed its fan-out, the gather's job goes now (not only with
+    /// the reconciler's next pass). A failure here is logged: the reconciler
+    /// sends it then.
+    async fn send_due_gather(&self, pipeline: &Pipeline, stage: &StageRef, job: &StageJob) {
+        if !matches!(pipeline.role(stage.name()), crate::StageRole::Child { .. }) {
+            return;
+        }
+        let sent = self
+            .repo
+            .send_due_gather(&job.tenant_id, &job.item_id, |due| {
+                pipeline.job_for(
+                    &due.gather_stage,
+                    &StageJob {
+                        tenant_id: job.tenant_id.clone(),
+                        item_id: due.parent,
+                        input_hash: due.input_hash.clone(),
+                    },
+                )
+            })
+            .await;
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "could not send the gather's job after a dead child; the reconciler will");
+        }
     }
 
     async fn claim_and_run(

@@ -24,6 +24,7 @@ use idemstage_testkit::count;
 
 mod contract;
 mod edges;
+mod fan_out;
 mod interruptions;
 mod large_writes;
 mod lineage;
