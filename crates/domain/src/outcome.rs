@@ -121,6 +121,17 @@ pub enum SkipReason {
         /// The waiting run.
         run_id: RunId,
     },
+    /// The item is a child of a fan-out that a rerun of its parent replaced:
+    /// nothing of it runs any more.
+    Superseded,
+    /// A gather whose fan-out has children that are not final yet: the child
+    /// that completes it sends the gather's job.
+    ChildrenNotFinal {
+        /// Children final so far.
+        final_children: i32,
+        /// Children of the fan-out.
+        children: i32,
+    },
 }
 
 /// Why a claim refused a job's input and bound nothing.

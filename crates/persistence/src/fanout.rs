@@ -96,6 +96,37 @@ SELECT f.parent_item, f.gather_stage, f.input_hash
  WHERE c.tenant_id = $1 AND c.item_id = $2
    AND f.completed_at IS NOT NULL AND f.superseded_at IS NULL";
 
+/// When a fan-out stage succeeds again (a rerun: another attempt), in its
+/// fenced transaction: the parent's other fan-outs of this stage are
+/// superseded, and so are their children's items (migration
+/// `2026-12-05-100000_fan_out_reruns`: the claim binds nothing of them and
+/// their commits fail the lineage check). Returns the children. `$1` tenant,
+/// `$2` parent item, `$3` stage, `$4` the new attempt.
+pub const SUPERSEDE: &str = "\
+WITH old AS (
+    UPDATE fanouts SET superseded_at = clock_timestamp()
+     WHERE tenant_id = $1 AND parent_item = $2 AND stage = $3 AND attempt <> $4
+       AND superseded_at IS NULL
+    RETURNING tenant_id, parent_item, stage, attempt)
+UPDATE items a SET superseded_at = clock_timestamp()
+  FROM fanout_children c
+  JOIN old ON old.tenant_id = c.tenant_id AND old.parent_item = c.parent_item
+          AND old.stage = c.stage AND old.attempt = c.attempt
+ WHERE a.tenant_id = c.tenant_id AND a.id = c.item_id
+RETURNING a.id";
+
+/// The runs of superseded children end `cancelled` with no current success:
+/// final (nothing claims them), a running attempt fenced, their results no
+/// longer current (so no later stage of the child binds them). `$1` tenant,
+/// `$2` the children, `$3` the reason.
+pub const SUPERSEDE_RUNS: &str = "\
+UPDATE stage_runs
+   SET status = 'cancelled', success_attempt = NULL, last_error = $3,
+       finished_at = CASE WHEN status = 'cancelled' THEN finished_at ELSE clock_timestamp() END,
+       lease_expires_at = least(lease_expires_at, clock_timestamp())
+ WHERE tenant_id = $1 AND item_id = ANY($2::text[])
+   AND NOT (status = 'cancelled' AND success_attempt IS NULL)";
+
 /// What counting a child final found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChildFinal {
@@ -278,6 +309,42 @@ impl FencedTx<'_> {
             .await
             .map_err(map_diesel_error)?;
         Ok(row.input_hash)
+    }
+
+    /// A rerun of this fan-out stage succeeds: its earlier fan-outs are
+    /// superseded (their children never run or commit again, their runs end
+    /// `cancelled` with no current success). Returns how many children.
+    #[doc(hidden)]
+    pub async fn supersede_fan_outs(&mut self) -> Result<usize, RepoError> {
+        #[derive(QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = Text)]
+            id: String,
+        }
+        let token = self.token().clone();
+        let children: Vec<Id> = diesel::sql_query(SUPERSEDE)
+            .bind::<Text, _>(token.tenant.as_str())
+            .bind::<Text, _>(token.item.to_string())
+            .bind::<Text, _>(token.stage.as_str())
+            .bind::<Integer, _>(token.attempt)
+            .load(self.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        if children.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<String> = children.into_iter().map(|c| c.id).collect();
+        diesel::sql_query(SUPERSEDE_RUNS)
+            .bind::<Text, _>(token.tenant.as_str())
+            .bind::<Array<Text>, _>(&ids)
+            .bind::<Text, _>(format!(
+                "superseded: stage {} of the parent succeeded again (attempt {})",
+                token.stage, token.attempt
+            ))
+            .execute(self.conn())
+            .await
+            .map_err(map_diesel_error)?;
+        Ok(ids.len())
     }
 
     /// Counts this attempt's item (a child) final with `outcome` (`success`

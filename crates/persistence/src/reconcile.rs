@@ -138,7 +138,8 @@ SELECT tenant_id, item_id FROM items_open
 /// whether it is a gather: one row per (item, stage) of the items that exist
 /// for the tenant, the stages of its kind only (a fan-out's child items run
 /// the child stages, every other item the rest). A gather is expected once
-/// the fan-out its upstream's success wrote is complete. Under `Rerun` a
+/// the fan-out its upstream's success wrote is complete; a child its parent's
+/// rerun superseded expects nothing (settled). Under `Rerun` a
 /// first stage that succeeded on another input than the item's stored one has
 /// a rerun due (its job may have been lost before its claim): not final.
 /// Index probes only: the item's primary key, `fanout_children`'s and
@@ -172,7 +173,7 @@ WITH stages AS (
              ON r.tenant_id = a.tenant_id AND r.item_id = a.id AND r.stage = s.stage
       LEFT JOIN stage_runs u
              ON u.tenant_id = a.tenant_id AND u.item_id = a.id AND u.stage = s.up
-     WHERE a.tenant_id = $2 AND a.id = ANY($3::text[])
+     WHERE a.tenant_id = $2 AND a.id = ANY($3::text[]) AND a.superseded_at IS NULL
 )
 SELECT item_id, stage, input_sha256 AS input_hash,
        coalesce(expected AND NOT live_job

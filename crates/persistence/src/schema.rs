@@ -18,6 +18,7 @@ diesel::table! {
         input_sha256 -> Text,
         s3_key -> Text,
         created_at -> Timestamptz,
+        superseded_at -> Nullable<Timestamptz>,
     }
 }
 

@@ -78,6 +78,8 @@ fn reason_label(outcome: &Result<ExecutionOutcome, RepoError>) -> Option<&'stati
         Ok(ExecutionOutcome::Skipped(SkipReason::InFlight { .. })) => "in_flight",
         Ok(ExecutionOutcome::Skipped(SkipReason::UpstreamNotDone { .. })) => "upstream_not_done",
         Ok(ExecutionOutcome::Skipped(SkipReason::Waiting { .. })) => "waiting",
+        Ok(ExecutionOutcome::Skipped(SkipReason::Superseded)) => "superseded",
+        Ok(ExecutionOutcome::Skipped(SkipReason::ChildrenNotFinal { .. })) => "children_not_final",
         Ok(ExecutionOutcome::Rejected(RejectReason::InputChanged { .. })) => "input_changed",
         Ok(ExecutionOutcome::Rejected(RejectReason::InputMismatch { .. })) => "input_mismatch",
         _ => return None,

@@ -84,6 +84,7 @@ expected AS (
       FROM items a
       LEFT JOIN fanout_children c ON c.tenant_id = a.tenant_id AND c.item_id = a.id
       JOIN stage_order o ON o.upstream IS NULL AND o.per_child = (c.item_id IS NOT NULL)
+     WHERE a.superseded_at IS NULL
     UNION ALL
     SELECT u.tenant_id, u.item_id, o.stage
       FROM stage_runs u JOIN stage_order o ON o.upstream = u.stage

@@ -77,8 +77,17 @@ enum Round {
 /// One claim, in a transaction scoped to the request's tenant (row-level
 /// security); when it returns no row, the read that says why, in the same
 /// transaction (one transaction for a skip, not two).
-async fn claim_once(conn: &mut AsyncPgConnection, req: &ClaimRequest) -> Result<Round, RepoError> {
+async fn claim_once(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+    gather: bool,
+) -> Result<Round, RepoError> {
     crate::tenant::transaction::<_, TxError, _>(conn, &req.tenant, async move |conn| {
+        if let (true, Some(upstream)) = (gather, &req.upstream) {
+            if let Some(waiting) = gather_waits(conn, req, upstream).await? {
+                return Ok(Round::Explained(waiting));
+            }
+        }
         let claimed = claim_statement(conn, req)
             .await
             .map_err(|e| TxError::Repo(map_claim_error(e, req)))?;
@@ -94,7 +103,46 @@ async fn claim_once(conn: &mut AsyncPgConnection, req: &ClaimRequest) -> Result<
     .map_err(TxError::into_repo)
 }
 
+/// A gather's fan-out with children not yet final: `ChildrenNotFinal`. Its
+/// count only grows (a rerun of the parent writes another fan-out, which this
+/// claim's source then is), so a gather found ready here stays ready.
+async fn gather_waits(
+    conn: &mut AsyncPgConnection,
+    req: &ClaimRequest,
+    upstream: &idemstage_domain::StageName,
+) -> Result<Option<ClaimOutcome>, RepoError> {
+    #[derive(QueryableByName)]
+    struct Ready {
+        #[diesel(sql_type = Integer)]
+        final_children: i32,
+        #[diesel(sql_type = Integer)]
+        children: i32,
+    }
+    let ready: Option<Ready> = diesel::sql_query(sql::GATHER_READY)
+        .bind::<Text, _>(req.tenant.as_str())
+        .bind::<Text, _>(req.item.to_string())
+        .bind::<Text, _>(upstream.as_str())
+        .cached()
+        .get_result(conn)
+        .await
+        .optional()
+        .map_err(map_diesel_error)?;
+    Ok(ready.filter(|r| r.final_children < r.children).map(|r| {
+        ClaimOutcome::Skipped(SkipReason::ChildrenNotFinal {
+            final_children: r.final_children,
+            children: r.children,
+        })
+    }))
+}
+
 impl PgRunRepository {
+    /// As [`claim`](Self::claim), for a gather stage: refused with
+    /// `Skipped(ChildrenNotFinal)` (no attempt used) while a child of the
+    /// fan-out it would bind is not final.
+    pub async fn claim_gather(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
+        self.claim_as(req, true).await
+    }
+
     /// The one atomic claim statement (plus a read when it returns no row, to say
     /// why), in one transaction scoped to `req.tenant`.
     ///
@@ -106,13 +154,17 @@ impl PgRunRepository {
     /// retried within three rounds in all; after that the result is `Conflict`
     /// (retryable).
     pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, RepoError> {
+        self.claim_as(req, false).await
+    }
+
+    async fn claim_as(&self, req: &ClaimRequest, gather: bool) -> Result<ClaimOutcome, RepoError> {
         req.policy.validate()?;
         let mut conn = self.conn().await?;
         // The guard can say no because of a state that changes right after (a lease
         // that just ran out); a few rounds of claim-then-explain settle it.
         let mut conflicts = 0;
         for _ in 0..3 {
-            match claim_once(&mut conn, req).await {
+            match claim_once(&mut conn, req, gather).await {
                 Err(RepoError::Conflict(msg)) if conflicts < CONFLICT_RETRIES => {
                     conflicts += 1;
                     conflict_backoff(conflicts, &msg).await;
@@ -148,6 +200,8 @@ struct Explained {
     db_now: DateTime<Utc>,
     #[diesel(sql_type = Nullable<Text>)]
     stored_hash: Option<String>,
+    #[diesel(sql_type = Nullable<Bool>)]
+    superseded: Option<bool>,
     #[diesel(sql_type = Nullable<Text>)]
     upstream_status: Option<String>,
     #[diesel(sql_type = Nullable<Integer>)]
@@ -196,6 +250,9 @@ async fn explain_skip(
             item: req.item.to_string(),
         });
     };
+    if e.superseded == Some(true) {
+        return Ok(Some(ClaimOutcome::Skipped(SkipReason::Superseded)));
+    }
     // The upstream attempt a claim would bind now (none for the first stage).
     let bound_upstream = req.upstream.as_ref().and(e.upstream_success);
     let bound_hash = match &req.upstream {

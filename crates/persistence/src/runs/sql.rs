@@ -11,7 +11,8 @@
 ///
 /// The inserted (or updated) values come from the claim's *source*: the item's
 /// stored input for the first stage (`$10` NULL), only if the job's hash `$6` is
-/// that input's hash; the upstream stage's current successful attempt otherwise.
+/// that input's hash and the item is no superseded child of a fan-out; the
+/// upstream stage's current successful attempt otherwise.
 /// No source row: nothing is inserted and no conflict is examined, so a stage whose
 /// upstream is not done, or a job with a hash the database did not compute, binds
 /// nothing. The guard is on the `DO UPDATE` (not on the conflict target, which
@@ -43,6 +44,7 @@ SELECT $1, $2, $3, $4, 'running', 1, $5, src.input_hash, $7,
                NULL::integer AS upstream_attempt
           FROM items a
          WHERE $10::text IS NULL AND a.tenant_id = $2 AND a.id = $3 AND a.input_sha256 = $6
+           AND a.superseded_at IS NULL
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u
@@ -78,7 +80,7 @@ RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt
 /// `$1` tenant, `$2` item, `$3` stage, `$4` upstream stage or NULL.
 pub const EXPLAIN_SKIP: &str = "\
 SELECT clock_timestamp() AS db_now,
-       a.input_sha256 AS stored_hash,
+       a.input_sha256 AS stored_hash, a.superseded_at IS NOT NULL AS superseded,
        u.status AS upstream_status, u.success_attempt AS upstream_success,
        u.lease_expires_at AS upstream_lease, h.input_hash AS upstream_hash,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,
@@ -195,8 +197,9 @@ UPDATE stage_runs SET output = $3
 
 /// The lineage check, the first statement of the fenced completion: is the input
 /// this attempt read still current? For the first stage, the item's stored input
-/// hash must still be the run's; for the others, the upstream's `success_attempt`
-/// must still be the one the attempt was claimed on. The row read is share-locked,
+/// hash must still be the run's (and the item no superseded child); for the
+/// others, the upstream's `success_attempt` must still be the one the attempt
+/// was claimed on. The row read is share-locked,
 /// so the upstream cannot succeed again (and the input cannot be replaced) until
 /// this transaction ends; taking that lock before the run's own (the fence) keeps
 /// the lock order of every transaction upstream-first, so the two cannot deadlock.
@@ -205,7 +208,7 @@ pub const LINEAGE_CURRENT: &str = "\
 SELECT CASE WHEN r.upstream_stage IS NULL
             THEN EXISTS (SELECT 1 FROM items a
                           WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
-                            AND a.input_sha256 = r.input_hash
+                            AND a.input_sha256 = r.input_hash AND a.superseded_at IS NULL
                             FOR SHARE)
             ELSE EXISTS (SELECT 1 FROM stage_runs u
                           WHERE u.tenant_id = r.tenant_id AND u.item_id = r.item_id
@@ -319,3 +322,14 @@ UPDATE stage_runs
    SET lease_expires_at = clock_timestamp() + $3 * interval '1 microsecond'
  WHERE id = $1 AND attempts = $2 AND status = 'running'
 RETURNING lease_expires_at";
+
+/// Before a gather's claim, in its transaction: the fan-out its upstream's
+/// current success wrote, how many of its children are final. No row: the
+/// upstream has no current success (the claim explains that). `$1` tenant, `$2`
+/// item, `$3` the upstream (fan-out) stage.
+pub const GATHER_READY: &str = "\
+SELECT f.final_children, f.children
+  FROM stage_runs u
+  JOIN fanouts f ON f.tenant_id = u.tenant_id AND f.parent_item = u.item_id
+                AND f.stage = u.stage AND f.attempt = u.success_attempt
+ WHERE u.tenant_id = $1 AND u.item_id = $2 AND u.stage = $3";

@@ -83,10 +83,24 @@ impl JobHandler for PipelineHandler {
             ExecutionOutcome::Skipped(
                 SkipReason::AlreadySucceeded { .. }
                 | SkipReason::Cancelled { .. }
-                | SkipReason::Waiting { .. },
+                | SkipReason::Waiting { .. }
+                | SkipReason::Superseded,
             ) => {
                 Counters::bump(&c.skipped);
                 Ok(Handled::Complete)
+            }
+            // A gather sent early (an operator's retry, a parent's rerun while
+            // its job was live): kept live, so that the send of the child that
+            // completes the fan-out (a duplicate of it) is not lost.
+            ExecutionOutcome::Skipped(SkipReason::ChildrenNotFinal {
+                final_children,
+                children,
+            }) => {
+                Counters::bump(&c.deferred);
+                Err(HandlerError::DeferFor {
+                    after: backoff(job.attempt),
+                    reason: format!("{final_children} of {children} children final"),
+                })
             }
             ExecutionOutcome::Skipped(SkipReason::InFlight { lease_expires_at }) => {
                 Counters::bump(&c.deferred);

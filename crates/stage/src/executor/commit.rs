@@ -166,6 +166,9 @@ impl FanPlan {
         match self {
             FanPlan::FanOut { .. } if flow == StageFlow::Stop => {
                 // No children, no gather: the item ends here.
+                if token.attempt > 1 {
+                    tx.supersede_fan_outs().await?;
+                }
                 idemstage_persistence::reconcile::record_stop(tx).await?;
             }
             FanPlan::FanOut {
@@ -174,6 +177,10 @@ impl FanPlan {
                 gather,
             } => {
                 let children = children_of(&token, output)?;
+                if token.attempt > 1 {
+                    // A rerun: what an earlier attempt fanned out is replaced.
+                    tx.supersede_fan_outs().await?;
+                }
                 let input_hash = tx.write_fan_out(gather, &children).await?;
                 let jobs: Vec<JobToSend> = if children.is_empty() {
                     vec![pipeline.job_for(

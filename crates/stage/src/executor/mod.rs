@@ -177,7 +177,12 @@ impl Executor {
             policy: policy.clone(),
             upstream: pipeline.upstream_of(stage.name()).map(|s| s.name().clone()),
         };
-        let (run_id, attempt, job) = match self.repo.claim(&req).await? {
+        let claimed = if matches!(pipeline.role(stage.name()), crate::StageRole::Gather(_)) {
+            self.repo.claim_gather(&req).await?
+        } else {
+            self.repo.claim(&req).await?
+        };
+        let (run_id, attempt, job) = match claimed {
             ClaimOutcome::Claimed {
                 run_id,
                 attempt,

@@ -754,3 +754,174 @@ async fn a_child_that_ends_again_after_the_gather_succeeded_makes_it_and_what_fo
         .unwrap();
     assert_eq!(check.violations(), Vec::<String>::new());
 }
+
+#[tokio::test]
+async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones_only() {
+    let mut f = fixture().await;
+    let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
+    let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
+    let job = f.item("1 2 3").await;
+    queue::send_in(
+        &mut f.conn,
+        &first_job(
+            &pipeline,
+            job.tenant_id.clone(),
+            job.item_id,
+            job.input_hash.clone(),
+        ),
+    )
+    .await
+    .unwrap();
+    let exec = f.executor();
+    // Run the fan-out and one child's first stage; the other children's jobs
+    // (and one half-done child) are left when the operator reruns the fan-out.
+    let queues: Vec<String> = vec!["intake".into(), "split".into()];
+    for _ in 0..2 {
+        for j in queue::fetch(&mut f.conn, &queues, 10).await.unwrap() {
+            let stage = pipeline.stage(&j.queue).unwrap();
+            let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+            exec.run_and_complete_job(
+                &pipeline,
+                stage,
+                &payload,
+                JobLease {
+                    id: j.id,
+                    attempt: j.attempt,
+                },
+            )
+            .await
+            .unwrap();
+        }
+    }
+    let first = queue::fetch(&mut f.conn, &["square".to_owned()], 1)
+        .await
+        .unwrap();
+    let j = &first[0];
+    let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+    exec.run_and_complete_job(
+        &pipeline,
+        pipeline.stage("square").unwrap(),
+        &payload,
+        JobLease {
+            id: j.id,
+            attempt: j.attempt,
+        },
+    )
+    .await
+    .unwrap();
+    let old_child = payload.item_id;
+
+    let actor = idemstage_persistence::ops::Actor::parse("ops").unwrap();
+    idemstage_persistence::ops::rerun(
+        &mut f.conn,
+        &job.tenant_id,
+        &job.item_id,
+        &StageName::parse("split").unwrap(),
+        &actor,
+        &pipeline,
+    )
+    .await
+    .unwrap();
+    drain(&mut f, &pipeline, &exec).await;
+
+    // The new attempt's three children ran once each; the old ones never ran
+    // again (the one half done never reached its last stage).
+    assert_eq!(count(&mut f.conn, "SELECT 1 FROM fanouts").await, 2);
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM fanouts WHERE superseded_at IS NOT NULL AND attempt = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM items WHERE superseded_at IS NOT NULL"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            &format!("SELECT 1 FROM stage_runs WHERE item_id = '{old_child}' AND stage = 'label'")
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&mut f.conn, "SELECT 1 FROM stage_runs r JOIN items a ON a.id = r.item_id WHERE a.superseded_at IS NOT NULL AND NOT (r.status = 'cancelled' AND r.success_attempt IS NULL)").await,
+        0
+    );
+    assert_eq!(
+        count(&mut f.conn, "SELECT 1 FROM stage_runs r JOIN fanout_children c ON c.item_id = r.item_id WHERE c.attempt = 2 AND r.status = 'success'").await,
+        6
+    );
+    let runs = square.runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 1 + 3);
+    assert!(runs.values().all(|&n| n == 1));
+    assert_eq!(sum.runs.lock().unwrap().get(&job.item_id), Some(&1));
+    assert_eq!(
+        output(&mut f.conn, &job.item_id, "report").await,
+        json!("report: =1 =4 =9 | failed ")
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM jobs WHERE state IN ('created', 'retry', 'active')"
+        )
+        .await,
+        0
+    );
+    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
+        .await
+        .unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_eq!(check.items_final, check.items);
+}
+
+#[tokio::test]
+async fn a_gather_job_sent_before_every_child_is_final_is_skipped_without_using_an_attempt() {
+    let mut f = fixture().await;
+    let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
+    let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
+    let job = f.item("5 6").await;
+    let exec = f.executor();
+    for stage in ["intake", "split"] {
+        let outcome = exec
+            .run(&pipeline, pipeline.stage(stage).unwrap(), &job)
+            .await
+            .unwrap();
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+            "{outcome:?}"
+        );
+    }
+    let early = exec
+        .run(&pipeline, pipeline.stage("sum").unwrap(), &job)
+        .await
+        .unwrap();
+    assert_eq!(
+        early,
+        ExecutionOutcome::Skipped(idemstage_domain::SkipReason::ChildrenNotFinal {
+            final_children: 0,
+            children: 2,
+        })
+    );
+    assert_eq!(status(&mut f.conn, &job.item_id, "sum").await, None);
+    drain(&mut f, &pipeline, &exec).await;
+    assert_eq!(
+        output(&mut f.conn, &job.item_id, "sum").await,
+        json!("=25 =36 | failed ")
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM stage_runs WHERE stage = 'sum' AND attempts = 1 AND status = 'success'"
+        )
+        .await,
+        1
+    );
+}
