@@ -45,6 +45,7 @@ SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :r,
                NULL::integer AS upstream_attempt
           FROM items a
          WHERE nullif(:none, 0)::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
+           AND a.superseded_at IS NULL
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u

@@ -46,6 +46,7 @@ SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), :done_stag
                NULL::integer AS upstream_attempt
           FROM items a
          WHERE nullif(:none, 0)::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
+           AND a.superseded_at IS NULL
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u
@@ -76,7 +77,7 @@ ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
     OR (r.status = 'success' AND r.input_hash <> EXCLUDED.input_hash AND :rerun)
 RETURNING r.id, r.attempts, r.lease_expires_at, r.input_hash, r.upstream_attempt;
 SELECT clock_timestamp() AS db_now,
-       a.input_sha256 AS stored_hash,
+       a.input_sha256 AS stored_hash, a.superseded_at IS NOT NULL AS superseded,
        u.status AS upstream_status, u.success_attempt AS upstream_success,
        u.lease_expires_at AS upstream_lease, h.input_hash AS upstream_hash,
        r.id AS run_id, r.status, r.attempts, r.max_attempts, r.input_hash,

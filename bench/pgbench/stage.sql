@@ -107,6 +107,7 @@ SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :st
                NULL::integer AS upstream_attempt
           FROM items a
          WHERE :done_stage::text IS NULL AND a.tenant_id = :tenant AND a.id = lpad((:a)::text, 26, '0') AND a.input_sha256 = :input_hash
+           AND a.superseded_at IS NULL
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u
@@ -151,7 +152,7 @@ SELECT set_config('role', 'idemstage_app', true), set_config('app.tenant_id', :t
 SELECT CASE WHEN r.upstream_stage IS NULL
             THEN EXISTS (SELECT 1 FROM items a
                           WHERE a.tenant_id = r.tenant_id AND a.id = r.item_id
-                            AND a.input_sha256 = r.input_hash
+                            AND a.input_sha256 = r.input_hash AND a.superseded_at IS NULL
                             FOR SHARE)
             ELSE EXISTS (SELECT 1 FROM stage_runs u
                           WHERE u.tenant_id = r.tenant_id AND u.item_id = r.item_id

@@ -54,6 +54,10 @@ pub enum Scenario {
     /// A bulk rerun of the last stage for --items items of one tenant while
     /// another tenant keeps sending
     Bulk,
+    /// One item fanned out into --children children, one stage each, then
+    /// gathered; --rounds items one after the other: time to the gather and
+    /// the gather's latency after the last child
+    FanOut,
 }
 
 #[derive(clap::Args)]
@@ -136,6 +140,12 @@ pub struct Args {
     /// bulk: items per batch of the bulk rerun
     #[arg(long, default_value_t = 100)]
     pub bulk_batch: u32,
+    /// fan-out: children per item
+    #[arg(long, default_value_t = 100)]
+    pub children: u32,
+    /// fan-out: items, one after the other
+    #[arg(long, default_value_t = 20)]
+    pub rounds: u32,
     #[command(flatten)]
     pub pressure: super::pressure::PressureArgs,
     /// Print one JSON object instead of the table
@@ -160,6 +170,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         || args.items == 0
         || args.latency_sends == 0
         || args.bulk_gap_ms == 0
+        || args.rounds == 0
     {
         return Err(BadInput("counts must be positive".into()).into());
     }
@@ -204,6 +215,7 @@ pub async fn run(url: &str, args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Rate => super::limits::rate(url, &args).await?,
         Scenario::Pressure => super::pressure::pressure(url, &args).await?,
         Scenario::Bulk => super::bulk::bulk(url, &args).await?,
+        Scenario::FanOut => super::fan_out::fan_out(url, &args).await?,
     };
     let failed = report
         .get("violations")

@@ -8,6 +8,7 @@ mod bench;
 mod bulk;
 mod demo;
 mod fairness;
+mod fan_out;
 mod fixtures;
 mod limits;
 mod pressure;
@@ -64,6 +65,10 @@ struct ExampleWorker {
     /// stops; 0: it stops at once
     #[arg(long, default_value_t = 0)]
     review_infeasible_s: u64,
+    /// Extract fans out one child per position: feasibility runs per position
+    /// and calculate gathers their verdicts (the same stage names)
+    #[arg(long)]
+    fan_out: bool,
 }
 
 impl ExampleWorker {
@@ -87,16 +92,25 @@ impl ExampleWorker {
             .with_heartbeat(stage_lease / 3);
         let review =
             (self.review_infeasible_s > 0).then(|| Duration::from_secs(self.review_infeasible_s));
-        Ok(example::pipeline_with_options(
-            Chaos {
-                crash_rate: self.crash_rate,
-                delay_ms: self.stage_delay_ms,
-            },
-            policy,
-            None,
-            review,
-        )
-        .map_err(|e| BadInput(e.to_string()))?)
+        let chaos = Chaos {
+            crash_rate: self.crash_rate,
+            delay_ms: self.stage_delay_ms,
+        };
+        if self.fan_out {
+            if review.is_some() {
+                return Err(BadInput(
+                    "--review-infeasible-s waits in the item's feasibility; with --fan-out \
+                     feasibility runs per position"
+                        .into(),
+                )
+                .into());
+            }
+            return Ok(
+                example::fan_out_pipeline(chaos, policy).map_err(|e| BadInput(e.to_string()))?
+            );
+        }
+        Ok(example::pipeline_with_options(chaos, policy, None, review)
+            .map_err(|e| BadInput(e.to_string()))?)
     }
 }
 

@@ -41,12 +41,16 @@
 use idemstage::diesel_migrations::{self, embed_migrations, EmbeddedMigrations};
 
 pub mod check;
+mod fan_out;
 pub mod llm;
 pub mod schema;
 mod stages;
 mod tables;
 
 pub use check::{check_example_pipeline, PipelineCheck};
+pub use fan_out::{
+    fan_out_pipeline, ExtractPositions, GatherCalculate, PositionFeasibility, PositionVerdict,
+};
 pub use stages::{
     extract_positions, feasibility_reasons, pipeline, pipeline_with, pipeline_with_llm,
     pipeline_with_options, price_positions, Calculate, Chaos, Extract, Feasibility, Intake,

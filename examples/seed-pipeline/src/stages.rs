@@ -40,16 +40,16 @@ impl Chaos {
         }
     }
 
-    async fn prepare_delay(&self) -> Result<(), StageError> {
+    pub(crate) async fn prepare_delay(&self) -> Result<(), StageError> {
         self.delay(self.delay_ms).await;
         Ok(())
     }
 
-    async fn in_tx_delay(&self) {
+    pub(crate) async fn in_tx_delay(&self) {
         self.delay(self.delay_ms / 4).await;
     }
 
-    fn maybe_crash(&self, stage: &str) -> Result<(), StageError> {
+    pub(crate) fn maybe_crash(&self, stage: &str) -> Result<(), StageError> {
         if self.crash_rate <= 0.0 || rand::random::<f64>() >= self.crash_rate {
             return Ok(());
         }

@@ -471,6 +471,18 @@ fn a_worker_for_a_queue_the_pipeline_does_not_know_refuses_to_start() {
     assert!(stderr.contains("unknown stage \"nosuch\""), "{stderr}");
 }
 
+#[test]
+fn a_fan_out_worker_asked_to_wait_for_an_items_review_refuses_to_start() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemstage"))
+        .args(["worker", "--fan-out", "--review-infeasible-s", "60"])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("feasibility runs per position"), "{stderr}");
+}
+
 #[tokio::test]
 async fn a_worker_asked_to_hold_too_many_jobs_refuses_to_start() {
     let db = idemstage_harness::example::db().await;

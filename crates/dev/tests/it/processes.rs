@@ -42,3 +42,79 @@ async fn a_worker_stops_cleanly_on_sigterm() {
     .await;
     assert_eq!(running, 0);
 }
+
+/// The seed pipeline with a fan-out (`worker --fan-out`: feasibility per
+/// position, calculate gathering) on three worker processes, two SIGKILLed
+/// mid-run and replaced, bodies crashing at 5 %: every position checked once,
+/// every item's gather once, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fan_out_on_worker_processes_killed_mid_run_runs_each_child_and_gather_once() {
+    let db = idemstage_harness::example::db().await;
+    enqueue(db.url(), 40).await;
+    let pipeline = idemstage_example::fan_out_pipeline(
+        idemstage_example::Chaos::default(),
+        idemstage::stage::StagePolicy::default(),
+    )
+    .unwrap();
+    let mut workers = Workers::start(db.url(), 3, &["--fan-out", "--crash-rate", "0.05"]);
+    let mut conn = db.conn().await;
+    for (kill, children_done) in [(0, 10), (1, 40)] {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+        while count(
+            &mut conn,
+            "SELECT 1 FROM stage_runs WHERE stage = 'feasibility' AND status = 'success'",
+        )
+        .await
+            < children_done
+        {
+            assert!(tokio::time::Instant::now() < deadline, "no progress");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        workers.kill_and_replace(kill);
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(180);
+    let check = loop {
+        let check = idemstage_testkit::check_pipeline(&mut conn, &pipeline)
+            .await
+            .unwrap();
+        if check.is_quiet() {
+            break check;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not quiet: {check:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    workers.assert_all_alive();
+    workers.stop_all();
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    // 40 items of two positions each: 80 children, each checked once (the
+    // checker counts a second success on the same input as a double execution).
+    assert_eq!(check.items, 40 + 80);
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM fanouts WHERE children = 2 AND final_children = 2 AND superseded_at IS NULL").await,
+        40
+    );
+    assert_eq!(
+        count(
+            &mut conn,
+            "SELECT 1 FROM stage_runs WHERE stage = 'feasibility' AND status = 'success'"
+        )
+        .await,
+        80
+    );
+    // Every item priced, once (its gather's one success; every text is feasible).
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM stage_runs WHERE stage = 'calculate' AND status = 'success' AND success_attempt = attempts").await,
+        40
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM calculation_results").await,
+        40
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT 1 FROM stage_runs r JOIN fanout_children c ON c.item_id = r.item_id WHERE r.stage <> 'feasibility'").await,
+        0
+    );
+}

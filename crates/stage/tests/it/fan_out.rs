@@ -822,6 +822,29 @@ async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones
     )
     .await
     .unwrap();
+    // The rerun succeeds first (an old child finishing before it would be
+    // legitimate: its lineage was current then); then everything else.
+    let rerun = queue::fetch(&mut f.conn, &["split".to_owned()], 1)
+        .await
+        .unwrap();
+    let j = &rerun[0];
+    let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+    let outcome = exec
+        .run_and_complete_job(
+            &pipeline,
+            pipeline.stage("split").unwrap(),
+            &payload,
+            JobLease {
+                id: j.id,
+                attempt: j.attempt,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, ExecutionOutcome::Succeeded { attempt: 2, .. }),
+        "{outcome:?}"
+    );
     drain(&mut f, &pipeline, &exec).await;
 
     // The new attempt's three children ran once each; the old ones never ran
