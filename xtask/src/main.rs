@@ -42,7 +42,7 @@ Commands:
                  args (passed on): --duration-s S --concurrency N --jobs N --items N
   pressure [--cells idle_in_tx,active_readers,sustained_high_load,event_burst,clean]
            [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
-           [--workloads pipeline,queue] [--no-awa]
+           [--workloads pipeline,queue,fan-out] [--no-awa]
                  the pressure cells (clean -> stress -> recovery at a fixed offered
                  rate, default half our pipeline workers' measured peak) for ours
                  (the example pipeline, a no-op queue) and awa's no-op queue on

@@ -7,7 +7,7 @@
 //!
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
 //!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
-//!        [--workloads pipeline,queue] [--pressure-prefetch N] [--no-awa]
+//!        [--workloads pipeline,queue,fan-out] [--pressure-prefetch N] [--no-awa]
 
 use std::{fs, process::Command};
 
@@ -61,8 +61,12 @@ pub fn main(args: &[String]) -> Result<i32> {
         .split(',')
         .map(str::to_owned)
         .collect();
-    if workloads.is_empty() || workloads.iter().any(|w| w != "pipeline" && w != "queue") {
-        eprintln!("xtask pressure: --workloads {workloads:?}: give pipeline, queue or both");
+    if workloads.is_empty()
+        || workloads
+            .iter()
+            .any(|w| w != "pipeline" && w != "queue" && w != "fan-out")
+    {
+        eprintln!("xtask pressure: --workloads {workloads:?}: give pipeline, queue, fan-out");
         return Ok(2);
     }
     let root = project_root();
@@ -116,6 +120,10 @@ pub fn main(args: &[String]) -> Result<i32> {
                 // Units/s: items for the pipeline (four jobs each), jobs for the queue.
                 match (offered, workload.as_str()) {
                     (Some(jobs), "queue") => cmd.args(["--items-per-s", &jobs.to_string()]),
+                    // Six jobs an item: intake, extract, calculate and three positions.
+                    (Some(jobs), "fan-out") => {
+                        cmd.args(["--items-per-s", &(jobs / 6.0).to_string()])
+                    }
                     (Some(jobs), _) => cmd.args(["--items-per-s", &(jobs / 4.0).to_string()]),
                     (None, _) => match items_per_s {
                         Some(r) => cmd.args(["--items-per-s", &r.to_string()]),

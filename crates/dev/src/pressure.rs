@@ -70,6 +70,10 @@ pub enum Workload {
     /// No-op jobs of one queue, `QueueWorker` processes in the drain bench's
     /// fastest setting (concurrency 16, prefetch 512)
     Queue,
+    /// The example pipeline with a fan-out (`worker --fan-out`): per item
+    /// intake, extract, one feasibility per position (children) and the
+    /// gathering calculate
+    FanOut,
 }
 
 impl Workload {
@@ -77,6 +81,7 @@ impl Workload {
         match self {
             Workload::Pipeline => "pipeline",
             Workload::Queue => "queue",
+            Workload::FanOut => "fan-out",
         }
     }
 
@@ -85,6 +90,8 @@ impl Workload {
         match self {
             Workload::Pipeline => example::pipeline(Chaos::default()).stages().len() as f64,
             Workload::Queue => 1.0,
+            // intake, extract, calculate, and one feasibility per position.
+            Workload::FanOut => 3.0 + example::extract_positions(INPUT).len() as f64,
         }
     }
 }
@@ -103,7 +110,7 @@ async fn send_units(
 ) -> anyhow::Result<()> {
     let tenant_id = TenantId::parse(tenant)?;
     let jobs: Vec<JobToSend> = match workload {
-        Workload::Pipeline => {
+        Workload::Pipeline | Workload::FanOut => {
             fixtures::insert_numbered_items_from(conn, tenant, from, n, INPUT).await?;
             let pipeline = example::pipeline(Chaos::default());
             let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
@@ -471,6 +478,13 @@ fn spawn_workers(
     let prefetch = prefetch.to_string();
     let args: Vec<&str> = match workload {
         Workload::Pipeline => vec!["worker", "--allow-owner", "--prefetch", &prefetch],
+        Workload::FanOut => vec![
+            "worker",
+            "--allow-owner",
+            "--fan-out",
+            "--prefetch",
+            &prefetch,
+        ],
         Workload::Queue => vec!["pressure-worker"],
     };
     (0..n)
@@ -546,7 +560,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     let tenants: Vec<String> = (0..p.tenants).map(|k| format!("p-{k}")).collect();
     let mut workers = spawn_workers(url, p.workload, p.pressure_workers, p.pressure_prefetch)?;
     let peak_units = match p.workload {
-        Workload::Pipeline => p.peak_items,
+        Workload::Pipeline | Workload::FanOut => p.peak_items,
         Workload::Queue => p.peak_items * 4,
     };
     let peak_items_per_s = match p.items_per_s {
@@ -684,6 +698,17 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         if drained && check.stages_succeeded as u64 != items * stages as u64 {
             violations.push(format!(
                 "{} stages succeeded for {items} items of {stages} stages",
+                check.stages_succeeded
+            ));
+        }
+    }
+    if p.workload == Workload::FanOut {
+        let pipeline = example::fan_out_pipeline(Chaos::default(), Default::default())?;
+        let check = idemstage_testkit::check_pipeline(&mut conn, &pipeline).await?;
+        violations.extend(check.violations());
+        if drained && check.stages_succeeded as u64 != items * stages as u64 {
+            violations.push(format!(
+                "{} stages succeeded for {items} items of {stages} stages (children included)",
                 check.stages_succeeded
             ));
         }

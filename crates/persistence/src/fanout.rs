@@ -1,4 +1,4 @@
-//! Fan-out and gather (migration `2026-12-05-000000_fan_out`): a fan-out
+//! Fan-out and gather (migration `2026-12-04-210000_fan_out`): a fan-out
 //! stage's fenced transaction writes its children (items of their own, with
 //! `fanout_children` rows) and the `fanouts` row; each child's last stage
 //! counts the child final in its own fenced transaction
@@ -99,7 +99,7 @@ SELECT f.parent_item, f.gather_stage, f.input_hash
 /// When a fan-out stage succeeds again (a rerun: another attempt), in its
 /// fenced transaction: the parent's other fan-outs of this stage are
 /// superseded, and so are their children's items (migration
-/// `2026-12-05-100000_fan_out_reruns`: the claim binds nothing of them and
+/// `2026-12-04-220000_fan_out_reruns`: the claim binds nothing of them and
 /// their commits fail the lineage check). Returns the children. `$1` tenant,
 /// `$2` parent item, `$3` stage, `$4` the new attempt.
 pub const SUPERSEDE: &str = "\
