@@ -6,10 +6,10 @@ use std::process::ExitCode;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage::ops::{
-    self, Actor, BulkAction, CancelOutcome, CancelledFrom, DeadFilter, ItemTimeline, RerunOutcome,
-    RetryOutcome, SignalOutcome,
+    self, Actor, BulkAction, CancelOutcome, DeadFilter, ItemTimeline, RerunOutcome, RetryOutcome,
+    SignalOutcome,
 };
-use idemstage::pipeline::Pipeline;
+use idemstage::pipeline::{Pipeline, StageRole};
 use idemstage::{ids::ItemId, ids::StageName, ids::TenantId, queue::SendResult};
 
 #[derive(clap::Args)]
@@ -279,8 +279,51 @@ fn print_timeline(t: &ItemTimeline, pipeline: &Pipeline) {
         }
     }
     for s in pipeline.stages() {
-        if t.stages.iter().all(|r| &r.stage != s.name()) {
+        // A child runs the child stages only, any other item the rest.
+        let per_child = matches!(pipeline.role(s.name()), StageRole::Child { .. });
+        if per_child == t.child_of.is_some() && t.stages.iter().all(|r| &r.stage != s.name()) {
             println!("\n{}: not started", s.name());
+        }
+    }
+    if let Some(c) = &t.child_of {
+        println!(
+            "\nchild {:?} (position {}) of item {}, fan-out {} attempt {}{}",
+            c.key,
+            c.position,
+            c.parent,
+            c.stage,
+            c.attempt,
+            if c.superseded {
+                ", superseded by a rerun of the fan-out"
+            } else {
+                ""
+            }
+        );
+    }
+    for f in &t.fan_outs {
+        println!(
+            "\nfan-out {} attempt {}: {}/{} children final{}{}, gathered by {}",
+            f.stage,
+            f.attempt,
+            f.final_children,
+            f.children.len(),
+            f.completed_at
+                .map_or(String::new(), |at| format!(", complete {at}")),
+            f.superseded_at
+                .map_or(String::new(), |at| format!(", superseded {at}")),
+            f.gather_stage,
+        );
+        for c in &f.children {
+            println!(
+                "  {} {:<20} {}",
+                c.item,
+                c.key,
+                match (&c.outcome, &c.final_stage) {
+                    (Some(o), Some(s)) => format!("{o} ({s})"),
+                    (Some(o), None) => o.clone(),
+                    _ => "not final".into(),
+                }
+            );
         }
     }
     println!("\njobs:");
@@ -407,26 +450,30 @@ pub async fn cancel(db: &super::Db, args: CancelArgs, team: Pipeline) -> anyhow:
         println!("{value}");
     } else {
         match &outcome {
-            CancelOutcome::Cancelled { stages, jobs } => {
+            CancelOutcome::Cancelled {
+                stages,
+                jobs,
+                children,
+            } => {
                 for s in stages {
-                    let from = match &s.from {
-                        CancelledFrom::Running {
-                            attempt,
-                            lease_live: true,
-                        } => format!("running (attempt {attempt} fenced)"),
-                        CancelledFrom::Running { attempt, .. } => {
-                            format!("running, lease expired (attempt {attempt} fenced)")
-                        }
-                        CancelledFrom::Failed => "failed".into(),
-                        CancelledFrom::Stale => "stale".into(),
-                        CancelledFrom::Waiting => "waiting".into(),
-                        CancelledFrom::Queued => "queued".into(),
-                        CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
-                    };
-                    println!("cancelled stage {} (was {from})", s.stage);
+                    println!("cancelled stage {} (was {})", s.stage, s.from);
                 }
                 for j in jobs {
                     println!("cancelled job {} on {} (was {})", j.id, j.queue, j.state);
+                }
+                for c in children {
+                    for s in &c.stages {
+                        println!(
+                            "cancelled child {} stage {} (was {})",
+                            c.item, s.stage, s.from
+                        );
+                    }
+                    for j in &c.jobs {
+                        println!(
+                            "cancelled child {} job {} on {} (was {})",
+                            c.item, j.id, j.queue, j.state
+                        );
+                    }
                 }
             }
             CancelOutcome::NothingToCancel => {

@@ -2,7 +2,8 @@
 //! a SIGKILL mid-run, a SIGTERM for a clean stop. Checked afterwards with SQL only.
 
 use crate::support::{
-    assert_quiet_and_sound, count, enqueue, signal, wait_exit, wait_until, Workers,
+    assert_quiet_and_sound, count, enqueue, idemstage_as, signal, stdout_json, wait_exit,
+    wait_until, Workers,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,4 +118,68 @@ async fn fan_out_on_worker_processes_killed_mid_run_runs_each_child_and_gather_o
         count(&mut conn, "SELECT 1 FROM stage_runs r JOIN fanout_children c ON c.item_id = r.item_id WHERE r.stage <> 'feasibility'").await,
         0
     );
+    // `idemstage inspect` shows a parent's fan-out with its children's ends,
+    // and a child's parent.
+    #[derive(diesel::QueryableByName)]
+    struct Child {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        tenant_id: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        item_id: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        parent_item: String,
+    }
+    use diesel_async::RunQueryDsl;
+    let child: Child = diesel::sql_query(
+        "SELECT tenant_id, item_id, parent_item FROM fanout_children ORDER BY item_id LIMIT 1",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    let parent = stdout_json(&idemstage_as(
+        db.url(),
+        "ops",
+        &[
+            "inspect",
+            "--tenant",
+            &child.tenant_id,
+            "--item",
+            &child.parent_item,
+            "--json",
+        ],
+    ));
+    let fan_out = &parent["fan_outs"][0];
+    assert_eq!(fan_out["stage"], "extract", "{parent}");
+    assert_eq!(fan_out["gather_stage"], "calculate", "{parent}");
+    assert_eq!(fan_out["final_children"], 2, "{parent}");
+    let children = fan_out["children"].as_array().unwrap();
+    assert_eq!(children.len(), 2, "{parent}");
+    assert!(
+        children
+            .iter()
+            .all(|c| c["outcome"] == "success" && c["final_stage"] == "feasibility"),
+        "{parent}"
+    );
+    assert!(
+        children.iter().any(|c| c["item"] == child.item_id.as_str()),
+        "{parent}"
+    );
+    let of_child = stdout_json(&idemstage_as(
+        db.url(),
+        "ops",
+        &[
+            "inspect",
+            "--tenant",
+            &child.tenant_id,
+            "--item",
+            &child.item_id,
+            "--json",
+        ],
+    ));
+    assert_eq!(
+        of_child["child_of"]["parent"],
+        child.parent_item.as_str(),
+        "{of_child}"
+    );
+    assert_eq!(of_child["fan_outs"], serde_json::json!([]), "{of_child}");
 }

@@ -37,6 +37,30 @@ pub enum CancelledFrom {
     /// success stay current (`success_attempt` kept), as for a rerun cancelled
     /// while running.
     RerunQueued,
+    /// A gather with neither a run nor a job yet (its fan-out's children were
+    /// not all final): its run is created `cancelled`, so it never runs, even
+    /// when its children's counts complete the fan-out.
+    AwaitingChildren,
+}
+
+impl std::fmt::Display for CancelledFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CancelledFrom::Running {
+                attempt,
+                lease_live: true,
+            } => write!(f, "running (attempt {attempt} fenced)"),
+            CancelledFrom::Running { attempt, .. } => {
+                write!(f, "running, lease expired (attempt {attempt} fenced)")
+            }
+            CancelledFrom::Failed => f.write_str("failed"),
+            CancelledFrom::Stale => f.write_str("stale"),
+            CancelledFrom::Waiting => f.write_str("waiting"),
+            CancelledFrom::Queued => f.write_str("queued"),
+            CancelledFrom::RerunQueued => f.write_str("succeeded, its rerun queued"),
+            CancelledFrom::AwaitingChildren => f.write_str("waiting for its children"),
+        }
+    }
 }
 
 /// One stage the cancel ended.
@@ -62,6 +86,18 @@ pub struct CancelledJob {
     pub state: String,
 }
 
+/// A child item of the cancelled item's current fan-out that was not final,
+/// cancelled with it (an `operator.cancel` audit entry of its own).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CancelledChild {
+    /// The child item.
+    pub item: ItemId,
+    /// Its stages that ended `cancelled`.
+    pub stages: Vec<CancelledStage>,
+    /// Its jobs that ended `cancelled`.
+    pub jobs: Vec<CancelledJob>,
+}
+
 /// What [`cancel`] did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "outcome")]
@@ -72,6 +108,9 @@ pub enum CancelOutcome {
         stages: Vec<CancelledStage>,
         /// The jobs that ended `cancelled`.
         jobs: Vec<CancelledJob>,
+        /// The children of its current fan-outs that were not final, cancelled
+        /// with it (empty for an item that fanned out nothing).
+        children: Vec<CancelledChild>,
     },
     /// Every stage was final already and no job was live: nothing changed (a
     /// second cancel, or one of a finished item).
@@ -168,7 +207,8 @@ RETURNING id";
 /// refused by the fence (`Fenced`), and nothing of it is written. A success whose
 /// rerun on another input is queued ends `cancelled` too (its results stay
 /// current). Other final stages (`success`, `dead`) stay as they are, and so do
-/// their results.
+/// their results. A parent's cancel cancels the unfinished children of its
+/// current fan-outs too, and its gather if it has not run.
 ///
 /// One transaction scoped to `tenant`, with its `audit_log` entry
 /// (`operator.cancel`, with `actor`): it locks the item's runs upstream-first
@@ -194,8 +234,39 @@ pub async fn cancel(
     }
 }
 
+/// The unfinished children of the item's current fan-outs (not superseded by
+/// a rerun of the fan-out stage). `$1` tenant, `$2` the parent item.
+const OPEN_CHILDREN_SQL: &str = "\
+SELECT c.item_id AS id FROM fanouts f
+  JOIN fanout_children c
+    ON c.tenant_id = f.tenant_id AND c.parent_item = f.parent_item
+   AND c.stage = f.stage AND c.attempt = f.attempt
+ WHERE f.tenant_id = $1 AND f.parent_item = $2 AND f.superseded_at IS NULL
+   AND c.outcome IS NULL
+ ORDER BY c.item_id";
+
+/// Every run of those children, locked before any of them is cancelled: a
+/// child's final commit holds its run's lock while it counts itself on the
+/// fan-out's row, which cancelling a child (its trigger) takes too, so taking
+/// the runs one child at a time could wait on a child holding the other.
+/// `$1` tenant, `$2` the children.
+const LOCK_CHILD_RUNS_SQL: &str = "\
+SELECT id FROM stage_runs
+ WHERE tenant_id = $1 AND item_id = ANY($2::text[])
+ ORDER BY item_id, created_at, id
+   FOR UPDATE";
+
+/// The gather stages of the item's current fan-outs. `$1` tenant, `$2` item.
+const GATHERS_SQL: &str = "\
+SELECT DISTINCT gather_stage AS id FROM fanouts
+ WHERE tenant_id = $1 AND parent_item = $2 AND superseded_at IS NULL";
+
 /// [`cancel`] in the caller's transaction (scoped to `tenant`); `bulk` names the
-/// bulk action it is part of, in the audit entry.
+/// bulk action it is part of, in the audit entry. A parent's cancel goes on to
+/// its current fan-outs: their unfinished children are cancelled (each audited
+/// on its own item, naming the parent), and a gather that has no run yet gets
+/// one `cancelled` (the children's counts complete the fan-out, and nothing
+/// runs the gather then).
 pub(super) async fn cancel_in(
     conn: &mut AsyncPgConnection,
     tenant: &TenantId,
@@ -205,7 +276,96 @@ pub(super) async fn cancel_in(
 ) -> Result<CancelOutcome, OpsError> {
     stored_hash(conn, tenant, item).await?;
     let reason = format!("cancelled by {actor}");
-    let (mut stages, had_run) = cancel_runs(conn, tenant, item, None, &reason).await?;
+    let (mut stages, jobs) = cancel_item(conn, tenant, item, actor, &reason).await?;
+    let children = cancel_children(conn, tenant, item, actor, bulk).await?;
+    let worker = format!("operator:{actor}");
+    let gathers: Vec<InsertedRun> = diesel::sql_query(GATHERS_SQL)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Text, _>(item.to_string())
+        .load(conn)
+        .await?;
+    for gather in gathers {
+        let stage = StageName::parse(&gather.id)?;
+        if let Some(run_id) =
+            insert_cancelled_run(conn, tenant, item, &stage, &worker, &reason).await?
+        {
+            stages.push(CancelledStage {
+                stage,
+                run_id,
+                from: CancelledFrom::AwaitingChildren,
+            });
+        }
+    }
+    if stages.is_empty() && jobs.is_empty() && children.is_empty() {
+        return Ok(CancelOutcome::NothingToCancel);
+    }
+    let child_items: Vec<&ItemId> = children.iter().map(|c| &c.item).collect();
+    let mut details = serde_json::json!({ "actor": actor, "stages": stages, "jobs": jobs });
+    if !child_items.is_empty() {
+        details["children"] = serde_json::json!(child_items);
+    }
+    audit(conn, tenant, item, "operator.cancel", details, bulk).await?;
+    Ok(CancelOutcome::Cancelled {
+        stages,
+        jobs,
+        children,
+    })
+}
+
+/// Cancels the unfinished children of `parent`'s current fan-outs, their runs
+/// locked first (all of them, in one statement).
+async fn cancel_children(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    parent: &ItemId,
+    actor: &Actor,
+    bulk: Option<&BulkId>,
+) -> Result<Vec<CancelledChild>, OpsError> {
+    let open: Vec<InsertedRun> = diesel::sql_query(OPEN_CHILDREN_SQL)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Text, _>(parent.to_string())
+        .load(conn)
+        .await?;
+    if open.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<String> = open.into_iter().map(|r| r.id).collect();
+    let _locked: Vec<InsertedRun> = diesel::sql_query(LOCK_CHILD_RUNS_SQL)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Array<Text>, _>(&ids)
+        .load(conn)
+        .await?;
+    let reason = format!("cancelled by {actor} with its parent {parent}");
+    let mut children = Vec::with_capacity(ids.len());
+    for id in &ids {
+        let child = ItemId::parse(id)?;
+        let (stages, jobs) = cancel_item(conn, tenant, &child, actor, &reason).await?;
+        if stages.is_empty() && jobs.is_empty() {
+            continue; // it became final before the lock
+        }
+        let details = serde_json::json!({
+            "actor": actor, "parent": parent, "stages": stages, "jobs": jobs,
+        });
+        audit(conn, tenant, &child, "operator.cancel", details, bulk).await?;
+        children.push(CancelledChild {
+            item: child,
+            stages,
+            jobs,
+        });
+    }
+    Ok(children)
+}
+
+/// The item's own cancel: its unfinished runs, its live jobs, and a run created
+/// `cancelled` for each stage that had only a job.
+async fn cancel_item(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    item: &ItemId,
+    actor: &Actor,
+    reason: &str,
+) -> Result<(Vec<CancelledStage>, Vec<CancelledJob>), OpsError> {
+    let (mut stages, had_run) = cancel_runs(conn, tenant, item, None, reason).await?;
     // A statement of its own, so a snapshot after the locks above: a job sent by
     // a commit they waited for is seen.
     let jobs_sql = format!(
@@ -222,7 +382,7 @@ pub(super) async fn cancel_in(
     let cancelled_jobs: Vec<CancelledJobRow> = diesel::sql_query(jobs_sql)
         .bind::<Text, _>(tenant.as_str())
         .bind::<Text, _>(item.to_string())
-        .bind::<Text, _>(&reason)
+        .bind::<Text, _>(reason)
         .load(conn)
         .await?;
     // Stages whose job was live but that had no run: they get one, `cancelled`.
@@ -243,7 +403,7 @@ pub(super) async fn cancel_in(
                 .bind::<Text, _>(item.to_string())
                 .bind::<Text, _>(stage.as_str())
                 .bind::<diesel::sql_types::Nullable<Text>, _>(j.input_hash.as_deref())
-                .bind::<Text, _>(&reason)
+                .bind::<Text, _>(reason)
                 .load(conn)
                 .await?;
             if let Some(row) = rerun.into_iter().next() {
@@ -255,30 +415,18 @@ pub(super) async fn cancel_in(
             }
             continue;
         }
-        let inserted: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_SQL)
-            .bind::<Text, _>(RunId::new().to_string())
-            .bind::<Text, _>(tenant.as_str())
-            .bind::<Text, _>(item.to_string())
-            .bind::<Text, _>(stage.as_str())
-            .bind::<Text, _>(&worker)
-            .bind::<Text, _>(&reason)
-            .load(conn)
-            .await?;
-        match inserted.into_iter().next() {
-            Some(row) => stages.push(CancelledStage {
+        match insert_cancelled_run(conn, tenant, item, &stage, &worker, reason).await? {
+            Some(run_id) => stages.push(CancelledStage {
                 stage,
-                run_id: RunId::parse(&row.id)?,
+                run_id,
                 from: CancelledFrom::Queued,
             }),
             None => {
                 // A worker that had fetched the job claimed it after the lock.
-                let (more, _) = cancel_runs(conn, tenant, item, Some(&stage), &reason).await?;
+                let (more, _) = cancel_runs(conn, tenant, item, Some(&stage), reason).await?;
                 stages.extend(more);
             }
         }
-    }
-    if stages.is_empty() && cancelled_jobs.is_empty() {
-        return Ok(CancelOutcome::NothingToCancel);
     }
     let jobs = cancelled_jobs
         .into_iter()
@@ -290,9 +438,34 @@ pub(super) async fn cancel_in(
             })
         })
         .collect::<Result<Vec<_>, OpsError>>()?;
-    let details = serde_json::json!({ "actor": actor, "stages": stages, "jobs": jobs });
-    audit(conn, tenant, item, "operator.cancel", details, bulk).await?;
-    Ok(CancelOutcome::Cancelled { stages, jobs })
+    Ok((stages, jobs))
+}
+
+/// A run created `cancelled` for a stage that has none ([`CANCEL_QUEUED_SQL`]);
+/// `None` if it has one (created since the lock, or there before).
+async fn insert_cancelled_run(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    item: &ItemId,
+    stage: &StageName,
+    worker: &str,
+    reason: &str,
+) -> Result<Option<RunId>, OpsError> {
+    let inserted: Vec<InsertedRun> = diesel::sql_query(CANCEL_QUEUED_SQL)
+        .bind::<Text, _>(RunId::new().to_string())
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Text, _>(item.to_string())
+        .bind::<Text, _>(stage.as_str())
+        .bind::<Text, _>(worker)
+        .bind::<Text, _>(reason)
+        .load(conn)
+        .await?;
+    inserted
+        .into_iter()
+        .next()
+        .map(|row| RunId::parse(&row.id))
+        .transpose()
+        .map_err(Into::into)
 }
 
 /// Locks the item's runs (or one stage's), upstream-first, and cancels the

@@ -62,9 +62,14 @@ pub use bulk::{
     bulk_progress, preview, run_bulk, start_bulk, BulkAction, BulkFilter, BulkPreview,
     BulkProgress, PreviewGroup,
 };
-pub use cancel::{cancel, CancelOutcome, CancelledFrom, CancelledJob, CancelledStage};
+pub use cancel::{
+    cancel, CancelOutcome, CancelledChild, CancelledFrom, CancelledJob, CancelledStage,
+};
 pub use dead::{dead, DeadFilter, DeadLetters, DeadStage, FailedJob};
-pub use inspect::{inspect, AttemptView, ItemTimeline, JobView, StageTimeline, WaitView};
+pub use inspect::{
+    inspect, AttemptView, ChildOf, ChildView, FanOutView, ItemTimeline, JobView, StageTimeline,
+    WaitView,
+};
 pub use rerun::{rerun, RerunOutcome, RerunRefusal};
 pub use retry::{retry, RetriedStage, RetryOutcome, RetryPlanner};
 pub use signal::{signal, SignalOutcome, SignalRefusal, MAX_SIGNAL_PAYLOAD_BYTES};

@@ -270,7 +270,7 @@ async fn cancel_fences_a_claimed_attempt_whose_commit_is_then_refused() {
     let outcome = ops::cancel(&mut op_conn, &t1, &item, &alice())
         .await
         .unwrap();
-    let CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+    let CancelOutcome::Cancelled { stages, jobs, .. } = &outcome else {
         panic!("{outcome:?}")
     };
     assert_eq!(stages.len(), 1, "{outcome:?}");
@@ -397,7 +397,7 @@ async fn cancel_of_a_queued_stage_creates_its_run_cancelled() {
         CompleteOutcome::Committed
     );
     let outcome = ops::cancel(&mut conn, &t1, &item, &alice()).await.unwrap();
-    let CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+    let CancelOutcome::Cancelled { stages, jobs, .. } = &outcome else {
         panic!("{outcome:?}")
     };
     assert_eq!(

@@ -339,7 +339,7 @@ async fn a_cancel_of_a_queued_rerun_cancels_the_stage_and_keeps_its_results() {
         .await
         .unwrap();
     let outcome = cancel(&mut f, &job).await;
-    let ops::CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+    let ops::CancelOutcome::Cancelled { stages, jobs, .. } = &outcome else {
         panic!("{outcome:?}")
     };
     // The executor here completes no jobs: the stages' own (same input) jobs are
@@ -468,7 +468,7 @@ async fn a_cancel_leaves_a_later_stages_success_whose_job_names_another_hash() {
         .await
         .unwrap();
     let outcome = cancel(&mut f, &job).await;
-    let ops::CancelOutcome::Cancelled { stages, jobs } = &outcome else {
+    let ops::CancelOutcome::Cancelled { stages, jobs, .. } = &outcome else {
         panic!("{outcome:?}")
     };
     assert_eq!(jobs.len(), 1, "{outcome:?}");

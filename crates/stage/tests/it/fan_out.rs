@@ -948,3 +948,178 @@ async fn a_gather_job_sent_before_every_child_is_final_is_skipped_without_using_
         1
     );
 }
+
+/// A cancel of a parent whose children are under way ends the children too:
+/// the unfinished ones are cancelled (each with its own audit entry), the one
+/// that had finished keeps its result, and the gather, which had no run yet,
+/// gets one `cancelled`: it never runs, nothing is sent again, and a second
+/// cancel finds nothing.
+#[tokio::test]
+async fn a_cancel_of_the_parent_cancels_its_unfinished_children_and_the_gather() {
+    use idemstage::ops::{self, Actor, CancelOutcome, CancelledFrom};
+    let mut f = fixture().await;
+    let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
+    let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
+    let job = f.item("2 3 4").await;
+    let exec = f.executor();
+    for stage in ["intake", "split"] {
+        let outcome = exec
+            .run(&pipeline, pipeline.stage(stage).unwrap(), &job)
+            .await
+            .unwrap();
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+            "{outcome:?}"
+        );
+    }
+    // One child runs to its end; the other two have only their first job.
+    for queue_name in ["square", "label"] {
+        let fetched = queue::fetch(&mut f.conn, &[queue_name.to_string()], 1)
+            .await
+            .unwrap();
+        let j = &fetched[0];
+        let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+        exec.run_and_complete_job(
+            &pipeline,
+            pipeline.stage(&j.queue).unwrap(),
+            &payload,
+            JobLease {
+                id: j.id,
+                attempt: j.attempt,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM fanout_children WHERE outcome = 'success'"
+        )
+        .await,
+        1
+    );
+
+    let actor = Actor::parse("ops-bot").unwrap();
+    let outcome = ops::cancel(&mut f.conn, &job.tenant_id, &job.item_id, &actor)
+        .await
+        .unwrap();
+    let CancelOutcome::Cancelled {
+        stages, children, ..
+    } = &outcome
+    else {
+        panic!("{outcome:?}")
+    };
+    let gather: Vec<_> = stages
+        .iter()
+        .filter(|s| s.stage.as_str() == "sum")
+        .collect();
+    assert_eq!(gather.len(), 1, "{outcome:?}");
+    assert_eq!(gather[0].from, CancelledFrom::AwaitingChildren);
+    assert_eq!(children.len(), 2, "{outcome:?}");
+    for child in children {
+        assert_eq!(child.stages.len(), 1, "{outcome:?}");
+        assert_eq!(child.stages[0].stage.as_str(), "square");
+        assert_eq!(child.stages[0].from, CancelledFrom::Queued);
+    }
+    // The fan-out counted them: it is complete, the gather's run is final.
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM fanout_children WHERE outcome = 'cancelled' AND final_stage = 'square'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM fanouts WHERE final_children = 3 AND completed_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        status(&mut f.conn, &job.item_id, "sum").await,
+        Some(RunStatus::Cancelled)
+    );
+    assert_eq!(
+        count(
+            &mut f.conn,
+            "SELECT 1 FROM audit_log WHERE action = 'operator.cancel'"
+        )
+        .await,
+        3
+    );
+
+    // `inspect` shows the parent's fan-out with each child's end, and each
+    // child's parent.
+    let timeline = ops::inspect(&mut f.conn, &job.tenant_id, &job.item_id)
+        .await
+        .unwrap();
+    assert_eq!(timeline.child_of, None);
+    assert_eq!(timeline.fan_outs.len(), 1);
+    let fan_out = &timeline.fan_outs[0];
+    assert_eq!(
+        (fan_out.stage.as_str(), fan_out.gather_stage.as_str()),
+        ("split", "sum")
+    );
+    assert_eq!(fan_out.final_children, 3);
+    assert!(fan_out.completed_at.is_some());
+    let ends: Vec<(&str, Option<&str>, Option<&str>)> = fan_out
+        .children
+        .iter()
+        .map(|c| {
+            (
+                c.key.as_str(),
+                c.outcome.as_deref(),
+                c.final_stage.as_ref().map(|s| s.as_str()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ends.iter()
+            .filter(|e| e.1 == Some("cancelled") && e.2 == Some("square"))
+            .count(),
+        2,
+        "{ends:?}"
+    );
+    assert_eq!(
+        ends.iter()
+            .filter(|e| e.1 == Some("success") && e.2 == Some("label"))
+            .count(),
+        1,
+        "{ends:?}"
+    );
+    let cancelled_child = &children[0];
+    let child = ops::inspect(&mut f.conn, &job.tenant_id, &cancelled_child.item)
+        .await
+        .unwrap();
+    let child_of = child.child_of.as_ref().unwrap();
+    assert_eq!(child_of.parent, job.item_id);
+    assert_eq!((child_of.stage.as_str(), child_of.attempt), ("split", 1));
+    assert!(!child_of.superseded);
+    assert!(fan_out
+        .children
+        .iter()
+        .any(|c| c.item == cancelled_child.item && c.key == child_of.key));
+    assert!(child.fan_outs.is_empty());
+
+    // Nothing runs after it, and nothing is sent again.
+    assert_eq!(drain(&mut f, &pipeline, &exec).await, 0);
+    assert_eq!(square.runs.lock().unwrap().len(), 1);
+    assert!(sum.runs.lock().unwrap().is_empty());
+    let pool = f.repo.pool().clone();
+    let report = Reconciler::new(pipeline.clone()).pass(&pool).await.unwrap();
+    assert_eq!((report.examined, report.resent, report.settled), (4, 0, 4));
+    assert_eq!(
+        ops::cancel(&mut f.conn, &job.tenant_id, &job.item_id, &actor)
+            .await
+            .unwrap(),
+        CancelOutcome::NothingToCancel
+    );
+    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
+        .await
+        .unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new());
+}

@@ -9,7 +9,7 @@ use axum::extract::{Form, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
-use idemstage::ops::{self, CancelOutcome, CancelledFrom, RetryOutcome};
+use idemstage::ops::{self, CancelOutcome, RetryOutcome};
 use idemstage::queue::{self, PauseOutcome, ResumeOutcome, Scope};
 use idemstage::{ids::ItemId, ids::TenantId, queue::SendResult};
 use serde::Deserialize;
@@ -131,25 +131,25 @@ pub(crate) async fn cancel(
     tracing::info!(actor = %p.actor, %tenant, %item, "console: cancel");
     let (title, lines) =
         match &outcome {
-            CancelOutcome::Cancelled { stages, jobs } => (
+            CancelOutcome::Cancelled {
+                stages,
+                jobs,
+                children,
+            } => (
                 "Cancelled",
                 stages
                     .iter()
-                    .map(|s| {
-                        let from = match &s.from {
-                            CancelledFrom::Running { attempt, .. } => {
-                                format!("running (attempt {attempt} fenced)")
-                            }
-                            CancelledFrom::Failed => "failed".into(),
-                            CancelledFrom::Stale => "stale".into(),
-                            CancelledFrom::Waiting => "waiting".into(),
-                            CancelledFrom::Queued => "queued".into(),
-                            CancelledFrom::RerunQueued => "succeeded, its rerun queued".into(),
-                        };
-                        format!("cancelled stage {} (was {from})", s.stage)
-                    })
+                    .map(|s| format!("cancelled stage {} (was {})", s.stage, s.from))
                     .chain(jobs.iter().map(|j| {
                         format!("cancelled job {} on {} (was {})", j.id, j.queue, j.state)
+                    }))
+                    .chain(children.iter().map(|c| {
+                        format!(
+                            "cancelled child {} ({} stages, {} jobs)",
+                            c.item,
+                            c.stages.len(),
+                            c.jobs.len()
+                        )
                     }))
                     .collect::<Vec<_>>(),
             ),

@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use chrono::{DateTime, Utc};
 use idemstage::ops::{self, DeadFilter, ItemTimeline, OpsError};
+use idemstage::pipeline::StageRole;
 use idemstage::queue::{self, Scope};
 use idemstage::report;
 use idemstage::{
@@ -506,15 +507,27 @@ pub(crate) async fn item(
 fn timeline(console: &Shared, p: &Principal, t: &ItemTimeline) -> Markup {
     let tenant = t.tenant.as_str();
     let item = t.item.to_string();
+    // A parent's cancel cancels its unfinished children and a gather not run.
+    let children_open = t.fan_outs.iter().any(|f| {
+        f.superseded_at.is_none()
+            && (f.children.iter().any(|c| c.outcome.is_none())
+                || t.stages.iter().all(|r| r.stage != f.gather_stage))
+    });
     let cancellable = t.stages.iter().any(|s| !s.status.is_final())
+        || children_open
         || t.jobs
             .iter()
             .any(|j| matches!(j.state.as_str(), "created" | "retry" | "active"));
+    // A child runs the child stages only, any other item the rest.
     let not_started: Vec<&str> = console
         .pipeline
         .stages()
         .iter()
-        .map(|s| s.name().as_str())
+        .map(|s| s.name())
+        .filter(|name| {
+            matches!(console.pipeline.role(name), StageRole::Child { .. }) == t.child_of.is_some()
+        })
+        .map(|name| name.as_str())
         .filter(|name| t.stages.iter().all(|r| r.stage.as_str() != *name))
         .collect();
     let ro = console.read_only;
@@ -582,6 +595,44 @@ fn timeline(console: &Shared, p: &Principal, t: &ItemTimeline) -> Markup {
         }
         @for s in &not_started {
             section.stage { h3 { (s) ": " span.status #{"status-" (s)} { "not started" } } }
+        }
+        @if let Some(c) = &t.child_of {
+            section #child-of {
+                p {
+                    "Child " code { (c.key) } " (position " (c.position) ") of item "
+                    a #parent-link href=(item_link(tenant, &c.parent.to_string())) { code { (c.parent) } }
+                    ", fan-out " (c.stage.as_str()) " attempt " (c.attempt)
+                    @if c.superseded { ", superseded by a rerun of the fan-out" }
+                    "."
+                }
+            }
+        }
+        @for f in &t.fan_outs {
+            section.fan-out #{"fan-out-" (f.stage.as_str()) "-" (f.attempt)} {
+                h3 {
+                    "Fan-out " (f.stage.as_str()) " attempt " (f.attempt) ": "
+                    span.children-final { (f.final_children) "/" (f.children.len()) } " children final"
+                }
+                p {
+                    "gathered by " (f.gather_stage.as_str())
+                    @if let Some(at) = &f.completed_at { ", complete " (time(at)) }
+                    @if let Some(at) = &f.superseded_at { ", superseded " (time(at)) }
+                }
+                table.children {
+                    thead { tr { th { "child" } th { "key" } th { "outcome" } th { "finished" } } }
+                    tbody {
+                        @for c in &f.children {
+                            tr {
+                                td { a href=(item_link(tenant, &c.item.to_string())) { code { (c.item) } } }
+                                td { code { (c.key) } }
+                                td { (c.outcome.as_deref().unwrap_or("not final"))
+                                     @if let Some(st) = &c.final_stage { " (" (st.as_str()) ")" } }
+                                td { (opt_time(&c.finished_at)) }
+                            }
+                        }
+                    }
+                }
+            }
         }
         section {
             h3 { "Jobs" }
