@@ -148,6 +148,7 @@ diesel::table! {
         weight -> Nullable<Int4>,
         actor -> Nullable<Text>,
         db_user -> Text,
+        aging_ms -> Nullable<Int8>,
     }
 }
 
@@ -163,6 +164,7 @@ diesel::table! {
         weight -> Nullable<Int4>,
         updated_at -> Timestamptz,
         updated_by -> Text,
+        aging_ms -> Nullable<Int8>,
     }
 }
 

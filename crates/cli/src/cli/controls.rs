@@ -8,7 +8,7 @@ use std::time::Duration;
 use idemstage::ids::TenantId;
 use idemstage::ops::Actor;
 use idemstage::pipeline::Pipeline;
-use idemstage::queue::{self, ControlChangeKind, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
+use idemstage::queue::{self, Limits, PauseOutcome, Rate, ResumeOutcome, Scope};
 
 use super::{known, BadInput};
 
@@ -52,6 +52,11 @@ pub struct LimitArgs {
     /// A tenant's share of a fetch against the others' (tenant scopes)
     #[arg(long)]
     weight: Option<u32>,
+    /// Within a tenant's share, a waiting job's priority rises by one per this
+    /// interval (e.g. 30s, 500ms, 5min, 1h; `off` ends it): the whole stage only,
+    /// set apart from the limits (which it keeps)
+    #[arg(long, conflicts_with_all = ["tenant", "every_tenant", "max_active", "rate", "weight", "show"])]
+    priority_aging: Option<String>,
     /// Only show the stage's controls (and its latest changes)
     #[arg(long)]
     show: bool,
@@ -73,6 +78,34 @@ fn scope(tenant: Option<&str>, every_tenant: bool) -> anyhow::Result<Scope> {
         (None, true) => Scope::EveryTenant,
         (None, false) => Scope::Queue,
     })
+}
+
+/// `30s`, `500ms`, `5min`, `1h`, or `off` (`None`).
+fn parse_aging(text: &str) -> anyhow::Result<Option<Duration>> {
+    let bad = || {
+        BadInput(format!(
+            "--priority-aging {text:?}: expected a number with ms, s, min or h (e.g. 30s), or off"
+        ))
+    };
+    let text = text.trim();
+    if text == "off" {
+        return Ok(None);
+    }
+    let split = text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (count, unit) = text.split_at(split);
+    let count: u64 = count.parse().map_err(|_| bad())?;
+    let ms = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "min" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(bad().into()),
+    };
+    let every = Duration::from_millis(count.checked_mul(ms).ok_or_else(bad)?);
+    if every.is_zero() || every > queue::MAX_PRIORITY_AGING {
+        return Err(BadInput(format!("--priority-aging {text:?}: must be 1ms to 7 days")).into());
+    }
+    Ok(Some(every))
 }
 
 fn parse_rate(text: &str, burst: Option<u32>) -> anyhow::Result<Rate> {
@@ -147,8 +180,16 @@ pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::R
     let stage = known::stage(&team, &args.stage)?;
     let scope = scope(args.tenant.as_deref(), args.every_tenant)?;
     let flag_actor = args.actor.as_deref().map(Actor::parse).transpose()?;
+    let aging = args
+        .priority_aging
+        .as_deref()
+        .map(parse_aging)
+        .transpose()?;
     let mut conn = db.connect().await?;
-    if !args.show {
+    if let Some(every) = aging {
+        let actor = super::ops::actor(flag_actor, &mut conn).await?;
+        queue::set_priority_aging(&mut conn, stage.as_str(), every, &actor).await?;
+    } else if !args.show {
         check_scope(&mut conn, &scope).await?;
         let actor = super::ops::actor(flag_actor, &mut conn).await?;
         let limits = Limits {
@@ -171,6 +212,8 @@ pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::R
                 let mut row = limits_json(&c.limits);
                 row["scope"] = c.scope.as_key().into();
                 row["paused"] = c.paused.into();
+                row["priority_aging_ms"] =
+                    serde_json::json!(c.priority_aging.map(|d| d.as_millis() as u64));
                 row["updated_at"] = serde_json::json!(c.updated_at);
                 row["updated_by"] = c.updated_by.clone().into();
                 row
@@ -180,6 +223,8 @@ pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::R
             .iter()
             .map(|c| {
                 let mut row = limits_json(&c.limits);
+                row["priority_aging_ms"] =
+                    serde_json::json!(c.priority_aging.map(|d| d.as_millis() as u64));
                 row["id"] = c.id.into();
                 row["changed_at"] = serde_json::json!(c.changed_at);
                 row["scope"] = c.scope.as_key().into();
@@ -197,20 +242,19 @@ pub async fn limit(db: &super::Db, args: LimitArgs, team: Pipeline) -> anyhow::R
     } else {
         for c in &controls {
             println!(
-                "{:<20} paused {:<5} {}",
+                "{:<20} paused {:<5} {}{}",
                 c.scope.to_string(),
                 c.paused,
-                c.limits
+                c.limits,
+                c.priority_aging
+                    .map_or(String::new(), |d| format!(", priority aging every {d:?}"))
             );
         }
         if !changes.is_empty() {
             println!("latest changes, newest first:");
         }
         for c in &changes {
-            let what = match c.kind {
-                ControlChangeKind::Limits => format!("limits: {}", c.limits),
-                kind => kind.as_str().to_owned(),
-            };
+            let what = c.describe();
             println!(
                 "  {} {:<20} {:<60} by {} ({})",
                 c.changed_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),

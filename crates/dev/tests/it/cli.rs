@@ -424,6 +424,19 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
         &["pause", "--stage", "Bad Stage"][..],
         &["pause", "--stage", "extract", "--tenant", "Not A Slug"][..],
         &["pause", "--stage", "extract", "--actor", " "][..],
+        &["limit", "--stage", "extract", "--priority-aging", "0s"][..],
+        &["limit", "--stage", "extract", "--priority-aging", "30"][..],
+        &["limit", "--stage", "extract", "--priority-aging", "8d"][..],
+        &["limit", "--stage", "extract", "--priority-aging", "200h"][..],
+        &[
+            "limit",
+            "--stage",
+            "extract",
+            "--priority-aging",
+            "30s",
+            "--tenant",
+            "acme",
+        ][..],
     ] {
         let out = idemstage(&db, bad);
         assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
@@ -466,6 +479,45 @@ async fn pause_resume_and_limit_set_the_stage_controls() {
     assert!(
         !changes[0].2.is_empty() && !changes[1].2.is_empty(),
         "{controls}"
+    );
+    // Priority aging: the stage's own row, kept apart from the limits.
+    let aged = json_of(&idemstage(
+        &db,
+        &[
+            "limit",
+            "--stage",
+            "extract",
+            "--priority-aging",
+            "30s",
+            "--json",
+        ],
+    ));
+    let stage_row = |v: &serde_json::Value| {
+        v["controls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["scope"] == "")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(stage_row(&aged)["priority_aging_ms"], 30_000, "{aged}");
+    assert_eq!(aged["changes"][0]["priority_aging_ms"], 30_000, "{aged}");
+    let off = json_of(&idemstage(
+        &db,
+        &[
+            "limit",
+            "--stage",
+            "extract",
+            "--priority-aging",
+            "off",
+            "--json",
+        ],
+    ));
+    assert_eq!(
+        stage_row(&off)["priority_aging_ms"],
+        serde_json::Value::Null,
+        "{off}"
     );
 }
 

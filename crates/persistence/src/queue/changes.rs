@@ -76,11 +76,27 @@ pub struct ControlChange {
     pub paused: Option<bool>,
     /// The limits after it (none after a [`ControlChangeKind::Remove`]).
     pub limits: Limits,
+    /// The queue's priority aging after it ([`set_priority_aging`](super::set_priority_aging)).
+    pub priority_aging: Option<std::time::Duration>,
     /// Who the library was told made it (`--actor`, the console's session); `None`
     /// for a change made without the library.
     pub actor: Option<String>,
     /// The database login role of the session that made it.
     pub db_user: String,
+}
+
+impl ControlChange {
+    /// `pause`, `resume`, `remove`, or the values a `limits` change set
+    /// (`limits: max_active 3, priority aging every 30s`).
+    pub fn describe(&self) -> String {
+        match self.kind {
+            ControlChangeKind::Limits => match self.priority_aging {
+                Some(every) => format!("limits: {}, priority aging every {every:?}", self.limits),
+                None => format!("limits: {}", self.limits),
+            },
+            kind => kind.as_str().to_owned(),
+        }
+    }
 }
 
 #[derive(QueryableByName)]
@@ -99,6 +115,8 @@ struct ChangeRow {
     paused: Option<bool>,
     #[diesel(embed)]
     limits: LimitColumns,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    aging_ms: Option<i64>,
     #[diesel(sql_type = Nullable<Text>)]
     actor: Option<String>,
     #[diesel(sql_type = Text)]
@@ -114,7 +132,7 @@ pub async fn control_changes(
 ) -> Result<Vec<ControlChange>, RepoError> {
     let query = diesel::sql_query(
         "SELECT id, changed_at, queue, scope, change, paused, max_active, rate_count, \
-                rate_period_ms, rate_burst, weight, actor, db_user \
+                rate_period_ms, rate_burst, weight, aging_ms, actor, db_user \
            FROM queue_control_changes WHERE $1::text IS NULL OR queue = $1 \
           ORDER BY id DESC LIMIT $2",
     )
@@ -134,6 +152,7 @@ pub async fn control_changes(
                 kind,
                 paused: r.paused,
                 limits: r.limits.into(),
+                priority_aging: super::controls::aging(r.aging_ms),
                 actor: r.actor,
                 db_user: r.db_user,
             })

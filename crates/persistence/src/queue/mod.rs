@@ -26,8 +26,8 @@ pub use batched::{complete_many, renew_leases, retry_now_many};
 pub use buckets::{held_until, hold};
 pub use changes::{control_changes, ControlChange, ControlChangeKind};
 pub use controls::{
-    controls, pause, resume, set_limits, Limits, PauseOutcome, QueueControl, Rate, ResumeOutcome,
-    Scope,
+    controls, pause, resume, set_limits, set_priority_aging, Limits, PauseOutcome, QueueControl,
+    Rate, ResumeOutcome, Scope, MAX_PRIORITY_AGING,
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};

@@ -703,3 +703,111 @@ async fn an_actor_names_its_own_statement_not_the_rest_of_the_transaction() {
         ]
     );
 }
+
+/// Priority aging (issue 32, item 4): within a tenant's share a priority-0 job
+/// waits behind priority-10 ones until it has waited 10 aging intervals; then it
+/// is taken before the newer priority-10 jobs. Its wait is its `start_after`,
+/// set back here instead of waited for. Without aging, or after it is turned
+/// off, the order is by priority alone; a bad interval is refused with nothing
+/// written; the change is recorded, and limits set later keep it.
+#[tokio::test]
+async fn with_priority_aging_a_long_waiting_low_priority_job_is_taken_before_newer_high_ones() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let actor = Actor::parse("ops-bot").unwrap();
+    // A low job first (the oldest), then a stream of high ones; the low one's id.
+    let send_lane = async |conn: &mut AsyncPgConnection| -> JobId {
+        let send_one = |priority: i32| JobToSend {
+            queue: "q".into(),
+            tenant: Some(t("a")),
+            payload: json!({ "priority": priority }),
+            options: SendOptions::default().with_priority(priority),
+        };
+        let mut jobs = vec![send_one(0)];
+        jobs.extend((0..3).map(|_| send_one(10)));
+        let sent = queue::send_batch(conn, &jobs).await.unwrap();
+        let SendResult::Sent(low) = sent[0] else {
+            panic!("{sent:?}")
+        };
+        low
+    };
+    let waited = async |conn: &mut AsyncPgConnection, low: JobId, minutes: i32| {
+        conn.batch_execute(&format!(
+            "UPDATE jobs SET start_after = now() - interval '{minutes} minutes' WHERE id = '{low}'"
+        ))
+        .await
+        .unwrap();
+    };
+    let next = async |conn: &mut AsyncPgConnection, n: u32| -> Vec<FetchedJob> {
+        let got = fetch(conn, n).await;
+        complete(conn, &got).await;
+        got
+    };
+
+    // No aging: priority first, however long the low job waited.
+    let low = send_lane(&mut conn).await;
+    waited(&mut conn, low, 60).await;
+    assert_eq!(next(&mut conn, 1).await[0].priority, 10);
+
+    // A bad interval: refused, nothing written.
+    for bad in [
+        Duration::ZERO,
+        queue::MAX_PRIORITY_AGING + Duration::from_millis(1),
+    ] {
+        let err = queue::set_priority_aging(&mut conn, "q", Some(bad), &actor)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RepoError::Invalid(DomainError::InvalidOption(_))),
+            "{err:?}"
+        );
+    }
+    assert_eq!(count(&mut conn, "SELECT 1 FROM queue_controls").await, 0);
+
+    // Aging every minute: 5 minutes waited make it 5, below 10.
+    queue::set_priority_aging(&mut conn, "q", Some(Duration::from_secs(60)), &actor)
+        .await
+        .unwrap();
+    waited(&mut conn, low, 5).await;
+    assert_eq!(next(&mut conn, 1).await[0].priority, 10);
+    // 10 minutes make it 10 (never more): the oldest of the tenth priority.
+    waited(&mut conn, low, 10).await;
+    let got = next(&mut conn, 2).await;
+    assert_eq!(got[0].id, low, "{got:?}");
+    assert_eq!(got[1].priority, 10, "{got:?}");
+
+    let controls = queue::controls(&mut conn, Some("q")).await.unwrap();
+    assert_eq!(controls.len(), 1);
+    assert_eq!(controls[0].priority_aging, Some(Duration::from_secs(60)));
+    assert_eq!(controls[0].limits, Limits::default());
+    let changes = queue::control_changes(&mut conn, Some("q"), 10)
+        .await
+        .unwrap();
+    assert_eq!(changes[0].kind, ControlChangeKind::Limits);
+    assert_eq!(changes[0].priority_aging, Some(Duration::from_secs(60)));
+    assert_eq!(changes[0].actor.as_deref(), Some("ops-bot"));
+
+    // Limits set afterwards keep the aging.
+    let capped = Limits {
+        max_active: Some(100),
+        ..Limits::default()
+    };
+    queue::set_limits(&mut conn, "q", &Scope::Queue, &capped, &actor)
+        .await
+        .unwrap();
+    let low = send_lane(&mut conn).await;
+    waited(&mut conn, low, 10).await;
+    assert_eq!(next(&mut conn, 1).await[0].id, low);
+    next(&mut conn, 3).await;
+
+    // Turned off: priority first again.
+    queue::set_priority_aging(&mut conn, "q", None, &actor)
+        .await
+        .unwrap();
+    let low = send_lane(&mut conn).await;
+    waited(&mut conn, low, 60).await;
+    assert_eq!(next(&mut conn, 1).await[0].priority, 10);
+    let controls = queue::controls(&mut conn, Some("q")).await.unwrap();
+    assert_eq!(controls[0].priority_aging, None);
+    assert_eq!(controls[0].limits, capped);
+}

@@ -443,10 +443,7 @@ const CONTROL_CHANGES_SHOWN: u32 = 10;
 
 /// `pause`, `resume`, `remove`, or the limits a `limits` change set.
 fn change_text(c: &queue::ControlChange) -> String {
-    match c.kind {
-        queue::ControlChangeKind::Limits => format!("limits: {}", c.limits),
-        kind => kind.as_str().to_owned(),
-    }
+    c.describe()
 }
 
 fn search_form(tenant: &str, item: &str) -> Markup {
