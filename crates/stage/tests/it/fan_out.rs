@@ -280,16 +280,12 @@ async fn status(conn: &mut AsyncPgConnection, item: &ItemId, stage: &str) -> Opt
     row.map(|r| r.status.parse().unwrap())
 }
 
-#[tokio::test]
-async fn each_child_runs_its_stages_once_and_the_gather_once_with_every_output_in_order() {
-    let mut f = fixture().await;
-    let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
-    let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
-    let job = f.item("3 1 4 1 5").await;
-    idemstage_persistence::queue::send_in(
+/// Sends the item's first job, as `start` would.
+async fn start(f: &mut Fixture, pipeline: &Pipeline, job: &StageJob) {
+    queue::send_in(
         &mut f.conn,
         &first_job(
-            &pipeline,
+            pipeline,
             job.tenant_id.clone(),
             job.item_id,
             job.input_hash.clone(),
@@ -297,6 +293,97 @@ async fn each_child_runs_its_stages_once_and_the_gather_once_with_every_output_i
     )
     .await
     .unwrap();
+}
+
+/// Runs intake and the fan-out (split) for `job` directly, each succeeding.
+async fn run_to_the_fan_out(exec: &Executor, pipeline: &Pipeline, job: &StageJob) {
+    for stage in ["intake", "split"] {
+        let outcome = exec
+            .run(pipeline, pipeline.stage(stage).unwrap(), job)
+            .await
+            .unwrap();
+        assert!(
+            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
+            "{outcome:?}"
+        );
+    }
+}
+
+/// Fetches up to `n` jobs of `queues` and runs each as a worker would (its job
+/// completed in the stage's transaction); the jobs it ran.
+async fn run_fetched(
+    f: &mut Fixture,
+    pipeline: &Pipeline,
+    exec: &Executor,
+    queues: &[&str],
+    n: u32,
+) -> usize {
+    let queues: Vec<String> = queues.iter().map(|q| q.to_string()).collect();
+    let fetched = queue::fetch(&mut f.conn, &queues, n).await.unwrap();
+    for j in &fetched {
+        let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+        exec.run_and_complete_job(
+            pipeline,
+            pipeline.stage(&j.queue).unwrap(),
+            &payload,
+            JobLease {
+                id: j.id,
+                attempt: j.attempt,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    fetched.len()
+}
+
+/// Fetches the one next job of `queue` and runs it as [`run_fetched`] does; its
+/// payload and outcome.
+async fn run_one(
+    f: &mut Fixture,
+    pipeline: &Pipeline,
+    exec: &Executor,
+    queue: &str,
+) -> (StageJob, ExecutionOutcome) {
+    let fetched = queue::fetch(&mut f.conn, &[queue.to_owned()], 1)
+        .await
+        .unwrap();
+    let j = &fetched[0];
+    let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
+    let outcome = exec
+        .run_and_complete_job(
+            pipeline,
+            pipeline.stage(queue).unwrap(),
+            &payload,
+            JobLease {
+                id: j.id,
+                attempt: j.attempt,
+            },
+        )
+        .await
+        .unwrap();
+    (payload, outcome)
+}
+
+/// The testkit's checker finds nothing wrong; what it counted.
+async fn assert_sound(
+    conn: &mut AsyncPgConnection,
+    pipeline: &Pipeline,
+) -> idemstage_testkit::check::Invariants {
+    let check = idemstage_testkit::check::check_pipeline(conn, pipeline)
+        .await
+        .unwrap();
+    assert_eq!(check.violations(), Vec::<String>::new());
+    check
+}
+
+#[tokio::test]
+async fn each_child_runs_its_stages_once_and_the_gather_once_with_every_output_in_order() {
+    let mut f = fixture().await;
+    let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
+    let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
+    let job = f.item("3 1 4 1 5").await;
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     drain(&mut f, &pipeline, &exec).await;
 
@@ -355,17 +442,7 @@ async fn a_dead_child_fails_the_gather_or_is_gathered_as_failed_as_its_policy_sa
         let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
         let pipeline = pipeline(&square, &sum, policy);
         let job = f.item("2 13 3").await;
-        queue::send_in(
-            &mut f.conn,
-            &first_job(
-                &pipeline,
-                job.tenant_id.clone(),
-                job.item_id,
-                job.input_hash.clone(),
-            ),
-        )
-        .await
-        .unwrap();
+        start(&mut f, &pipeline, &job).await;
         let exec = f.executor();
         drain(&mut f, &pipeline, &exec).await;
         assert_eq!(
@@ -409,17 +486,7 @@ async fn a_fan_out_of_no_children_runs_its_gather_at_once_and_a_stop_runs_neithe
     let empty = f.item("none").await;
     let stop = f.item("stop").await;
     for job in [&empty, &stop] {
-        queue::send_in(
-            &mut f.conn,
-            &first_job(
-                &pipeline,
-                job.tenant_id.clone(),
-                job.item_id,
-                job.input_hash.clone(),
-            ),
-        )
-        .await
-        .unwrap();
+        start(&mut f, &pipeline, job).await;
     }
     drain(&mut f, &pipeline, &exec).await;
     assert_eq!(
@@ -454,17 +521,7 @@ async fn a_child_key_given_twice_is_a_permanent_failure_of_the_fan_out_and_write
     let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("twice").await;
-    queue::send_in(
-        &mut f.conn,
-        &first_job(
-            &pipeline,
-            job.tenant_id.clone(),
-            job.item_id,
-            job.input_hash.clone(),
-        ),
-    )
-    .await
-    .unwrap();
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     drain(&mut f, &pipeline, &exec).await;
     assert_eq!(
@@ -485,44 +542,19 @@ async fn a_lost_gather_job_is_sent_again_by_the_reconciler() {
     let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("1 2").await;
-    queue::send_in(
-        &mut f.conn,
-        &first_job(
-            &pipeline,
-            job.tenant_id.clone(),
-            job.item_id,
-            job.input_hash.clone(),
-        ),
-    )
-    .await
-    .unwrap();
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     // Run everything but the gather, then lose its job.
-    let queues: Vec<String> = ["intake", "split", "square", "label"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    loop {
-        let fetched = queue::fetch(&mut f.conn, &queues, 50).await.unwrap();
-        if fetched.is_empty() {
-            break;
-        }
-        for j in fetched {
-            let stage = pipeline.stage(&j.queue).unwrap();
-            let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
-            exec.run_and_complete_job(
-                &pipeline,
-                stage,
-                &payload,
-                JobLease {
-                    id: j.id,
-                    attempt: j.attempt,
-                },
-            )
-            .await
-            .unwrap();
-        }
-    }
+    while run_fetched(
+        &mut f,
+        &pipeline,
+        &exec,
+        &["intake", "split", "square", "label"],
+        50,
+    )
+    .await
+        > 0
+    {}
     assert_eq!(
         diesel::sql_query("DELETE FROM jobs WHERE queue = 'sum'")
             .execute(&mut f.conn)
@@ -610,10 +642,7 @@ async fn three_workers_run_every_child_once_and_each_gather_once() {
             json!(format!("{} | failed ", expected.join(" ")))
         );
     }
-    let check = idemstage_testkit::check::check_pipeline(&mut conn, &pipeline)
-        .await
-        .unwrap();
-    assert_eq!(check.violations(), Vec::<String>::new());
+    let check = assert_sound(&mut conn, &pipeline).await;
     assert_eq!(check.items, 8 + 8 * 25);
     assert_eq!(check.items_final, check.items);
 }
@@ -624,17 +653,7 @@ async fn an_operators_retry_of_a_dead_child_runs_the_dead_gather_again_on_every_
     let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("2 13 3").await;
-    queue::send_in(
-        &mut f.conn,
-        &first_job(
-            &pipeline,
-            job.tenant_id.clone(),
-            job.item_id,
-            job.input_hash.clone(),
-        ),
-    )
-    .await
-    .unwrap();
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     drain(&mut f, &pipeline, &exec).await;
     assert_eq!(
@@ -690,10 +709,7 @@ async fn an_operators_retry_of_a_dead_child_runs_the_dead_gather_again_on_every_
         .await,
         1
     );
-    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
-        .await
-        .unwrap();
-    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_sound(&mut f.conn, &pipeline).await;
 }
 
 #[tokio::test]
@@ -702,17 +718,7 @@ async fn a_child_that_ends_again_after_the_gather_succeeded_makes_it_and_what_fo
     let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
     let pipeline = pipeline(&square, &sum, GatherPolicy::GatherSucceeded);
     let job = f.item("2 13").await;
-    queue::send_in(
-        &mut f.conn,
-        &first_job(
-            &pipeline,
-            job.tenant_id.clone(),
-            job.item_id,
-            job.input_hash.clone(),
-        ),
-    )
-    .await
-    .unwrap();
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     drain(&mut f, &pipeline, &exec).await;
     assert_eq!(
@@ -749,10 +755,7 @@ async fn a_child_that_ends_again_after_the_gather_succeeded_makes_it_and_what_fo
         json!("report: =4 =169 | failed ")
     );
     assert_eq!(sum.runs.lock().unwrap().get(&job.item_id), Some(&2));
-    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
-        .await
-        .unwrap();
-    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_sound(&mut f.conn, &pipeline).await;
 }
 
 #[tokio::test]
@@ -761,54 +764,14 @@ async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones
     let (square, sum) = (Arc::new(Square::default()), Arc::new(Sum::default()));
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("1 2 3").await;
-    queue::send_in(
-        &mut f.conn,
-        &first_job(
-            &pipeline,
-            job.tenant_id.clone(),
-            job.item_id,
-            job.input_hash.clone(),
-        ),
-    )
-    .await
-    .unwrap();
+    start(&mut f, &pipeline, &job).await;
     let exec = f.executor();
     // Run the fan-out and one child's first stage; the other children's jobs
     // (and one half-done child) are left when the operator reruns the fan-out.
-    let queues: Vec<String> = vec!["intake".into(), "split".into()];
     for _ in 0..2 {
-        for j in queue::fetch(&mut f.conn, &queues, 10).await.unwrap() {
-            let stage = pipeline.stage(&j.queue).unwrap();
-            let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
-            exec.run_and_complete_job(
-                &pipeline,
-                stage,
-                &payload,
-                JobLease {
-                    id: j.id,
-                    attempt: j.attempt,
-                },
-            )
-            .await
-            .unwrap();
-        }
+        run_fetched(&mut f, &pipeline, &exec, &["intake", "split"], 10).await;
     }
-    let first = queue::fetch(&mut f.conn, &["square".to_owned()], 1)
-        .await
-        .unwrap();
-    let j = &first[0];
-    let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
-    exec.run_and_complete_job(
-        &pipeline,
-        pipeline.stage("square").unwrap(),
-        &payload,
-        JobLease {
-            id: j.id,
-            attempt: j.attempt,
-        },
-    )
-    .await
-    .unwrap();
+    let (payload, _) = run_one(&mut f, &pipeline, &exec, "square").await;
     let old_child = payload.item_id;
 
     let actor = idemstage_persistence::ops::Actor::parse("ops").unwrap();
@@ -824,23 +787,7 @@ async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones
     .unwrap();
     // The rerun succeeds first (an old child finishing before it would be
     // legitimate: its lineage was current then); then everything else.
-    let rerun = queue::fetch(&mut f.conn, &["split".to_owned()], 1)
-        .await
-        .unwrap();
-    let j = &rerun[0];
-    let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
-    let outcome = exec
-        .run_and_complete_job(
-            &pipeline,
-            pipeline.stage("split").unwrap(),
-            &payload,
-            JobLease {
-                id: j.id,
-                attempt: j.attempt,
-            },
-        )
-        .await
-        .unwrap();
+    let (_, outcome) = run_one(&mut f, &pipeline, &exec, "split").await;
     assert!(
         matches!(outcome, ExecutionOutcome::Succeeded { attempt: 2, .. }),
         "{outcome:?}"
@@ -898,10 +845,7 @@ async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones
         .await,
         0
     );
-    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
-        .await
-        .unwrap();
-    assert_eq!(check.violations(), Vec::<String>::new());
+    let check = assert_sound(&mut f.conn, &pipeline).await;
     assert_eq!(check.items_final, check.items);
 }
 
@@ -912,16 +856,7 @@ async fn a_gather_job_sent_before_every_child_is_final_is_skipped_without_using_
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("5 6").await;
     let exec = f.executor();
-    for stage in ["intake", "split"] {
-        let outcome = exec
-            .run(&pipeline, pipeline.stage(stage).unwrap(), &job)
-            .await
-            .unwrap();
-        assert!(
-            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
-            "{outcome:?}"
-        );
-    }
+    run_to_the_fan_out(&exec, &pipeline, &job).await;
     let early = exec
         .run(&pipeline, pipeline.stage("sum").unwrap(), &job)
         .await
@@ -962,34 +897,10 @@ async fn a_cancel_of_the_parent_cancels_its_unfinished_children_and_the_gather()
     let pipeline = pipeline(&square, &sum, GatherPolicy::FailOnDead);
     let job = f.item("2 3 4").await;
     let exec = f.executor();
-    for stage in ["intake", "split"] {
-        let outcome = exec
-            .run(&pipeline, pipeline.stage(stage).unwrap(), &job)
-            .await
-            .unwrap();
-        assert!(
-            matches!(outcome, ExecutionOutcome::Succeeded { .. }),
-            "{outcome:?}"
-        );
-    }
+    run_to_the_fan_out(&exec, &pipeline, &job).await;
     // One child runs to its end; the other two have only their first job.
     for queue_name in ["square", "label"] {
-        let fetched = queue::fetch(&mut f.conn, &[queue_name.to_string()], 1)
-            .await
-            .unwrap();
-        let j = &fetched[0];
-        let payload = StageJob::from_payload(&j.queue, &j.payload).unwrap();
-        exec.run_and_complete_job(
-            &pipeline,
-            pipeline.stage(&j.queue).unwrap(),
-            &payload,
-            JobLease {
-                id: j.id,
-                attempt: j.attempt,
-            },
-        )
-        .await
-        .unwrap();
+        run_one(&mut f, &pipeline, &exec, queue_name).await;
     }
     assert_eq!(
         count(
@@ -1118,8 +1029,5 @@ async fn a_cancel_of_the_parent_cancels_its_unfinished_children_and_the_gather()
             .unwrap(),
         CancelOutcome::NothingToCancel
     );
-    let check = idemstage_testkit::check::check_pipeline(&mut f.conn, &pipeline)
-        .await
-        .unwrap();
-    assert_eq!(check.violations(), Vec::<String>::new());
+    assert_sound(&mut f.conn, &pipeline).await;
 }
