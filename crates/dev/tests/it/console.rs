@@ -1059,3 +1059,84 @@ async fn the_console_delivers_a_waiting_stages_signal_once() {
                       AND details->>'actor' = 'console:bearer'";
     assert_eq!(count(&mut conn, signalled).await, 1);
 }
+
+/// The item page of a fan-out's parent lists its fan-out with each child's end,
+/// each child linked; a child's page links its parent.
+#[tokio::test]
+async fn the_console_shows_a_parents_fan_out_and_a_childs_parent() {
+    let db = idemstage_harness::example::db().await;
+    let mut conn = db.conn().await;
+    let t1 = TenantId::parse("t1").unwrap();
+    let item = ItemId::new();
+    send(&mut conn, &t1, item, &text(2)).await;
+    let pipeline = idemstage_example::fan_out_pipeline(
+        idemstage_example::Chaos::default(),
+        StagePolicy::default(),
+    )
+    .unwrap();
+    let mut workers = crate::support::Workers::start(db.url(), 1, &["--fan-out"]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let check = idemstage_testkit::check_pipeline(&mut conn, &pipeline)
+            .await
+            .unwrap();
+        if check.is_quiet() && check.items == 3 {
+            assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not quiet: {check:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    workers.stop_all();
+    #[derive(diesel::QueryableByName)]
+    struct Child {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        item_id: String,
+    }
+    let children: Vec<Child> =
+        diesel::sql_query("SELECT item_id FROM fanout_children ORDER BY position")
+            .load(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(children.len(), 2);
+
+    let console = Console::start(db.url(), &[]);
+    let (b_name, b_value) = bearer();
+    let auth = [(b_name, b_value.as_str())];
+    let (status, _, page) = http(
+        console.addr,
+        "GET",
+        &format!("/item?tenant=t1&item={item}"),
+        &auth,
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("id=\"fan-out-extract-1\""), "{page}");
+    assert!(page.contains("2/2"), "{page}");
+    assert!(page.contains("gathered by calculate"), "{page}");
+    for child in &children {
+        assert!(
+            page.contains(&format!("/item?tenant=t1&amp;item={}", child.item_id)),
+            "{page}"
+        );
+    }
+    assert!(page.contains("success (feasibility)"), "{page}");
+    let (status, _, page) = http(
+        console.addr,
+        "GET",
+        &format!("/item?tenant=t1&item={}", children[0].item_id),
+        &auth,
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("id=\"child-of\""), "{page}");
+    assert!(
+        page.contains(&format!("/item?tenant=t1&amp;item={item}")),
+        "{page}"
+    );
+}
