@@ -155,7 +155,7 @@ struct InsertedRun {
 /// downstream run is created after its upstream succeeded, so this is
 /// upstream-first, the order of the fenced completion's locks (share on the
 /// upstream, then its own row).
-const LOCK_RUNS_SQL: &str = "\
+pub(crate) const LOCK_RUNS_SQL: &str = "\
 SELECT id, stage, status, attempts,
        (status = 'running' AND lease_expires_at >= clock_timestamp()) AS lease_live
   FROM stage_runs
@@ -165,7 +165,7 @@ SELECT id, stage, status, attempts,
 
 /// The unfinished runs among the locked ones end `cancelled`. `$1` tenant, `$2`
 /// item, `$3` run ids, `$4` the reason.
-const CANCEL_RUNS_SQL: &str = "\
+pub(crate) const CANCEL_RUNS_SQL: &str = "\
 UPDATE stage_runs
    SET status = 'cancelled', finished_at = clock_timestamp(), last_error = $4,
        lease_expires_at = least(lease_expires_at, clock_timestamp())
@@ -190,7 +190,7 @@ RETURNING id";
 /// run since the lock above, and it is locked and cancelled like the others.
 /// `$1` new run id, `$2` tenant, `$3` item, `$4` stage, `$5` worker (the
 /// operator), `$6` reason.
-const CANCEL_QUEUED_SQL: &str = "\
+pub(crate) const CANCEL_QUEUED_SQL: &str = "\
 INSERT INTO stage_runs
     (id, tenant_id, item_id, stage, status, attempts, max_attempts, input_hash,
      worker_id, started_at, lease_expires_at, finished_at, last_error)
@@ -236,7 +236,7 @@ pub async fn cancel(
 
 /// The unfinished children of the item's current fan-outs (not superseded by
 /// a rerun of the fan-out stage). `$1` tenant, `$2` the parent item.
-const OPEN_CHILDREN_SQL: &str = "\
+pub(crate) const OPEN_CHILDREN_SQL: &str = "\
 SELECT c.item_id AS id FROM fanouts f
   JOIN fanout_children c
     ON c.tenant_id = f.tenant_id AND c.parent_item = f.parent_item
@@ -250,14 +250,14 @@ SELECT c.item_id AS id FROM fanouts f
 /// fan-out's row, which cancelling a child (its trigger) takes too, so taking
 /// the runs one child at a time could wait on a child holding the other.
 /// `$1` tenant, `$2` the children.
-const LOCK_CHILD_RUNS_SQL: &str = "\
+pub(crate) const LOCK_CHILD_RUNS_SQL: &str = "\
 SELECT id FROM stage_runs
  WHERE tenant_id = $1 AND item_id = ANY($2::text[])
  ORDER BY item_id, created_at, id
    FOR UPDATE";
 
 /// The gather stages of the item's current fan-outs. `$1` tenant, `$2` item.
-const GATHERS_SQL: &str = "\
+pub(crate) const GATHERS_SQL: &str = "\
 SELECT DISTINCT gather_stage AS id FROM fanouts
  WHERE tenant_id = $1 AND parent_item = $2 AND superseded_at IS NULL";
 

@@ -43,7 +43,7 @@
 //! ```
 
 mod bulk;
-mod cancel;
+pub(crate) mod cancel;
 mod dead;
 mod inspect;
 pub(crate) mod rerun;
