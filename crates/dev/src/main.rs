@@ -65,15 +65,11 @@ struct ExampleWorker {
     /// stops; 0: it stops at once
     #[arg(long, default_value_t = 0)]
     review_infeasible_s: u64,
-    /// Extract fans out one child per position: feasibility runs per position
-    /// and calculate gathers their verdicts (the same stage names)
-    #[arg(long)]
-    fan_out: bool,
 }
 
 impl ExampleWorker {
-    /// The seed pipeline with these leases and faults.
-    fn pipeline(&self) -> anyhow::Result<Pipeline> {
+    /// The seed pipeline (`fan_out`: its fan-out form) with these leases and faults.
+    fn pipeline(&self, fan_out: bool) -> anyhow::Result<Pipeline> {
         if !(0.0..1.0).contains(&self.crash_rate) {
             return Err(BadInput("--crash-rate must be in [0, 1)".into()).into());
         }
@@ -96,7 +92,7 @@ impl ExampleWorker {
             crash_rate: self.crash_rate,
             delay_ms: self.stage_delay_ms,
         };
-        if self.fan_out {
+        if fan_out {
             if review.is_some() {
                 return Err(BadInput(
                     "--review-infeasible-s waits in the item's feasibility; with --fan-out \
@@ -114,9 +110,24 @@ impl ExampleWorker {
     }
 }
 
+/// The id of the global `--fan-out` flag.
+const FAN_OUT: &str = "fan_out";
+
 fn command() -> clap::Command {
     let command = extend::command()
         .about("idemstage's own binary: the seed's example pipeline, its demo and benchmarks")
+        .arg(
+            clap::Arg::new(FAN_OUT)
+                .long("fan-out")
+                .global(true)
+                .action(clap::ArgAction::SetTrue)
+                .help(
+                    "The seed pipeline's fan-out form: extract fans out one child per \
+                     position, feasibility runs per position and calculate gathers their \
+                     verdicts (the same stage names). For the worker, and for the operator \
+                     commands and the console over its items",
+                ),
+        )
         .mut_subcommand("worker", ExampleWorker::augment_args);
     DevCommand::augment_subcommands(command)
 }
@@ -149,14 +160,25 @@ fn main() -> ExitCode {
             return extend::exit_code(result);
         }
         extend::init_logging("warn");
+        // A global flag: set before or after the subcommand, it is in the
+        // subcommand's matches.
+        let fan_out = matches
+            .subcommand()
+            .map_or(matches.get_flag(FAN_OUT), |(_, sub)| sub.get_flag(FAN_OUT));
         let pipeline = match matches.subcommand() {
             Some(("worker", worker)) => {
                 match ExampleWorker::from_arg_matches(worker)
                     .map_err(anyhow::Error::from)
-                    .and_then(|w| w.pipeline())
+                    .and_then(|w| w.pipeline(fan_out))
                 {
                     Ok(pipeline) => pipeline,
                     Err(e) => return extend::exit_code(Err(e)),
+                }
+            }
+            _ if fan_out => {
+                match example::fan_out_pipeline(Chaos::default(), StagePolicy::default()) {
+                    Ok(pipeline) => pipeline,
+                    Err(e) => return extend::exit_code(Err(BadInput(e.to_string()).into())),
                 }
             }
             _ => example::pipeline(Chaos::default()),
