@@ -152,7 +152,7 @@ pub async fn control_changes(
                 kind,
                 paused: r.paused,
                 limits: r.limits.into(),
-                priority_aging: super::controls::aging(r.aging_ms),
+                priority_aging: super::aging::aging(r.aging_ms),
                 actor: r.actor,
                 db_user: r.db_user,
             })

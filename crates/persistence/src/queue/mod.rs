@@ -8,6 +8,7 @@
 //!
 //! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
+mod aging;
 mod batched;
 mod buckets;
 mod changes;
@@ -22,12 +23,13 @@ mod maintenance;
 mod notifier;
 mod send;
 
+pub use aging::{set_priority_aging, MAX_PRIORITY_AGING};
 pub use batched::{complete_many, renew_leases, retry_now_many};
 pub use buckets::{held_until, hold};
 pub use changes::{control_changes, ControlChange, ControlChangeKind};
 pub use controls::{
-    controls, pause, resume, set_limits, set_priority_aging, Limits, PauseOutcome, QueueControl,
-    Rate, ResumeOutcome, Scope, MAX_PRIORITY_AGING,
+    controls, pause, resume, set_limits, Limits, PauseOutcome, QueueControl, Rate, ResumeOutcome,
+    Scope,
 };
 pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};
