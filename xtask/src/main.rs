@@ -52,7 +52,7 @@ Commands:
                  run the soak test (release): N minutes (default 10) of random
                  faults (SIGKILL, SIGSTOP, terminated connections) against 3
                  `idemstage worker` processes, then every invariant checked
-  soak --pressure [--minutes N]
+  soak --pressure [--minutes N] [--workloads pipeline,queue] [--no-awa]
                  the long pressure run: N minutes (default 120) at 200 jobs/s,
                  ours (pipeline, queue) and awa, dead tuples every 30 s
                  (cargo xtask pressure's clean cell)
@@ -120,21 +120,39 @@ fn run() -> Result<i32> {
         "soak" => {
             let pressure = rest.first().is_some_and(|a| a == "--pressure");
             let rest = if pressure { &rest[1..] } else { rest };
-            let minutes = match rest {
-                [] if pressure => 120,
-                [] => 10,
-                [flag, n] if flag == "--minutes" => match n.parse::<u64>() {
-                    Ok(n) if n > 0 => n,
+            // `--pressure` passes `--workloads W` and `--no-awa` on to the cells.
+            let mut minutes: Option<u64> = None;
+            let mut passed: Vec<String> = Vec::new();
+            let mut i = 0;
+            while i < rest.len() {
+                let value = rest.get(i + 1);
+                match (rest[i].as_str(), value) {
+                    ("--minutes", Some(n)) => match n.parse::<u64>() {
+                        Ok(n) if n > 0 => minutes = Some(n),
+                        _ => {
+                            eprintln!("xtask: --minutes needs a positive whole number");
+                            return Ok(2);
+                        }
+                    },
+                    ("--workloads", Some(w)) if pressure => {
+                        passed.extend(["--workloads".to_owned(), w.clone()]);
+                    }
+                    ("--no-awa", _) if pressure => {
+                        passed.push("--no-awa".to_owned());
+                        i += 1;
+                        continue;
+                    }
                     _ => {
-                        eprintln!("xtask: --minutes needs a positive whole number");
+                        eprintln!(
+                            "xtask: usage: cargo xtask soak [--minutes N] | \
+                             soak --pressure [--minutes N] [--workloads W] [--no-awa]"
+                        );
                         return Ok(2);
                     }
-                },
-                _ => {
-                    eprintln!("xtask: usage: cargo xtask soak [--pressure] [--minutes N]");
-                    return Ok(2);
                 }
-            };
+                i += 2;
+            }
+            let minutes = minutes.unwrap_or(if pressure { 120 } else { 10 });
             if pressure {
                 // The public benchmark's long run: 200 jobs/s (50 items of four
                 // stages) for the whole soak, ours and awa's, dead tuples sampled
@@ -155,6 +173,7 @@ fn run() -> Result<i32> {
                 .iter()
                 .map(|s| (*s).to_owned())
                 .chain([(minutes * 60).to_string()])
+                .chain(passed)
                 .collect();
                 return pressure::main(&soak);
             }

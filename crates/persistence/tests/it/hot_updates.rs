@@ -78,3 +78,59 @@ async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
          stage_run_attempts {attempts:?}"
     );
 }
+
+/// The tables the hot path updates or deletes from are vacuumed once they have
+/// 1,000 dead tuples, whatever their size: at the default (20 % of the rows)
+/// `jobs`, which keeps the finished jobs for the retention, would wait for more
+/// dead tuples the longer it ran (migration `2026-12-05-000000_vacuum_by_count`).
+#[tokio::test]
+async fn the_hot_tables_are_vacuumed_by_count_not_by_size() {
+    #[derive(diesel::QueryableByName, Debug)]
+    struct Options {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        relname: String,
+        #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::Text>)]
+        options: Vec<String>,
+    }
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let hot = [
+        "fanout_children",
+        "fanouts",
+        "items_open",
+        "job_lanes",
+        "jobs",
+        "queue_buckets",
+        "stage_checkpoints",
+        "stage_run_attempts",
+        "stage_runs",
+        "stage_waits",
+    ];
+    let rows: Vec<Options> = diesel::sql_query(
+        "SELECT c.relname::text AS relname, coalesce(c.reloptions, '{}') AS options \
+           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+          WHERE n.nspname = 'public' AND c.relname = ANY($1) ORDER BY 1",
+    )
+    .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(hot.to_vec())
+    .load(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.relname.as_str()).collect::<Vec<_>>(),
+        hot,
+        "a hot table is missing"
+    );
+    for r in &rows {
+        for want in [
+            "autovacuum_vacuum_scale_factor=0",
+            "autovacuum_vacuum_threshold=1000",
+        ] {
+            assert!(
+                r.options.iter().any(|o| o == want),
+                "{} is vacuumed by its size: {:?}",
+                r.relname,
+                r.options
+            );
+        }
+    }
+}

@@ -1,0 +1,10 @@
+ALTER TABLE jobs RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE items_open RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE stage_runs RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE stage_run_attempts RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE stage_checkpoints RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE stage_waits RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE fanouts RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE fanout_children RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE job_lanes RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+ALTER TABLE queue_buckets RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
