@@ -79,6 +79,7 @@ diesel::table! {
         priority -> Int4,
         floor -> Int8,
         floor_at -> Timestamptz,
+        parked -> Bool,
     }
 }
 

@@ -258,7 +258,7 @@ async fn a_run_with_an_older_mark_leaves_a_higher_floor_where_it_is() {
 }
 
 #[tokio::test]
-async fn an_idle_lane_keeps_its_row_and_a_lane_worked_lately_is_raised() {
+async fn an_idle_lane_keeps_its_floor_and_a_lane_worked_lately_is_raised() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     let a = send(&mut conn, SendOptions::default()).await;
@@ -301,4 +301,154 @@ async fn an_idle_lane_keeps_its_row_and_a_lane_worked_lately_is_raised() {
         mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
     }
     assert_eq!(floor_of_the_lane(&mut conn).await, raised);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Parked {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    parked: bool,
+}
+
+async fn lane_parked(conn: &mut AsyncPgConnection) -> bool {
+    let row: Parked = diesel::sql_query("SELECT parked FROM job_lanes WHERE queue = $1")
+        .bind::<Text, _>(QUEUE)
+        .get_result(conn)
+        .await
+        .unwrap();
+    row.parked
+}
+
+/// Scans of the ready index one fetch started (a lane read is one), and what
+/// it fetched; counted inside one transaction, as `entries_walked_by_a_fetch`.
+async fn lane_reads_of_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<JobId>) {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        let scans = || {
+            diesel::sql_query("SELECT pg_stat_get_xact_numscans('jobs_ready_idx'::regclass) AS n")
+        };
+        let before: Walked = scans().get_result(conn).await?;
+        let ids = fetch_ids(conn, 1).await;
+        let after: Walked = scans().get_result(conn).await?;
+        Ok((after.n - before.n, ids))
+    })
+    .await
+    .unwrap()
+}
+
+/// The transaction that wrote the lane's row last.
+async fn lane_version(conn: &mut AsyncPgConnection) -> i64 {
+    let row: Walked =
+        diesel::sql_query("SELECT xmin::text::bigint AS n FROM job_lanes WHERE queue = $1")
+            .bind::<Text, _>(QUEUE)
+            .get_result(conn)
+            .await
+            .unwrap();
+    row.n
+}
+
+/// Makes every finished job of the lane finished long ago: the lane was not
+/// worked lately.
+async fn long_ago(conn: &mut AsyncPgConnection) {
+    diesel::sql_query(
+        "UPDATE jobs SET completed_at = now() - interval '1 hour' WHERE queue = 'floors'",
+    )
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wakes_it() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let every = Duration::from_secs(10);
+    let a = send(&mut conn, SendOptions::default()).await;
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
+        .await
+        .unwrap();
+    queue::complete(&mut conn, a, fetched[0].attempt, None)
+        .await
+        .unwrap();
+    // Worked lately: the run leaves the lane awake, and a fetch reads it.
+    let mark = queue::advance_floors(&mut conn, None, every).await.unwrap();
+    assert!(
+        !lane_parked(&mut conn).await,
+        "a lane worked lately was parked"
+    );
+    assert_eq!(lane_reads_of_a_fetch(&mut conn).await, (1, vec![]));
+
+    // Nothing ready, nothing leased, nothing finished within the window: parked,
+    // and a fetch of its queue reads no lane.
+    long_ago(&mut conn).await;
+    let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    assert!(lane_parked(&mut conn).await, "an idle lane was not parked");
+    assert_eq!(lane_reads_of_a_fetch(&mut conn).await, (0, vec![]));
+    // Parked once, not again on every run.
+    let parked_by = lane_version(&mut conn).await;
+    send_elsewhere(&mut conn).await;
+    let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    assert_eq!(
+        lane_version(&mut conn).await,
+        parked_by,
+        "a parked lane was written again"
+    );
+
+    // A send wakes its lane: the job is fetched at once, with no run between.
+    let b = send(&mut conn, SendOptions::default()).await;
+    assert!(!lane_parked(&mut conn).await, "a send left its lane parked");
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
+        .await
+        .unwrap();
+    assert_eq!(fetched[0].id, b);
+    queue::complete(&mut conn, b, fetched[0].attempt, None)
+        .await
+        .unwrap();
+
+    // A job ready again (here an operator's UPDATE of a finished job) wakes it.
+    long_ago(&mut conn).await;
+    let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    assert!(lane_parked(&mut conn).await);
+    diesel::sql_query(
+        "UPDATE jobs SET state = 'retry', start_after = now(), completed_at = NULL WHERE id = $1",
+    )
+    .bind::<Text, _>(b.to_string())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        fetched[0].id, b,
+        "the job ready again was not fetched at once"
+    );
+    queue::complete(&mut conn, b, fetched[0].attempt, None)
+        .await
+        .unwrap();
+
+    // A job scheduled an hour ahead: its send wakes the lane, the next run parks
+    // it again (nothing due within the horizon); once due, the run after wakes it.
+    long_ago(&mut conn).await;
+    let later = send(
+        &mut conn,
+        SendOptions::default().with_start_after(Duration::from_secs(3600)),
+    )
+    .await;
+    let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    assert!(
+        lane_parked(&mut conn).await,
+        "a lane with nothing due stayed awake"
+    );
+    diesel::sql_query("UPDATE jobs SET start_after = now() WHERE id = $1")
+        .bind::<Text, _>(later.to_string())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        fetch_ids(&mut conn, 1).await,
+        vec![],
+        "parked until the next run"
+    );
+    queue::advance_floors(&mut conn, mark, every).await.unwrap();
+    assert!(!lane_parked(&mut conn).await);
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![later]);
 }
