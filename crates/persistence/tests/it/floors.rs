@@ -452,3 +452,61 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
     assert!(!lane_parked(&mut conn).await);
     assert_eq!(fetch_ids(&mut conn, 1).await, vec![later]);
 }
+
+/// Scans one run of the floors started of `jobs` itself (sequential) and of
+/// the indexes of leased and of finished jobs, counted inside one transaction.
+async fn scans_of_jobs_by_a_run(conn: &mut AsyncPgConnection) -> i64 {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        let scans = || {
+            diesel::sql_query(
+                "SELECT (pg_stat_get_xact_numscans('jobs'::regclass) \
+                         + pg_stat_get_xact_numscans('jobs_lease_idx'::regclass) \
+                         + pg_stat_get_xact_numscans('jobs_completed_idx'::regclass))::bigint AS n",
+            )
+        };
+        let before: Walked = scans().get_result(conn).await?;
+        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 2000)")
+            .execute(conn)
+            .await?;
+        let after: Walked = scans().get_result(conn).await?;
+        Ok(after.n - before.n)
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_run_reads_the_busy_lanes_once_however_many_lanes_are_idle() {
+    const LANES: i64 = 40;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // LANES idle lanes (one job each, finished an hour ago) and one busy lane
+    // (a job finished now).
+    diesel::sql_query(format!(
+        "INSERT INTO jobs (id, queue, payload, tenant_id, state, completed_at) \
+         SELECT lpad(g::text, 26, '0'), 'floors', '{{}}'::jsonb, 't' || g, 'completed', \
+                CASE WHEN g = 0 THEN now() ELSE now() - interval '1 hour' END \
+           FROM generate_series(0, {LANES}) g"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // The busy lanes read once: two scans (the leases, the finished jobs),
+    // plus one per lane if the planner probes a lane for its first ready job
+    // by a sequential scan. Before, each lane without a ready job read every
+    // lease and every job finished within the window again.
+    let scans = scans_of_jobs_by_a_run(&mut conn).await;
+    assert!(
+        scans <= LANES + 1 + 2,
+        "one run of the floors over {} lanes scanned jobs {scans} times",
+        LANES + 1
+    );
+    let parked: Walked = diesel::sql_query("SELECT count(*) AS n FROM job_lanes WHERE parked")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        parked.n, LANES,
+        "the idle lanes are parked, the busy one is not"
+    );
+}
