@@ -66,23 +66,28 @@ struct Walked {
     n: i64,
 }
 
-/// Index entries of `jobs_ready_idx` one fetch of one job walked: the count of
-/// entries the index returned to the executor, visible or not, read before and
+/// What one fetch of one job did to `jobs_ready_idx` by the statistics
+/// function `stat` (`pg_stat_get_xact_tuples_returned`: the entries the index
+/// returned to the executor, visible or not; `pg_stat_get_xact_numscans`: the
+/// scans started, one per lane read), and what it fetched; read before and
 /// after the fetch in one transaction (the statistics are not sent in between).
-async fn entries_walked_by_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<JobId>) {
+async fn ready_index_by_a_fetch(
+    conn: &mut AsyncPgConnection,
+    stat: &'static str,
+) -> (i64, Vec<JobId>) {
     conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let walked = || {
-            diesel::sql_query(
-                "SELECT pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) AS n",
-            )
-        };
-        let before: Walked = walked().get_result(conn).await?;
+        let read = || diesel::sql_query(format!("SELECT {stat}('jobs_ready_idx'::regclass) AS n"));
+        let before: Walked = read().get_result(conn).await?;
         let ids = fetch_ids(conn, 1).await;
-        let after: Walked = walked().get_result(conn).await?;
+        let after: Walked = read().get_result(conn).await?;
         Ok((after.n - before.n, ids))
     })
     .await
     .unwrap()
+}
+
+async fn entries_walked_by_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<JobId>) {
+    ready_index_by_a_fetch(conn, "pg_stat_get_xact_tuples_returned").await
 }
 
 #[tokio::test]
@@ -285,12 +290,7 @@ async fn an_idle_lane_keeps_its_floor_and_a_lane_worked_lately_is_raised() {
 
     // Nothing of the lane leased or finished within the window, nothing ready:
     // the runs leave its row alone however far the sequence moves.
-    diesel::sql_query(
-        "UPDATE jobs SET completed_at = now() - interval '1 hour' WHERE queue = 'floors'",
-    )
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    long_ago(&mut conn).await;
     diesel::sql_query("UPDATE job_lanes SET floor_at = now() - interval '1 hour'")
         .execute(&mut conn)
         .await
@@ -318,20 +318,8 @@ async fn lane_parked(conn: &mut AsyncPgConnection) -> bool {
     row.parked
 }
 
-/// Scans of the ready index one fetch started (a lane read is one), and what
-/// it fetched; counted inside one transaction, as `entries_walked_by_a_fetch`.
 async fn lane_reads_of_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<JobId>) {
-    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let scans = || {
-            diesel::sql_query("SELECT pg_stat_get_xact_numscans('jobs_ready_idx'::regclass) AS n")
-        };
-        let before: Walked = scans().get_result(conn).await?;
-        let ids = fetch_ids(conn, 1).await;
-        let after: Walked = scans().get_result(conn).await?;
-        Ok((after.n - before.n, ids))
-    })
-    .await
-    .unwrap()
+    ready_index_by_a_fetch(conn, "pg_stat_get_xact_numscans").await
 }
 
 /// The transaction that wrote the lane's row last.
