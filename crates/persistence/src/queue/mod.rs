@@ -35,7 +35,7 @@ pub use defer::retry_after;
 pub use depth::{queue_depths, QueueDepth};
 pub use fetch::{fetch, fetch_wait, fetch_with_commit, LeaseCommit};
 pub use finish::{cancel, complete, fail, renew_lease, retry_at, retry_now, RenewLeaseOutcome};
-pub use floors::{advance_floors, FloorMark};
+pub use floors::{advance_floors, FloorMark, WALK_BELOW_EVERY};
 pub use listen::JobListener;
 pub use maintenance::{
     maintain, queue_stats, MaintenanceConfig, MaintenanceOutcome, MaintenanceReport,

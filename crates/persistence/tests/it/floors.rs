@@ -1,14 +1,16 @@
 //! The ready floors (migration `2026-12-04-000000_ready_floors`): under a held
-//! snapshot the fetch reads a lane from its floor, not past every job it leased
-//! since; and no ready job stays below a floor for longer than one run of
-//! `advance_floors` (a transaction that outlived a run, a deferred job come due).
+//! snapshot the fetch, and a run of `advance_floors`, read a lane from its
+//! floor, not past every job leased since; and no ready job stays below a floor
+//! for long: a deferred job come due, for one run; a job whose transaction
+//! outlived a run, until the next run that walks below the floors
+//! (`2026-12-05-030000_floors_under_a_hold`).
 
 use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{JobId, JobToSend, SendOptions, SendResult};
-use idemstage_persistence::queue::{self, FloorMark};
+use idemstage_persistence::queue::{self, FloorMark, WALK_BELOW_EVERY};
 use idemstage_testkit::TestDb;
 use serde_json::json;
 
@@ -125,8 +127,71 @@ async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
     hold.batch_execute("ROLLBACK").await.unwrap();
 }
 
+/// The index entries one run of the floors read (of the ready jobs, the
+/// leased ones and the deferred ones), counted inside one transaction.
+async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_below: bool) -> i64 {
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        let read = || {
+            diesel::sql_query(
+                "SELECT (pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) \
+                         + pg_stat_get_xact_tuples_returned('jobs_lease_idx'::regclass) \
+                         + pg_stat_get_xact_tuples_returned('jobs_deferred_idx'::regclass))::bigint AS n",
+            )
+        };
+        let before: Walked = read().get_result(conn).await?;
+        diesel::sql_query("SELECT idemstage_advance_floors($1, 3000, 0, $2)")
+            .bind::<BigInt, _>(mark)
+            .bind::<diesel::sql_types::Bool, _>(walk_below)
+            .execute(conn)
+            .await?;
+        let after: Walked = read().get_result(conn).await?;
+        Ok(after.n - before.n)
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
-async fn a_job_whose_transaction_outlived_a_run_is_fetched_after_the_next_run() {
+async fn under_a_held_snapshot_a_run_reads_each_lane_from_its_floor() {
+    const SPENT: i64 = 300;
+    let db = TestDb::new().await;
+    let mut hold = db.conn().await;
+    let mut conn = db.conn().await;
+    hold.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM jobs")
+        .await
+        .unwrap();
+    // SPENT jobs leased under the hold, and one ready after them.
+    for _ in 0..SPENT {
+        send(&mut conn, SendOptions::default()).await;
+    }
+    let mut leased = 0;
+    while leased < SPENT {
+        leased += i64::try_from(fetch_ids(&mut conn, 50).await.len()).unwrap();
+    }
+    send(&mut conn, SendOptions::default()).await;
+    let mark: Walked =
+        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 0, true) AS n")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+    // The raise: the floor passes the leased jobs' entries.
+    entries_read_by_a_run(&mut conn, mark.n, false).await;
+
+    // A run reads from the floor: the ready job, not the leases or the spent
+    // entries below (before this migration it read both, on every run).
+    let read = entries_read_by_a_run(&mut conn, mark.n, false).await;
+    assert!(read <= 4, "a run read {read} index entries from the floor");
+    // A run that walks below the floor passes every one the hold keeps.
+    let walked = entries_read_by_a_run(&mut conn, mark.n, true).await;
+    assert!(
+        walked > SPENT,
+        "{walked} entries walked: the hold is not held"
+    );
+    hold.batch_execute("ROLLBACK").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_job_whose_transaction_outlived_a_run_is_fetched_after_the_next_walk_below_the_floors() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     let mut sender = db.conn().await;
@@ -144,16 +209,27 @@ async fn a_job_whose_transaction_outlived_a_run_is_fetched_after_the_next_run() 
     let mark = queue::advance_floors(&mut conn, None, Duration::ZERO)
         .await
         .unwrap();
-    queue::advance_floors(&mut conn, mark, Duration::ZERO)
+    let mut mark = queue::advance_floors(&mut conn, mark, Duration::ZERO)
         .await
         .unwrap();
     sender.batch_execute("COMMIT").await.unwrap();
     assert_eq!(fetch_ids(&mut conn, 1).await, vec![], "below the floor");
-    // The next run finds it ready below the floor and lowers the floor.
-    queue::advance_floors(&mut conn, mark, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(fetch_ids(&mut conn, 1).await, vec![slow]);
+    // The runs that read the lanes from their floors do not see it; the next
+    // run that walks below them (the process's WALK_BELOW_EVERY-th) finds it
+    // ready below the floor and lowers the floor.
+    let mut runs = 2;
+    let fetched = loop {
+        mark = queue::advance_floors(&mut conn, mark, Duration::ZERO)
+            .await
+            .unwrap();
+        runs += 1;
+        let ids = fetch_ids(&mut conn, 1).await;
+        if !ids.is_empty() || runs > WALK_BELOW_EVERY + 1 {
+            break ids;
+        }
+    };
+    assert_eq!(fetched, vec![slow]);
+    assert_eq!(runs, WALK_BELOW_EVERY + 1, "found by the run that walks");
 }
 
 #[tokio::test]
@@ -189,7 +265,7 @@ async fn a_job_deferred_past_the_horizon_is_fetched_once_due_after_the_next_run(
     let now = send(&mut conn, SendOptions::default()).await;
     assert_eq!(fetch_ids(&mut conn, 1).await, vec![now]);
     // Not due within the horizon: the floor passes it.
-    advance_twice(&mut conn).await;
+    let mark = advance_twice(&mut conn).await;
     // It comes due (the clock moved, as far as the job can tell).
     diesel::sql_query("UPDATE jobs SET start_after = now() WHERE id = $1")
         .bind::<Text, _>(later.to_string())
@@ -197,7 +273,9 @@ async fn a_job_deferred_past_the_horizon_is_fetched_once_due_after_the_next_run(
         .await
         .unwrap();
     assert_eq!(fetch_ids(&mut conn, 1).await, vec![], "below the floor");
-    let mark = queue::advance_floors(&mut conn, None, Duration::ZERO)
+    // The next run, one that does not walk below the floors, finds it among
+    // the jobs that were not due when they became ready.
+    let mark = queue::advance_floors(&mut conn, Some(mark), Duration::ZERO)
         .await
         .unwrap();
     assert!(mark.is_some());
