@@ -11,6 +11,7 @@ mod foundation;
 mod hot_updates;
 mod isolation;
 mod job_labels;
+mod no_jit;
 mod ops;
 mod pgbench_scripts;
 mod pooler;
