@@ -54,10 +54,12 @@ struct MarkRow {
 /// with the mark of its previous run (`None` the first time: then floors are only
 /// lowered). A job deferred past the horizon is found below its floor by the
 /// next run once due; one whose sending transaction outlived a run, by the next
-/// run that walks below the floors (every [`WALK_BELOW_EVERY`]th). One run at a time per database (an advisory lock): a run that finds
-/// another running changes nothing and gives back `previous`. Run it outside a
-/// transaction. The queue worker of `idemstage-runner` runs it every second; a process that fetches by hand needs nothing (without
-/// runs the floors stay where they are, and only the walk grows).
+/// run that walks below the floors (every [`WALK_BELOW_EVERY`]th). One run at
+/// a time per database (an advisory lock): a run that finds another running
+/// changes nothing and gives back `previous`. Run it outside a transaction.
+/// The queue worker of `idemstage-runner` runs it every second; a process that
+/// fetches by hand needs nothing (without runs the floors stay where they are,
+/// and only the walk grows).
 pub async fn advance_floors(
     conn: &mut AsyncPgConnection,
     previous: Option<FloorMark>,
