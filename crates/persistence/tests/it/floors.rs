@@ -92,24 +92,34 @@ async fn entries_walked_by_a_fetch(conn: &mut AsyncPgConnection) -> (i64, Vec<Jo
     ready_index_by_a_fetch(conn, "pg_stat_get_xact_tuples_returned").await
 }
 
+/// Another session's snapshot, held (what vacuum and the index's own cleanup
+/// may not remove, a reader has to pass), and `spent` jobs sent and leased
+/// under it. Roll the returned connection back to let go.
+async fn leased_under_a_hold(
+    db: &TestDb,
+    conn: &mut AsyncPgConnection,
+    spent: i64,
+) -> AsyncPgConnection {
+    let mut hold = db.conn().await;
+    hold.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM jobs")
+        .await
+        .unwrap();
+    for _ in 0..spent {
+        send(conn, SendOptions::default()).await;
+    }
+    let mut leased = 0;
+    while leased < spent {
+        leased += i64::try_from(fetch_ids(conn, 50).await.len()).unwrap();
+    }
+    hold
+}
+
 #[tokio::test]
 async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
     const SPENT: i64 = 300;
     let db = TestDb::new().await;
-    let mut hold = db.conn().await;
     let mut conn = db.conn().await;
-    // Another session's snapshot, held: what vacuum and the index's own cleanup
-    // may not remove, the fetch has to pass.
-    hold.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM jobs")
-        .await
-        .unwrap();
-    for _ in 0..SPENT {
-        send(&mut conn, SendOptions::default()).await;
-    }
-    let mut leased = 0;
-    while leased < SPENT {
-        leased += i64::try_from(fetch_ids(&mut conn, 50).await.len()).unwrap();
-    }
+    let mut hold = leased_under_a_hold(&db, &mut conn, SPENT).await;
     // Floors never moved: the fetch walks every entry the leases left.
     let next = send(&mut conn, SendOptions::default()).await;
     let (walked, ids) = entries_walked_by_a_fetch(&mut conn).await;
@@ -155,19 +165,9 @@ async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_bel
 async fn under_a_held_snapshot_a_run_reads_each_lane_from_its_floor() {
     const SPENT: i64 = 300;
     let db = TestDb::new().await;
-    let mut hold = db.conn().await;
     let mut conn = db.conn().await;
-    hold.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM jobs")
-        .await
-        .unwrap();
     // SPENT jobs leased under the hold, and one ready after them.
-    for _ in 0..SPENT {
-        send(&mut conn, SendOptions::default()).await;
-    }
-    let mut leased = 0;
-    while leased < SPENT {
-        leased += i64::try_from(fetch_ids(&mut conn, 50).await.len()).unwrap();
-    }
+    let mut hold = leased_under_a_hold(&db, &mut conn, SPENT).await;
     send(&mut conn, SendOptions::default()).await;
     let mark: Walked =
         diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 0, true) AS n")
