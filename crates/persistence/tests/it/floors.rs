@@ -137,28 +137,32 @@ async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
     hold.batch_execute("ROLLBACK").await.unwrap();
 }
 
-/// The index entries one run of the floors read (of the ready jobs, the
-/// leased ones and the deferred ones), counted inside one transaction.
-async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_below: bool) -> i64 {
+/// What `run` (one run of the floors) did by the statistics expression `stat`,
+/// read before and after it inside one transaction (the statistics are not
+/// sent in between).
+async fn stat_around_a_run(conn: &mut AsyncPgConnection, stat: &'static str, run: String) -> i64 {
     conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let read = || {
-            diesel::sql_query(
-                "SELECT (pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) \
-                         + pg_stat_get_xact_tuples_returned('jobs_lease_idx'::regclass) \
-                         + pg_stat_get_xact_tuples_returned('jobs_deferred_idx'::regclass))::bigint AS n",
-            )
-        };
+        let read = || diesel::sql_query(format!("SELECT ({stat})::bigint AS n"));
         let before: Walked = read().get_result(conn).await?;
-        diesel::sql_query("SELECT idemstage_advance_floors($1, 3000, 0, $2)")
-            .bind::<BigInt, _>(mark)
-            .bind::<diesel::sql_types::Bool, _>(walk_below)
-            .execute(conn)
-            .await?;
+        diesel::sql_query(run).execute(conn).await?;
         let after: Walked = read().get_result(conn).await?;
         Ok(after.n - before.n)
     })
     .await
     .unwrap()
+}
+
+/// The index entries one run of the floors read (of the ready jobs, the
+/// leased ones and the deferred ones).
+async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_below: bool) -> i64 {
+    stat_around_a_run(
+        conn,
+        "pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) \
+         + pg_stat_get_xact_tuples_returned('jobs_lease_idx'::regclass) \
+         + pg_stat_get_xact_tuples_returned('jobs_deferred_idx'::regclass)",
+        format!("SELECT idemstage_advance_floors({mark}, 3000, 0, {walk_below})"),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -186,6 +190,43 @@ async fn under_a_held_snapshot_a_run_reads_each_lane_from_its_floor() {
     assert!(
         walked > SPENT,
         "{walked} entries walked: the hold is not held"
+    );
+    hold.batch_execute("ROLLBACK").await.unwrap();
+}
+
+#[tokio::test]
+async fn under_a_held_snapshot_a_lane_with_leases_alone_is_asked_from_its_latest_lease() {
+    const SPENT: i64 = 300;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // SPENT jobs leased under the hold and finished long ago (their leased
+    // versions stay in the index of leases), then one leased after them: the
+    // lane's only lease, with the latest deadline.
+    let mut hold = leased_under_a_hold(&db, &mut conn, SPENT).await;
+    diesel::sql_query(
+        "UPDATE jobs SET state = 'completed', lease_expires_at = NULL, \
+                completed_at = now() - interval '1 hour' WHERE queue = 'floors'",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let held = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![held]);
+    let mark: Walked =
+        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 0, true) AS n")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+    // The raise: the floor passes the spent entries of the ready index.
+    entries_read_by_a_run(&mut conn, mark.n, false).await;
+
+    // Nothing ready, nothing finished within the window: the lane is asked for
+    // a lease, and finds the one held at the first entry it reads.
+    let read = entries_read_by_a_run(&mut conn, mark.n, false).await;
+    assert!(read <= 4, "a run read {read} index entries for a lease");
+    assert!(
+        !lane_parked(&mut conn).await,
+        "a lane with a lease was parked"
     );
     hold.batch_execute("ROLLBACK").await.unwrap();
 }
@@ -520,25 +561,16 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
 }
 
 /// Scans one run of the floors started of `jobs` itself (sequential) and of
-/// the indexes of leased and of finished jobs, counted inside one transaction.
+/// the indexes of leased and of finished jobs.
 async fn scans_of_jobs_by_a_run(conn: &mut AsyncPgConnection) -> i64 {
-    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let scans = || {
-            diesel::sql_query(
-                "SELECT (pg_stat_get_xact_numscans('jobs'::regclass) \
-                         + pg_stat_get_xact_numscans('jobs_lease_idx'::regclass) \
-                         + pg_stat_get_xact_numscans('jobs_completed_idx'::regclass))::bigint AS n",
-            )
-        };
-        let before: Walked = scans().get_result(conn).await?;
-        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 2000)")
-            .execute(conn)
-            .await?;
-        let after: Walked = scans().get_result(conn).await?;
-        Ok(after.n - before.n)
-    })
+    stat_around_a_run(
+        conn,
+        "pg_stat_get_xact_numscans('jobs'::regclass) \
+         + pg_stat_get_xact_numscans('jobs_lease_idx'::regclass) \
+         + pg_stat_get_xact_numscans('jobs_completed_idx'::regclass)",
+        "SELECT idemstage_advance_floors(NULL, 3000, 2000)".to_owned(),
+    )
     .await
-    .unwrap()
 }
 
 #[tokio::test]
