@@ -134,3 +134,37 @@ async fn the_hot_tables_are_vacuumed_by_count_not_by_size() {
         }
     }
 }
+
+/// No UPDATE of `jobs` pays for a BEFORE ROW trigger: with one on the table,
+/// the executor fetches and locks each old row for it before it looks at the
+/// trigger's columns or its WHEN, so every lease, renewal and completion paid,
+/// 13-15 % of the UPDATE (migration `2026-12-05-050000_jobs_after_triggers`).
+/// The labels' check and the ready-again number run AFTER the UPDATE instead;
+/// tests `job_labels` and `floors` hold them to what they do.
+#[tokio::test]
+async fn no_update_of_jobs_pays_for_a_before_row_trigger() {
+    #[derive(diesel::QueryableByName, Debug)]
+    struct Trigger {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        tgname: String,
+    }
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // tgtype: 1 a row trigger, 2 BEFORE, 16 on UPDATE.
+    let before_row_update: Vec<Trigger> = diesel::sql_query(
+        "SELECT tgname::text AS tgname FROM pg_trigger \
+          WHERE tgrelid = 'public.jobs'::regclass AND NOT tgisinternal \
+            AND tgtype & 1 = 1 AND tgtype & 2 = 2 AND tgtype & 16 = 16",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let names: Vec<&str> = before_row_update
+        .iter()
+        .map(|t| t.tgname.as_str())
+        .collect();
+    assert!(
+        names.is_empty(),
+        "BEFORE ROW UPDATE triggers on jobs: {names:?}"
+    );
+}
