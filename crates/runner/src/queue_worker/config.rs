@@ -66,7 +66,7 @@ pub struct QueueWorkerConfig {
     /// time): the fetch reads each lane of ready jobs from its floor, so that a
     /// snapshot held elsewhere does not make it walk the jobs leased since. A
     /// deferred job that comes due below its lane's floor waits for the next
-    /// run at most.
+    /// run at most. The first run is one interval after the worker starts.
     pub floors_interval: Duration,
     /// On shutdown, how long in-flight handlers may finish; after that they are
     /// aborted and their jobs given back (`retry_now`, not counted as a failure).

@@ -43,8 +43,7 @@ pub(super) async fn maintenance_loop(
 /// the next, until `stop`. A failed run keeps the mark it had: an older mark only
 /// keeps floors lower.
 pub(super) async fn floors_loop(pool: PgPool, interval: Duration, stop: CancellationToken) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticker = floors_ticker(interval);
     let mut mark = None;
     loop {
         tokio::select! {
@@ -61,6 +60,19 @@ pub(super) async fn floors_loop(pool: PgPool, interval: Duration, stop: Cancella
             Err(e) => tracing::warn!(error = %e, "advancing the ready floors failed"),
         }
     }
+}
+
+/// The floors' ticker: its first tick one `interval` after the start, not at
+/// once. A run at a worker's start (on a connection of its own, the function
+/// planned on its first call) took the CPU from the first fetches: the
+/// `QueueWorker` drain of `idemstage bench queue` was 15-20 % slower with it
+/// (BENCHMARKS.md). Nothing needs a run at the start: a floor rises only in a
+/// run, and a job sent meanwhile is above it; a ready job below a floor waits
+/// for another worker's run or this one's first.
+fn floors_ticker(interval: Duration) -> tokio::time::Interval {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticker
 }
 
 /// Samples the depth of `queues` every `interval` into the queue gauges, until
@@ -87,5 +99,20 @@ pub(super) async fn queue_gauges_loop(
             Ok(depths) => crate::telemetry::set_queue_gauges(&depths),
             Err(e) => tracing::debug!(error = %e, "sampling the queue gauges failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_floors_run_is_one_interval_after_the_start() {
+        let start = tokio::time::Instant::now();
+        let mut ticker = super::floors_ticker(Duration::from_secs(1));
+        ticker.tick().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        ticker.tick().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
     }
 }
