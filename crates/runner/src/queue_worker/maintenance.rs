@@ -63,10 +63,10 @@ pub(super) async fn floors_loop(pool: PgPool, interval: Duration, stop: Cancella
 }
 
 /// The floors' ticker: its first tick one `interval` after the start, not at
-/// once. A run at a worker's start (on a connection of its own, the function
-/// planned on its first call) took the CPU from the first fetches: the
-/// `QueueWorker` drain of `idemstage bench queue` was 15-20 % slower with it
-/// (BENCHMARKS.md). Nothing needs a run at the start: a floor rises only in a
+/// once. A run at a worker's start competed with the first fetches (its own
+/// connection, the function's first call; which of them costs most was not
+/// measured apart): the `QueueWorker` drain of `idemstage bench queue` was
+/// 15-20 % slower with it (BENCHMARKS.md). Nothing needs a run at the start: a floor rises only in a
 /// run, and a job sent meanwhile is above it; a ready job below a floor waits
 /// for another worker's run or this one's first.
 fn floors_ticker(interval: Duration) -> tokio::time::Interval {
