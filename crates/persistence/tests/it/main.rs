@@ -6,6 +6,7 @@ mod claim_cost;
 mod controls;
 mod diesel_errors;
 mod fair;
+mod fetch_plans;
 mod floors;
 mod foundation;
 mod hot_updates;
