@@ -3,8 +3,10 @@
 //! table has grown (migration `2026-12-05-070000_fetch_plans_by_index`).
 
 use diesel::sql_types::BigInt;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_testkit::TestDb;
+
+use crate::support::stat_around;
 
 #[derive(diesel::QueryableByName, Debug)]
 struct N {
@@ -14,21 +16,6 @@ struct N {
 
 async fn run(conn: &mut AsyncPgConnection, sql: &str) {
     diesel::sql_query(sql).execute(conn).await.unwrap();
-}
-
-/// The rows of `jobs` that `sql` read by sequential scans, read before and
-/// after it inside one transaction (the statistics are not sent in between).
-async fn rows_scanned(conn: &mut AsyncPgConnection, sql: &'static str) -> i64 {
-    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let read =
-            || diesel::sql_query("SELECT pg_stat_get_xact_tuples_returned('jobs'::regclass) AS n");
-        let before: N = read().get_result(conn).await?;
-        diesel::sql_query(sql).execute(conn).await?;
-        let after: N = read().get_result(conn).await?;
-        Ok(after.n - before.n)
-    })
-    .await
-    .unwrap()
 }
 
 #[tokio::test]
@@ -55,7 +42,13 @@ async fn a_fetch_planned_on_an_empty_table_reads_a_grown_lane_by_its_index() {
         ),
     )
     .await;
-    let scanned = rows_scanned(&mut conn, "SELECT * FROM idemstage_fetch(ARRAY['q'], 1)").await;
+    // Rows of `jobs` read by sequential scans.
+    let scanned = stat_around(
+        &mut conn,
+        "pg_stat_get_xact_tuples_returned('jobs'::regclass)",
+        "SELECT * FROM idemstage_fetch(ARRAY['q'], 1)".to_owned(),
+    )
+    .await;
     assert!(
         scanned < 100,
         "a fetch read {scanned} rows of jobs by sequential scans (of {GROWN} in its lane)"

@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use crate::support::stat_around;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{JobId, JobToSend, SendOptions, SendResult};
@@ -137,25 +138,10 @@ async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
     hold.batch_execute("ROLLBACK").await.unwrap();
 }
 
-/// What `run` (one run of the floors) did by the statistics expression `stat`,
-/// read before and after it inside one transaction (the statistics are not
-/// sent in between).
-async fn stat_around_a_run(conn: &mut AsyncPgConnection, stat: &'static str, run: String) -> i64 {
-    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-        let read = || diesel::sql_query(format!("SELECT ({stat})::bigint AS n"));
-        let before: Walked = read().get_result(conn).await?;
-        diesel::sql_query(run).execute(conn).await?;
-        let after: Walked = read().get_result(conn).await?;
-        Ok(after.n - before.n)
-    })
-    .await
-    .unwrap()
-}
-
 /// The index entries one run of the floors read (of the ready jobs, the
 /// leased ones and the deferred ones).
 async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_below: bool) -> i64 {
-    stat_around_a_run(
+    stat_around(
         conn,
         "pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) \
          + pg_stat_get_xact_tuples_returned('jobs_lease_idx'::regclass) \
@@ -563,7 +549,7 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
 /// Scans one run of the floors started of `jobs` itself (sequential) and of
 /// the indexes of leased and of finished jobs.
 async fn scans_of_jobs_by_a_run(conn: &mut AsyncPgConnection) -> i64 {
-    stat_around_a_run(
+    stat_around(
         conn,
         "pg_stat_get_xact_numscans('jobs'::regclass) \
          + pg_stat_get_xact_numscans('jobs_lease_idx'::regclass) \

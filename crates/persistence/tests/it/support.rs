@@ -126,3 +126,25 @@ where
 pub fn noop<'t>(_: &'t mut FencedTx<'_>) -> BoxFuture<'t, Result<(), StageError>> {
     async { Ok(()) }.boxed()
 }
+
+#[derive(diesel::QueryableByName)]
+struct Stat {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+/// What `sql` did by the statistics expression `stat` (e.g.
+/// `pg_stat_get_xact_tuples_returned(…)`), read before and after it inside
+/// one transaction (the statistics are not sent in between).
+pub async fn stat_around(conn: &mut AsyncPgConnection, stat: &str, sql: String) -> i64 {
+    use diesel_async::{AsyncConnection, RunQueryDsl};
+    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+        let read = || diesel::sql_query(format!("SELECT ({stat})::bigint AS n"));
+        let before: Stat = read().get_result(conn).await?;
+        diesel::sql_query(sql).execute(conn).await?;
+        let after: Stat = read().get_result(conn).await?;
+        Ok(after.n - before.n)
+    })
+    .await
+    .unwrap()
+}
