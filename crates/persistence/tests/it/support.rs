@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use idemstage_domain::{
@@ -137,7 +137,6 @@ struct Stat {
 /// `pg_stat_get_xact_tuples_returned(…)`), read before and after it inside
 /// one transaction (the statistics are not sent in between).
 pub async fn stat_around(conn: &mut AsyncPgConnection, stat: &str, sql: String) -> i64 {
-    use diesel_async::{AsyncConnection, RunQueryDsl};
     conn.transaction::<_, diesel::result::Error, _>(async |conn| {
         let read = || diesel::sql_query(format!("SELECT ({stat})::bigint AS n"));
         let before: Stat = read().get_result(conn).await?;

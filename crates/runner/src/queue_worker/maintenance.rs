@@ -66,9 +66,9 @@ pub(super) async fn floors_loop(pool: PgPool, interval: Duration, stop: Cancella
 /// once. A run at a worker's start competed with the first fetches (its own
 /// connection, the function's first call; which of them costs most was not
 /// measured apart): the `QueueWorker` drain of `idemstage bench queue` was
-/// 15-20 % slower with it (BENCHMARKS.md). Nothing needs a run at the start: a floor rises only in a
-/// run, and a job sent meanwhile is above it; a ready job below a floor waits
-/// for another worker's run or this one's first.
+/// 15-20 % slower with it (BENCHMARKS.md). Nothing needs a run at the start:
+/// a floor rises only in a run, and a job sent meanwhile is above it; a ready
+/// job below a floor waits for another worker's run or this one's first.
 fn floors_ticker(interval: Duration) -> tokio::time::Interval {
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
