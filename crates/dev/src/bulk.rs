@@ -185,7 +185,7 @@ pub async fn bulk(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let drain = Instant::now() + Duration::from_secs(120);
     while fixtures::count_rows(
         &mut conn,
-        "SELECT count(*) AS n FROM jobs WHERE state IN ('created', 'retry', 'active')",
+        "SELECT count(*) AS n FROM job_states WHERE state IN ('created', 'retry', 'active')",
     )
     .await?
         > 0

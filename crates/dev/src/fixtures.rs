@@ -147,7 +147,7 @@ pub async fn count_jobs(
     state: Option<&str>,
 ) -> Result<i64, RepoError> {
     let row: Count = diesel::sql_query(
-        "SELECT count(*) AS n FROM jobs WHERE queue = $1 AND ($2::text IS NULL OR state = $2)",
+        "SELECT count(*) AS n FROM job_states WHERE queue = $1 AND ($2::text IS NULL OR state = $2)",
     )
     .bind::<Text, _>(queue)
     .bind::<diesel::sql_types::Nullable<Text>, _>(state)

@@ -291,7 +291,7 @@ async fn sample(
     let (mut before, mut after) = (Maxima::default(), Maxima::default());
     while !stop.is_cancelled() {
         let rows: Vec<Active> = diesel::sql_query(
-            "SELECT tenant_id, count(*) AS n FROM jobs
+            "SELECT tenant_id, count(*) AS n FROM job_states
               WHERE queue = $1 AND state = 'active' GROUP BY tenant_id",
         )
         .bind::<Text, _>(stage)

@@ -391,7 +391,7 @@ struct Sample {
 async fn sample(conn: &mut AsyncPgConnection, from: f64, to: f64) -> anyhow::Result<Sample> {
     let rows: Vec<Pickup> = diesel::sql_query(
         "SELECT (extract(epoch FROM started_at - start_after) * 1e6)::bigint AS us
-           FROM jobs
+           FROM job_states
           WHERE state = 'completed'
             AND completed_at >= to_timestamp($1) AND completed_at < to_timestamp($2)",
     )
@@ -405,7 +405,7 @@ async fn sample(conn: &mut AsyncPgConnection, from: f64, to: f64) -> anyhow::Res
     }
     let backlog = fixtures::count_rows(
         conn,
-        "SELECT count(*) AS n FROM jobs
+        "SELECT count(*) AS n FROM job_states
           WHERE state IN ('created', 'retry') AND start_after <= clock_timestamp()",
     )
     .await?;
@@ -449,7 +449,7 @@ async fn peak(
     loop {
         let done = fixtures::count_rows(
             conn,
-            "SELECT count(*) AS n FROM jobs WHERE state = 'completed'",
+            "SELECT count(*) AS n FROM job_states WHERE state = 'completed'",
         )
         .await?;
         if done as f64 >= expected {
@@ -667,7 +667,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     let drained = loop {
         let open = fixtures::count_rows(
             &mut conn,
-            "SELECT count(*) AS n FROM jobs WHERE state IN ('created', 'retry', 'active')",
+            "SELECT count(*) AS n FROM job_states WHERE state IN ('created', 'retry', 'active')",
         )
         .await?;
         if open == 0 {
@@ -684,7 +684,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     let items = AtomicU64::load(&sent, Ordering::Relaxed);
     let completed = fixtures::count_rows(
         &mut conn,
-        "SELECT count(*) AS n FROM jobs WHERE state = 'completed'",
+        "SELECT count(*) AS n FROM job_states WHERE state = 'completed'",
     )
     .await?;
     if drained && completed as u64 != items * stages as u64 {

@@ -162,7 +162,7 @@ WITH stages AS (
                                    AND f.completed_at IS NOT NULL))) AS expected,
            coalesce(s.pos = 1 AND $4 AND r.status = 'success'
                     AND r.input_hash <> a.input_sha256, false) AS rerun_due,
-           EXISTS (SELECT 1 FROM jobs j
+           EXISTS (SELECT 1 FROM job_states j
                     WHERE j.queue = s.stage
                       AND j.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
                       AND j.state IN ('created', 'retry', 'active')) AS live_job

@@ -172,7 +172,7 @@ UNION ALL SELECT 'attempt_history_errors',
                 SELECT 1 FROM stage_run_attempts a
                  WHERE a.run_id = r.id AND a.attempt = r.success_attempt
                    AND a.outcome = 'success')))
-UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
+UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM job_states WHERE state IN ('created', 'retry', 'active'))
 UNION ALL SELECT 'status:' || status, count(*) FROM stage_runs GROUP BY status
 ";
 

@@ -56,7 +56,7 @@ async fn insert_job(conn: &mut AsyncPgConnection, queue: &str, payload: Value) -
 }
 
 async fn job(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
-    diesel::sql_query("SELECT state, retry_count, last_error FROM jobs WHERE id = $1")
+    diesel::sql_query("SELECT state, retry_count, last_error FROM job_states WHERE id = $1")
         .bind::<Text, _>(id.to_string())
         .get_result(conn)
         .await
@@ -247,7 +247,7 @@ async fn an_input_above_the_limit_written_by_hand_fails_its_stage_permanently() 
         Arc::new(Counters::default()),
     );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await == 0 {
+    while count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'failed'").await == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the job never failed"
@@ -405,7 +405,7 @@ async fn stage_bodies_that_panic_or_never_return_fail_their_run_and_nothing_else
     assert_eq!(count(&mut conn, "SELECT 1 FROM audit_log").await, 2);
     // The dead runs' jobs failed for good; the worker still works.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await < 3 {
+    while count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'failed'").await < 3 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "dead runs' jobs not failed"

@@ -147,7 +147,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     }
     diesel::sql_query(
         "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
-             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
+             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM job_states j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              || coalesce((SELECT string_agg(c::text, '|' ORDER BY queue, scope) FROM queue_controls c), '')
              AS s",
@@ -865,7 +865,7 @@ async fn through_pgbouncer_in_transaction_mode_the_console_reads_retries_and_pau
     assert_eq!(paused, 1);
     let revived = idemstage_testkit::count(
         &mut conn,
-        "SELECT 1 FROM jobs WHERE queue = 'intake' AND state = 'created'",
+        "SELECT 1 FROM job_states WHERE queue = 'intake' AND state = 'created'",
     )
     .await;
     assert_eq!(revived, 1);

@@ -203,18 +203,20 @@ async fn compare(
             (
                 "jobs completed = completed jobs",
                 sum(samples, "idemstage_jobs_completed_total", &q),
-                format!("SELECT 1 FROM jobs WHERE queue = '{stage}' AND state = 'completed'"),
+                format!("SELECT 1 FROM job_states WHERE queue = '{stage}' AND state = 'completed'"),
             ),
             (
                 "jobs failed = failed jobs",
                 sum(samples, "idemstage_jobs_failed_total", &q),
-                format!("SELECT 1 FROM jobs WHERE queue = '{stage}' AND state = 'failed'"),
+                format!("SELECT 1 FROM job_states WHERE queue = '{stage}' AND state = 'failed'"),
             ),
             (
                 // Every fetch increments a job's attempt; this worker was the only one.
                 "jobs fetched = sum of attempts",
                 sum(samples, "idemstage_jobs_fetched_total", &q),
-                format!("SELECT generate_series(1, attempt) FROM jobs WHERE queue = '{stage}'"),
+                format!(
+                    "SELECT generate_series(1, attempt) FROM job_states WHERE queue = '{stage}'"
+                ),
             ),
             (
                 "jobs retried = sum of retry counts",
@@ -258,7 +260,7 @@ async fn a_worker_serves_prometheus_metrics_that_match_the_database() {
     }
     let waiting = count(
         &mut conn,
-        "SELECT 1 FROM jobs WHERE queue = 'extract' AND state IN ('created', 'retry') AND start_after <= now()",
+        "SELECT 1 FROM job_states WHERE queue = 'extract' AND state IN ('created', 'retry') AND start_after <= now()",
     )
     .await;
     assert!(waiting > 0);

@@ -41,7 +41,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
     use diesel_async::RunQueryDsl;
     diesel::sql_query(
         "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
-             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
+             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM job_states j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              AS s",
     )

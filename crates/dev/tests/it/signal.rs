@@ -35,7 +35,7 @@ async fn an_infeasible_item_waits_for_its_review_which_is_delivered_once_to_its_
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM jobs WHERE state IN ('created', 'retry', 'active')"
+            "SELECT 1 FROM job_states WHERE state IN ('created', 'retry', 'active')"
         )
         .await,
         0

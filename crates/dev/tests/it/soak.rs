@@ -157,7 +157,7 @@ async fn soak_random_faults_lose_nothing_and_run_nothing_twice() {
             while !stop.is_cancelled() {
                 let live = count(
                     &mut conn,
-                    "SELECT 1 FROM jobs WHERE state IN ('created', 'retry', 'active')",
+                    "SELECT 1 FROM job_states WHERE state IN ('created', 'retry', 'active')",
                 )
                 .await;
                 if live < 40 {

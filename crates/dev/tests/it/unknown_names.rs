@@ -30,7 +30,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
              (SELECT string_agg(h::text, '|' ORDER BY id) FROM queue_control_changes h),
              (SELECT string_agg(b::text, '|' ORDER BY queue) FROM queue_buckets b),
              (SELECT string_agg(a::text, '|' ORDER BY id) FROM items a),
-             (SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j),
+             (SELECT string_agg(j::text, '|' ORDER BY id) FROM job_states j),
              (SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l)) AS s",
     )
     .get_result::<S>(conn)

@@ -130,7 +130,7 @@ SELECT tenant_id, item_id, stage, id, attempts, max_attempts, worker_id, finishe
 const FAILED_JOBS_SQL: &str = "\
 SELECT id, queue, tenant_id, payload->>'item_id' AS item, attempt, retry_count,
        completed_at, last_error
-  FROM jobs
+  FROM job_states
  WHERE state = 'failed' AND ($1::text IS NULL OR tenant_id = $1)
    AND ($2::text IS NULL OR queue = $2)
  ORDER BY completed_at DESC NULLS LAST, id DESC

@@ -21,11 +21,11 @@ SELECT q.queue,
        SELECT count(*) FILTER (WHERE j.start_after <= now()) AS ready,
               count(*) FILTER (WHERE j.start_after > now()) AS delayed,
               min(j.start_after) FILTER (WHERE j.start_after <= now()) AS oldest_ready
-         FROM jobs j
+         FROM job_states j
         WHERE j.queue = q.queue AND j.state IN ('created', 'retry')) r
   CROSS JOIN LATERAL (
        SELECT count(*) AS active
-         FROM jobs j
+         FROM job_states j
         WHERE j.queue = q.queue AND j.state = 'active'
           AND j.lease_expires_at IS NOT NULL) a
  ORDER BY q.n";

@@ -243,7 +243,7 @@ struct StatRow {
 /// Job counts per queue and state, of every queue (`jobs` has no tenant).
 pub async fn queue_stats(conn: &mut AsyncPgConnection) -> Result<QueueStats, RepoError> {
     let query = diesel::sql_query(
-        "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue, state",
+        "SELECT queue, state, count(*) AS n FROM job_states GROUP BY queue, state ORDER BY queue, state",
     );
     let rows: Vec<StatRow> = crate::db::pinned(conn, async move |conn| query.load(conn).await)
         .await

@@ -199,12 +199,12 @@ async fn concurrent_fetchers_never_exceed_a_cap() {
                 idle = 0;
                 // Sampled from the database while this fetcher holds its jobs.
                 max_seen = max_seen
-                    .max(count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'active'").await);
+                    .max(count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'active'").await);
                 max_tenant = max_tenant.max(
                     count(
                         &mut conn,
-                        "SELECT 1 FROM jobs WHERE state = 'active' AND tenant_id = ( \
-                           SELECT tenant_id FROM jobs WHERE state = 'active' \
+                        "SELECT 1 FROM job_states WHERE state = 'active' AND tenant_id = ( \
+                           SELECT tenant_id FROM job_states WHERE state = 'active' \
                             GROUP BY tenant_id ORDER BY count(*) DESC LIMIT 1)",
                     )
                     .await,

@@ -53,9 +53,10 @@ async fn a_fetch_planned_on_an_empty_table_reads_a_grown_lane_by_its_index() {
         scanned < 100,
         "a fetch read {scanned} rows of jobs by sequential scans (of {GROWN} in its lane)"
     );
-    let fetched: N = diesel::sql_query("SELECT count(*) AS n FROM jobs WHERE state = 'active'")
-        .get_result(&mut conn)
-        .await
-        .unwrap();
+    let fetched: N =
+        diesel::sql_query("SELECT count(*) AS n FROM job_states WHERE state = 'active'")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
     assert_eq!(fetched.n, 2, "both fetches leased a job");
 }

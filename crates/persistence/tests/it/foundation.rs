@@ -16,7 +16,19 @@ async fn public_tables(conn: &mut AsyncPgConnection) -> Vec<String> {
     let rows: Vec<Name> = diesel::sql_query(
         "SELECT table_name::text AS name FROM information_schema.tables \
          WHERE table_schema = 'public' AND table_name <> '__diesel_schema_migrations' \
+           AND table_type = 'BASE TABLE' \
          ORDER BY 1",
+    )
+    .load(conn)
+    .await
+    .unwrap();
+    rows.into_iter().map(|r| r.name).collect()
+}
+
+async fn public_views(conn: &mut AsyncPgConnection) -> Vec<String> {
+    let rows: Vec<Name> = diesel::sql_query(
+        "SELECT table_name::text AS name FROM information_schema.views \
+         WHERE table_schema = 'public' ORDER BY 1",
     )
     .load(conn)
     .await
@@ -53,16 +65,19 @@ async fn migrations_round_trip_up_down_up() {
             "stage_waits"
         ]
     );
+    assert_eq!(public_views(&mut conn).await, ["job_states"]);
 
     let reverted = idemstage_persistence::revert_all_migrations(db.url())
         .await
         .unwrap();
     assert!(reverted >= 1);
     assert_eq!(public_tables(&mut conn).await, Vec::<String>::new());
+    assert_eq!(public_views(&mut conn).await, Vec::<String>::new());
 
     let applied = idemstage_persistence::migrate(db.url()).await.unwrap();
     assert_eq!(applied, reverted);
     assert_eq!(public_tables(&mut conn).await, tables);
+    assert_eq!(public_views(&mut conn).await, ["job_states"]);
     // Applying again is a no-op.
     assert_eq!(idemstage_persistence::migrate(db.url()).await.unwrap(), 0);
 }

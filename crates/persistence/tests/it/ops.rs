@@ -40,7 +40,7 @@ async fn snapshot(conn: &mut AsyncPgConnection) -> String {
         "SELECT coalesce((SELECT string_agg(r::text, '|' ORDER BY id) FROM stage_runs r), '')
              || coalesce((SELECT string_agg(a::text, '|' ORDER BY run_id, attempt)
                             FROM stage_run_attempts a), '')
-             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM jobs j), '')
+             || coalesce((SELECT string_agg(j::text, '|' ORDER BY id) FROM job_states j), '')
              || coalesce((SELECT string_agg(l::text, '|' ORDER BY id) FROM audit_log l), '')
              AS s",
     )
@@ -122,7 +122,9 @@ async fn two_concurrent_retries_of_a_dead_stage_revive_it_once() {
     assert_eq!(
         count(
             &mut conn,
-            &format!("SELECT 1 FROM jobs WHERE singleton_key = '{key}' AND state = 'created'")
+            &format!(
+                "SELECT 1 FROM job_states WHERE singleton_key = '{key}' AND state = 'created'"
+            )
         )
         .await,
         1

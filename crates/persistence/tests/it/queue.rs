@@ -62,7 +62,7 @@ struct JobRow {
 async fn row(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
     diesel::sql_query(
         "SELECT queue, state, attempt, retry_count, last_error, completed_at, payload::text
-           FROM jobs WHERE id = $1",
+           FROM job_states WHERE id = $1",
     )
     .bind::<Text, _>(id.to_string())
     .get_result(conn)
@@ -106,12 +106,13 @@ async fn wait_until_lease_expired(conn: &mut AsyncPgConnection, id: JobId) {
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let e: Expired =
-            diesel::sql_query("SELECT lease_expires_at < now() AS expired FROM jobs WHERE id = $1")
-                .bind::<Text, _>(id.to_string())
-                .get_result(conn)
-                .await
-                .unwrap();
+        let e: Expired = diesel::sql_query(
+            "SELECT lease_expires_at < now() AS expired FROM job_states WHERE id = $1",
+        )
+        .bind::<Text, _>(id.to_string())
+        .get_result(conn)
+        .await
+        .unwrap();
         if e.expired {
             return;
         }
@@ -328,7 +329,7 @@ async fn eight_concurrent_fetchers_deliver_each_of_5000_jobs_exactly_once() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT count(*) AS n FROM jobs WHERE state = 'completed'"
+            "SELECT count(*) AS n FROM job_states WHERE state = 'completed'"
         )
         .await,
         JOBS as i64
@@ -424,7 +425,7 @@ async fn fetch_orders_by_priority_then_age_and_respects_start_after_and_queues()
     assert_eq!(
         count(
             &mut conn,
-            "SELECT count(*) AS n FROM jobs WHERE queue = 'x' AND state = 'created'"
+            "SELECT count(*) AS n FROM job_states WHERE queue = 'x' AND state = 'created'"
         )
         .await,
         1
@@ -825,7 +826,7 @@ async fn cancel_retry_now_and_complete_with_output() {
         #[diesel(sql_type = Nullable<Text>)]
         output: Option<String>,
     }
-    let o: Out = diesel::sql_query("SELECT output::text FROM jobs WHERE id = $1")
+    let o: Out = diesel::sql_query("SELECT output::text FROM job_states WHERE id = $1")
         .bind::<Text, _>(b.to_string())
         .get_result(&mut conn)
         .await
@@ -917,7 +918,7 @@ async fn maintenance_expires_into_dead_letter_deletes_after_retention_and_runs_o
     assert_eq!(
         count(
             &mut conn,
-            "SELECT count(*) AS n FROM jobs WHERE queue = 'm-dead' AND state = 'created' \
+            "SELECT count(*) AS n FROM job_states WHERE queue = 'm-dead' AND state = 'created' \
              AND payload = '{\"x\": 1}'"
         )
         .await,
@@ -1316,7 +1317,7 @@ async fn an_asynchronous_fetch_commits_its_leases_and_leaves_the_session_durable
     assert_eq!(
         count(
             &mut other,
-            "SELECT count(*) AS n FROM jobs WHERE queue = 'lease' AND state = 'active' AND attempt = 1"
+            "SELECT count(*) AS n FROM job_states WHERE queue = 'lease' AND state = 'active' AND attempt = 1"
         )
         .await,
         2

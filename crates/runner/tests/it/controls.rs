@@ -42,7 +42,7 @@ async fn a_rate_limited_backlog_drains_at_the_rate_not_at_the_poll_interval() {
     let running = start(db.pool(8).await, db.url(), cfg, handler);
 
     let started = Instant::now();
-    let done = "SELECT 1 FROM jobs WHERE queue = 'limited' AND state = 'completed'";
+    let done = "SELECT 1 FROM job_states WHERE queue = 'limited' AND state = 'completed'";
     while count(&mut conn, done).await < 40 {
         assert!(
             started.elapsed() < DEADLINE,

@@ -176,7 +176,7 @@ async fn a_nul_byte_in_a_stage_error_is_recorded_and_the_stage_retried() {
         recorded.error
     );
     assert_eq!(
-        count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await,
+        count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'failed'").await,
         0
     );
 }

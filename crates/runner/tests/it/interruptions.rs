@@ -75,7 +75,7 @@ async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
         Arc::new(Counters::default()),
     );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'failed'").await == 0 {
+    while count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'failed'").await == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the stage is still being retried"
@@ -105,7 +105,11 @@ async fn a_stage_interrupted_every_time_ends_dead_and_its_job_failed() {
         2
     );
     assert_eq!(
-        count(&mut conn, "SELECT 1 FROM jobs WHERE state <> 'failed'").await,
+        count(
+            &mut conn,
+            "SELECT 1 FROM job_states WHERE state <> 'failed'"
+        )
+        .await,
         0
     );
 }

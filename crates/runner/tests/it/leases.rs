@@ -87,7 +87,7 @@ async fn leases(conn: &mut AsyncPgConnection, queue: &str) -> Leases {
     diesel::sql_query(
         "SELECT count(*) AS active, count(DISTINCT lease_expires_at) AS distinct_leases,
                 min(lease_expires_at) AS earliest, max(attempt) AS max_attempt
-           FROM jobs WHERE queue = $1 AND state = 'active'",
+           FROM job_states WHERE queue = $1 AND state = 'active'",
     )
     .bind::<Text, _>(queue)
     .get_result(conn)

@@ -58,7 +58,7 @@ pub(crate) async fn next_started(rx: &mut mpsc::UnboundedReceiver<Started>) -> S
 async fn active(conn: &mut AsyncPgConnection, queue: &str) -> i64 {
     count(
         conn,
-        &format!("SELECT 1 FROM jobs WHERE queue = '{queue}' AND state = 'active'"),
+        &format!("SELECT 1 FROM job_states WHERE queue = '{queue}' AND state = 'active'"),
     )
     .await
 }
@@ -171,7 +171,7 @@ async fn shutdown_gives_back_prefetched_jobs_at_once_while_handlers_finish() {
     let deadline = Instant::now() + DEADLINE;
     while count(
         &mut conn,
-        "SELECT 1 FROM jobs WHERE queue = 'sd' AND state = 'retry'
+        "SELECT 1 FROM job_states WHERE queue = 'sd' AND state = 'retry'
             AND retry_count = 0 AND start_after <= now() AND lease_expires_at IS NULL",
     )
     .await

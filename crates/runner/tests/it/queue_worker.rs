@@ -93,7 +93,7 @@ pub(crate) struct JobRow {
 }
 
 pub(crate) async fn row(conn: &mut AsyncPgConnection, id: JobId) -> JobRow {
-    diesel::sql_query("SELECT state, retry_count, last_error FROM jobs WHERE id = $1")
+    diesel::sql_query("SELECT state, retry_count, last_error FROM job_states WHERE id = $1")
         .bind::<Text, _>(id.to_string())
         .get_result(conn)
         .await
@@ -232,7 +232,7 @@ async fn a_job_its_handler_completed_is_recorded_without_a_second_write() {
     assert_eq!(
         count(
             &mut conn,
-            "SELECT 1 FROM jobs WHERE output->>'completed_by' = 'handler'"
+            "SELECT 1 FROM job_states WHERE output->>'completed_by' = 'handler'"
         )
         .await,
         5
@@ -535,10 +535,11 @@ async fn idle_worker_pickup_latency_via_notify() {
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    let c: Count = diesel::sql_query("SELECT count(*) AS n FROM jobs WHERE state = 'completed'")
-        .get_result(&mut conn)
-        .await
-        .unwrap();
+    let c: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM job_states WHERE state = 'completed'")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
     assert_eq!(c.n, SENDS as i64 + 1);
 }
 
@@ -603,7 +604,7 @@ async fn completions_that_arrive_together_share_one_statement() {
     assert_eq!((stats.completed, stats.fenced), (16, 0));
     let statements = count(
         &mut conn,
-        "SELECT DISTINCT completed_at FROM jobs WHERE queue = 'c'",
+        "SELECT DISTINCT completed_at FROM job_states WHERE queue = 'c'",
     )
     .await;
     assert!(

@@ -107,7 +107,7 @@ async fn a_stage_whose_key_a_failing_job_held_runs_after_all() {
     assert_eq!(
         count(
             &mut conn,
-            &format!("SELECT 1 FROM jobs WHERE singleton_key = '{key}' AND state = 'failed'")
+            &format!("SELECT 1 FROM job_states WHERE singleton_key = '{key}' AND state = 'failed'")
         )
         .await,
         1
@@ -203,7 +203,7 @@ async fn a_stage_whose_job_was_deleted_by_hand_runs_again() {
     let w = worker(pool, &db.worker_url(), config);
     wait_count(
         &mut conn,
-        "SELECT 1 FROM jobs WHERE queue = 'extract' AND state = 'created'",
+        "SELECT 1 FROM job_states WHERE queue = 'extract' AND state = 'created'",
         1,
         30,
     )

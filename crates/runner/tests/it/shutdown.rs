@@ -107,7 +107,7 @@ async fn a_stage_aborted_at_shutdown_is_released_at_once() {
         1
     );
     assert_eq!(
-        count(&mut conn, "SELECT 1 FROM jobs WHERE state = 'retry'").await,
+        count(&mut conn, "SELECT 1 FROM job_states WHERE state = 'retry'").await,
         1
     );
     // So another worker claims the stage now, not after ten minutes.

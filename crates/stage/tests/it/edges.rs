@@ -430,7 +430,7 @@ async fn the_reconciler_sends_again_a_rerun_whose_job_was_lost() {
         count(
             &mut f.conn,
             &format!(
-                "SELECT 1 FROM jobs WHERE queue = 'intake' AND state = 'created'
+                "SELECT 1 FROM job_states WHERE queue = 'intake' AND state = 'created'
                     AND payload->>'input_hash' = '{}'",
                 input_hash_of(TEXT_2.as_bytes())
             )

@@ -840,7 +840,7 @@ async fn a_rerun_of_the_fan_out_supersedes_its_children_and_gathers_the_new_ones
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM jobs WHERE state IN ('created', 'retry', 'active')"
+            "SELECT 1 FROM job_states WHERE state IN ('created', 'retry', 'active')"
         )
         .await,
         0

@@ -477,7 +477,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         "{outcome:?}"
     );
     let same_transaction = format!(
-        "SELECT 1 FROM jobs j JOIN stage_runs r
+        "SELECT 1 FROM job_states j JOIN stage_runs r
              ON r.item_id = '{}' AND r.stage = 'intake' AND r.status = 'success'
           WHERE j.id = '{}' AND j.state = 'completed' AND j.completed_at = r.finished_at",
         job.item_id, fetched.id
@@ -518,7 +518,7 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         count(
             &mut f.conn,
             &format!(
-                "SELECT 1 FROM jobs WHERE id = '{}' AND state = 'active' AND attempt = {}",
+                "SELECT 1 FROM job_states WHERE id = '{}' AND state = 'active' AND attempt = {}",
                 fetched.id,
                 fetched.attempt + 1
             )

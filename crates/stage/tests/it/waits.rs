@@ -199,7 +199,7 @@ async fn a_waiting_stage_holds_nothing_runs_again_once_signalled_and_a_second_si
     assert_eq!(
         count(
             c,
-            "SELECT 1 FROM jobs WHERE queue = 'approve' AND state = 'created'"
+            "SELECT 1 FROM job_states WHERE queue = 'approve' AND state = 'created'"
         )
         .await,
         1
@@ -486,7 +486,7 @@ async fn a_wait_past_its_deadline_fails_the_run_or_resumes_it_as_configured() {
     assert_eq!(
         count(
             &mut f.conn,
-            "SELECT 1 FROM jobs WHERE queue = 'approve' AND state = 'created'"
+            "SELECT 1 FROM job_states WHERE queue = 'approve' AND state = 'created'"
         )
         .await,
         1

@@ -290,7 +290,7 @@ pub async fn inspect(
             let jobs_sql = format!(
                 "SELECT id, queue, state, attempt, retry_count, retry_limit, start_after, \
                         lease_expires_at, completed_at, created_at, last_error \
-                   FROM jobs WHERE {JOBS_OF_ITEM} ORDER BY created_at, id"
+                   FROM job_states WHERE {JOBS_OF_ITEM} ORDER BY created_at, id"
             );
             let jobs: Vec<JobRow> = diesel::sql_query(jobs_sql)
                 .bind::<Text, _>(tenant.as_str())
