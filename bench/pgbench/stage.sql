@@ -202,9 +202,10 @@ WITH inserted AS (
 )
 SELECT id, false AS notified FROM inserted;
 \if :job
-UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
-                output = nullif(:none, 0)::text::jsonb
- WHERE id = (:ids::text[])[:k] AND attempt = (:attempts::int[])[:k] AND state = 'active';
+UPDATE jobs j SET state = 'completed', completed_at = now(), output = nullif(:none, 0)::text::jsonb,
+                  attempt = k.attempt, started_at = k.claimed_at
+  FROM job_claims k
+ WHERE j.id = (:ids::text[])[:k] AND k.attempt = (:attempts::int[])[:k] AND k.ready_seq = j.ready_seq AND k.job_id = j.id AND j.state IN ('created', 'retry');
 \endif
 \if :pipeline
 \endpipeline

@@ -73,6 +73,28 @@ diesel::table! {
 }
 
 diesel::table! {
+    job_claims (ready_seq) {
+        ready_seq -> Int8,
+        job_id -> Text,
+        attempt -> Int4,
+        queue -> Text,
+        tenant_id -> Text,
+        priority -> Int4,
+        claim_xid -> Int8,
+        claimed_at -> Timestamptz,
+        lease_expires_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    job_expiry_mark (only_row) {
+        only_row -> Bool,
+        expired_to -> Timestamptz,
+        xid_horizon -> Int8,
+    }
+}
+
+diesel::table! {
     job_lanes (queue, tenant_id, priority) {
         queue -> Text,
         tenant_id -> Text,
@@ -266,6 +288,8 @@ diesel::allow_tables_to_appear_in_same_query!(
     item_inputs,
     items,
     items_open,
+    job_claims,
+    job_expiry_mark,
     job_lanes,
     audit_log,
     jobs,

@@ -53,16 +53,17 @@ pub fn all() -> Vec<Statement> {
         s("job_fetch_async_commit", queue::FETCH_ASYNC_COMMIT_SQL),
         s("job_fetch_wait", queue::FETCH_WAIT_SQL),
         s("job_advance_floors", queue::ADVANCE_FLOORS_SQL),
-        s("job_complete", queue::COMPLETE_SQL),
+        s("job_complete", &queue::COMPLETE_SQL),
         s("job_complete_many", queue::COMPLETE_MANY_SQL),
         s("job_fail", &queue::FAIL_SQL),
-        s("job_cancel", queue::CANCEL_SQL),
-        s("job_retry_at", queue::RETRY_AT_SQL),
-        s("job_renew_lease", queue::RENEW_LEASE_SQL),
+        s("job_cancel", &queue::CANCEL_SQL),
+        s("job_retry_at", &queue::RETRY_AT_SQL),
+        s("job_renew_lease", &queue::RENEW_LEASE_SQL),
         s("job_renew_leases", queue::RENEW_LEASES_SQL),
         s("job_retry_now_many", queue::RETRY_NOW_MANY_SQL),
+        s("job_expiry_candidates", queue::EXPIRY_CANDIDATES_SQL),
         s("job_expire_leases", &queue::EXPIRE_SQL),
-        s("job_retry_after", queue::RETRY_AFTER_SQL),
+        s("job_retry_after", &queue::RETRY_AFTER_SQL),
         s("queue_hold", queue::HOLD_SQL),
         s("run_claim", runs::sql::CLAIM),
         s("run_explain_skip", runs::sql::EXPLAIN_SKIP),
@@ -155,7 +156,7 @@ mod tests {
                 s.name
             );
         }
-        assert_eq!(get("job_complete").unwrap().sql, queue::COMPLETE_SQL);
+        assert_eq!(get("job_complete").unwrap().sql, *queue::COMPLETE_SQL);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The batched forms of the fenced statements: complete, renew or give back many
-//! jobs in one statement. Each entry is fenced on its own `(id, attempt, state =
-//! 'active')`, exactly as the single-job statement would be, and gets its own
-//! outcome, in input order.
+//! jobs in one statement. Each entry is fenced on its own claim `(id, attempt)`
+//! being the job's current one, exactly as the single-job statement would be
+//! (`finish.rs`), and gets its own outcome, in input order.
 //!
 //! The tokens travel as one JSON object `{id: [attempt, ...]}`, so no statement has
 //! a join for the planner to choose: the jobs are probed by primary key (the key
@@ -25,30 +25,41 @@ use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// The fence every batched statement shares: `$1` is the token object.
+/// The fence every batched statement shares, over `jobs j` and `job_claims k`:
+/// `$1` is the token object.
 macro_rules! fenced_by_tokens {
     () => {
         " WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
-   AND j.state = 'active'
-   AND ($1 -> j.id::text) @> to_jsonb(j.attempt)"
+   AND k.ready_seq = j.ready_seq AND k.job_id = j.id
+   AND j.state IN ('created', 'retry')
+   AND ($1 -> j.id::text) @> to_jsonb(k.attempt)"
     };
 }
 
 /// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
 /// Returns the `(id, attempt)` of every job it completed.
 pub(crate) const COMPLETE_MANY_SQL: &str = concat!(
-    "UPDATE jobs j SET state = 'completed', completed_at = now(), lease_expires_at = NULL\n",
+    "UPDATE jobs j SET state = 'completed', completed_at = now(), attempt = k.attempt,\n",
+    "                  started_at = k.claimed_at\n",
+    "  FROM job_claims k\n",
     fenced_by_tokens!(),
-    "\nRETURNING j.id, j.attempt"
+    "\nRETURNING j.id, k.attempt"
 );
 
 /// `renew_leases`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
 /// attempt, lease_expires_at)` of every job whose lease it extended to `now() +
-/// expire_in`.
+/// expire_in`. The jobs' rows are locked FOR SHARE, as in `renew_lease`.
 pub(crate) const RENEW_LEASES_SQL: &str = concat!(
-    "UPDATE jobs j SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'\n",
+    "WITH j AS (\n",
+    "    SELECT id, ready_seq, state, expire_in_ms FROM jobs\n",
+    "     WHERE id = ANY(ARRAY(SELECT jsonb_object_keys($1))) AND state IN ('created', 'retry')\n",
+    "     ORDER BY id\n",
+    "       FOR SHARE\n",
+    ")\n",
+    "UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'\n",
+    "  FROM j\n",
     fenced_by_tokens!(),
-    "\nRETURNING j.id, j.attempt, j.lease_expires_at"
+    "\nRETURNING k.job_id AS id, k.attempt, k.lease_expires_at"
 );
 
 /// `retry_now_many`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
@@ -56,9 +67,11 @@ pub(crate) const RENEW_LEASES_SQL: &str = concat!(
 /// (PostgreSQL delivers one notification per distinct queue of the transaction).
 pub(crate) const RETRY_NOW_MANY_SQL: &str = concat!(
     "WITH released AS (\n",
-    "UPDATE jobs j SET state = 'retry', start_after = now(), lease_expires_at = NULL\n",
+    "UPDATE jobs j SET state = 'retry', start_after = now(), attempt = k.attempt,\n",
+    "                  started_at = k.claimed_at\n",
+    "  FROM job_claims k\n",
     fenced_by_tokens!(),
-    "\nRETURNING j.id, j.attempt, j.queue\n",
+    "\nRETURNING j.id, k.attempt, j.queue\n",
     ")\n",
     "SELECT id, attempt, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released"
 );

@@ -1,20 +1,26 @@
 //! Giving a fetched job back to wait, without counting a failure.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobRetryOutcome, RepoError};
 
+use super::finish::{CLAIM_ENDED_SET_SQL, CLAIM_FENCE_SQL};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
 /// `retry_after`: binds `$1` id (text), `$2` attempt (int4), `$3` delay in ms
 /// (int8). No row updated: fenced.
-pub(crate) const RETRY_AFTER_SQL: &str = "\
-UPDATE jobs SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
-                lease_expires_at = NULL
- WHERE id = $1 AND attempt = $2 AND state = 'active'";
+pub(crate) static RETRY_AFTER_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE jobs j SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
+                  {CLAIM_ENDED_SET_SQL}
+  FROM job_claims k
+ WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}"
+    )
+});
 
 /// Gives the job back to be fetched again `delay` from now (database clock),
 /// without counting a failure: for a job that must wait for the database to
@@ -27,7 +33,7 @@ pub async fn retry_after(
     attempt: i32,
     delay: Duration,
 ) -> Result<JobRetryOutcome, RepoError> {
-    let query = diesel::sql_query(RETRY_AFTER_SQL)
+    let query = diesel::sql_query(RETRY_AFTER_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<BigInt, _>(super::millis(delay))

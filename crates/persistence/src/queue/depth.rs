@@ -7,27 +7,29 @@ use idemstage_domain::RepoError;
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// Per queue of `$1` (text[]): its ready jobs (`created`/`retry` and due), its
-/// delayed ones (due later), its active ones, and how long the oldest ready job
-/// has been due, in seconds (0 without one). Each count is an index scan of its
-/// own partial index (`jobs_ready_idx`, `jobs_lease_idx`) on one queue, so
-/// finished jobs, however many, are not read.
+/// Per queue of `$1` (text[]): its ready jobs (`created`/`retry`, due and not
+/// claimed), its delayed ones (due later), its active ones (claimed), and how
+/// long the oldest ready job has been due, in seconds (0 without one). One index
+/// scan of the ready jobs' partial index (`jobs_ready_idx`) on one queue, with a
+/// probe of `job_claims` per job (a scalar subquery: as a join a generic plan
+/// may merge all claims), so finished jobs, however many, are not read.
 pub(crate) const QUEUE_DEPTHS_SQL: &str = "\
 SELECT q.queue,
-       r.ready, r.delayed, a.active,
+       r.ready, r.delayed, r.active,
        coalesce(extract(epoch FROM now() - r.oldest_ready), 0)::float8 AS oldest_ready_s
   FROM unnest($1::text[]) WITH ORDINALITY AS q(queue, n)
   CROSS JOIN LATERAL (
-       SELECT count(*) FILTER (WHERE j.start_after <= now()) AS ready,
-              count(*) FILTER (WHERE j.start_after > now()) AS delayed,
-              min(j.start_after) FILTER (WHERE j.start_after <= now()) AS oldest_ready
-         FROM job_states j
-        WHERE j.queue = q.queue AND j.state IN ('created', 'retry')) r
-  CROSS JOIN LATERAL (
-       SELECT count(*) AS active
-         FROM job_states j
-        WHERE j.queue = q.queue AND j.state = 'active'
-          AND j.lease_expires_at IS NOT NULL) a
+       SELECT count(*) FILTER (WHERE NOT c.claimed AND c.start_after <= now()) AS ready,
+              count(*) FILTER (WHERE NOT c.claimed AND c.start_after > now()) AS delayed,
+              count(*) FILTER (WHERE c.claimed) AS active,
+              min(c.start_after) FILTER (WHERE NOT c.claimed AND c.start_after <= now())
+                  AS oldest_ready
+         FROM (SELECT j.start_after,
+                      (SELECT 1 FROM job_claims k
+                        WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) IS NOT NULL
+                          AS claimed
+                 FROM jobs j
+                WHERE j.queue = q.queue AND j.state IN ('created', 'retry')) c) r
  ORDER BY q.n";
 
 /// How many jobs of one queue wait, and for how long (see [`queue_depths`]).

@@ -1,8 +1,15 @@
-//! Ending (or extending) a fetched job's lease. Every statement here is fenced on
-//! `(id, attempt, state = 'active')`: zero rows means the lease was taken over
-//! (expired and retried by maintenance, or fetched again), and the caller gets
+//! Ending (or extending) a fetched job's lease. A lease is a claim in
+//! `job_claims`, beside the job's row; every statement here is fenced on the
+//! claim of `(id, attempt)` being the job's current one ([`CLAIM_FENCE_SQL`]):
+//! zero rows means the lease was taken over (expired and retried by
+//! maintenance, or fetched again), or ended already, and the caller gets
 //! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
 //! nobody else holds the job.
+//!
+//! Every end writes the job's row (its state, and the attempt and start of the
+//! claim it ends), so two ends of one attempt meet on that row: the second waits
+//! for the first and then finds the job no longer `created` or `retry`, or with
+//! a new `ready_seq`.
 
 use std::sync::LazyLock;
 
@@ -25,12 +32,27 @@ struct IdRow {
     id: String,
 }
 
+/// The claim `k` is the current one of the job `j`: the job is still `created` or
+/// `retry` (a claim leaves those unchanged; every end writes another state or a
+/// new `ready_seq`) and the claim is of its current ready entry. The statements
+/// join `job_claims k` and add `j.id = ...` and `k.attempt = ...`.
+pub(crate) const CLAIM_FENCE_SQL: &str = "k.ready_seq = j.ready_seq AND k.job_id = j.id \
+     AND j.state IN ('created', 'retry')";
+
+/// What every end of an attempt writes besides its state: the attempt and the
+/// start of the claim it ends (the job's row is not written when it is claimed).
+pub(crate) const CLAIM_ENDED_SET_SQL: &str = "attempt = k.attempt, started_at = k.claimed_at";
+
 /// `complete`: binds `$1` id (text), `$2` attempt (int4), `$3` output (jsonb, NULL
 /// for none). One row updated: completed; none: fenced.
-pub(crate) const COMPLETE_SQL: &str = "\
-UPDATE jobs SET state = 'completed', completed_at = now(), lease_expires_at = NULL,
-                output = $3
- WHERE id = $1 AND attempt = $2 AND state = 'active'";
+pub(crate) static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE jobs j SET state = 'completed', completed_at = now(), output = $3,
+                  {CLAIM_ENDED_SET_SQL}
+  FROM job_claims k
+ WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}"
+    )
+});
 
 /// Marks the job completed (with an optional output). `Fenced`: the lease was
 /// taken over, nothing changed.
@@ -64,7 +86,7 @@ async fn complete_statement(
     attempt: i32,
     output: Option<&serde_json::Value>,
 ) -> Result<usize, diesel::result::Error> {
-    diesel::sql_query(COMPLETE_SQL)
+    diesel::sql_query(COMPLETE_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Nullable<Jsonb>, _>(output)
@@ -82,10 +104,12 @@ fn completed(rows: Result<usize, diesel::result::Error>) -> Result<JobCompleteOu
 }
 
 /// The failure transition shared by `fail` and lease expiry: `{retry}` decides
-/// between retry (with the job's delay) and final failure. Uses `j` for the row.
+/// between retry (with the job's delay) and final failure. Uses `j` for the row
+/// and `k` for the claim it ends.
 pub(crate) fn failure_set_sql(retry: &str) -> String {
     format!(
-        "state = CASE WHEN {retry} THEN 'retry' ELSE 'failed' END,
+        "{CLAIM_ENDED_SET_SQL},
+         state = CASE WHEN {retry} THEN 'retry' ELSE 'failed' END,
          retry_count = j.retry_count + CASE WHEN {retry} THEN 1 ELSE 0 END,
          start_after = CASE WHEN {retry}
                             THEN now() + ({RETRY_DELAY_MS_SQL}) * interval '1 millisecond'
@@ -128,7 +152,8 @@ pub(crate) static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH failed AS (
              UPDATE jobs j SET {set}, last_error = $3
-              WHERE j.id = $1 AND j.attempt = $2 AND j.state = 'active'
+               FROM job_claims k
+              WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}
              RETURNING j.*
          ), dl AS (
              {dl}
@@ -191,9 +216,13 @@ pub async fn fail(
 }
 
 /// `cancel`: binds `$1` id (text), `$2` attempt (int4). No row updated: fenced.
-pub(crate) const CANCEL_SQL: &str = "\
-UPDATE jobs SET state = 'cancelled', completed_at = now(), lease_expires_at = NULL
- WHERE id = $1 AND attempt = $2 AND state = 'active'";
+pub(crate) static CANCEL_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE jobs j SET state = 'cancelled', completed_at = now(), {CLAIM_ENDED_SET_SQL}
+  FROM job_claims k
+ WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}"
+    )
+});
 
 /// Cancels the job's current attempt for good (no retry, no dead letter).
 pub async fn cancel(
@@ -201,7 +230,7 @@ pub async fn cancel(
     id: JobId,
     attempt: i32,
 ) -> Result<JobCancelOutcome, RepoError> {
-    let query = diesel::sql_query(CANCEL_SQL)
+    let query = diesel::sql_query(CANCEL_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .cached();
@@ -227,14 +256,18 @@ pub async fn retry_now(
 
 /// `retry_at`: binds `$1` id (text), `$2` attempt (int4), `$3` not before
 /// (timestamptz, NULL for now). Returns `(id, notified)`; no row: fenced.
-pub(crate) const RETRY_AT_SQL: &str = "\
-WITH released AS (
-    UPDATE jobs SET state = 'retry', start_after = greatest(now(), $3),
-                    lease_expires_at = NULL
-     WHERE id = $1 AND attempt = $2 AND state = 'active'
-    RETURNING id, queue
+pub(crate) static RETRY_AT_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH released AS (
+    UPDATE jobs j SET state = 'retry', start_after = greatest(now(), $3),
+                      {CLAIM_ENDED_SET_SQL}
+      FROM job_claims k
+     WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}
+    RETURNING j.id, j.queue
 )
-SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released";
+SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released"
+    )
+});
 
 /// Gives the job back to be fetched again no earlier than `not_before` (or now),
 /// without counting a failure: for a job that must wait for something else, e.g.
@@ -245,7 +278,7 @@ pub async fn retry_at(
     attempt: i32,
     not_before: Option<DateTime<Utc>>,
 ) -> Result<JobRetryOutcome, RepoError> {
-    let query = diesel::sql_query(RETRY_AT_SQL)
+    let query = diesel::sql_query(RETRY_AT_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(not_before)
@@ -278,10 +311,24 @@ pub enum RenewLeaseOutcome {
 
 /// `renew_lease`: binds `$1` id (text), `$2` attempt (int4). Returns the new
 /// `lease_expires_at`; no row: fenced.
-pub(crate) const RENEW_LEASE_SQL: &str = "\
-UPDATE jobs SET lease_expires_at = now() + expire_in_ms * interval '1 millisecond'
- WHERE id = $1 AND attempt = $2 AND state = 'active'
-RETURNING lease_expires_at";
+///
+/// The claim's deadline moves (an UPDATE of the claim: long stages only). The
+/// job's row is locked FOR SHARE, so that an end of the same attempt, which
+/// writes that row, waits for the renewal or the renewal for it; expiry reads
+/// the deadlines after it has locked the rows (`maintenance.rs`).
+pub(crate) static RENEW_LEASE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH j AS (
+    SELECT id, ready_seq, state, expire_in_ms FROM jobs
+     WHERE id = $1 AND state IN ('created', 'retry')
+       FOR SHARE
+)
+UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
+  FROM j
+ WHERE k.attempt = $2 AND {CLAIM_FENCE_SQL}
+RETURNING k.lease_expires_at"
+    )
+});
 
 /// Extends the lease of a long-running job to `now() + expire_in` (database clock).
 pub async fn renew_lease(
@@ -294,7 +341,7 @@ pub async fn renew_lease(
         #[diesel(sql_type = Timestamptz)]
         lease_expires_at: DateTime<Utc>,
     }
-    let query = diesel::sql_query(RENEW_LEASE_SQL)
+    let query = diesel::sql_query(RENEW_LEASE_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .cached();

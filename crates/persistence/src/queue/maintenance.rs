@@ -7,7 +7,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobState, QueueStats, RepoError};
 
-use super::finish::{dead_letter_insert_sql, failure_set_sql};
+use super::finish::{dead_letter_insert_sql, failure_set_sql, CLAIM_FENCE_SQL};
 use super::millis;
 use crate::error::map_diesel_error;
 
@@ -102,23 +102,68 @@ struct Count {
     n: i64,
 }
 
-/// Lease expiry: binds `$1`, the most rows to expire (int8). Active jobs whose lease
-/// ran out are failed with the rules of `fail` (retry with the job's delay, or failed);
-/// returns `(id, state, dead_letter)` of each. SKIP LOCKED: a row locked right now is
-/// being completed or failed by its worker; the next run sees it again if it is still
-/// active.
+#[derive(diesel::QueryableByName)]
+struct Candidates {
+    #[diesel(sql_type = Array<Text>)]
+    ids: Vec<String>,
+}
+
+/// Lease expiry, its first statement: binds `$1`, the most claims to look at
+/// (int8). The claims whose deadline passed since the mark (`job_expiry_mark`),
+/// and those made by a transaction that had not finished at the last run (it may
+/// have committed a claim whose deadline was already behind the mark), of which
+/// the job's current claim: their jobs' rows locked (waiting for a worker ending
+/// or renewing one of them), their ids returned; the mark moved to where the
+/// look stopped (the `$1`-th deadline, or now), and to the oldest transaction
+/// not finished now.
+pub(crate) const EXPIRY_CANDIDATES_SQL: &str = "\
+WITH m AS (
+    SELECT expired_to, xid_horizon FROM job_expiry_mark
+), seen AS (
+    SELECT c.ready_seq, c.job_id, c.lease_expires_at
+      FROM (SELECT DISTINCT l.queue FROM job_lanes l) q
+      CROSS JOIN m
+      CROSS JOIN LATERAL (
+          SELECT k.ready_seq, k.job_id, k.lease_expires_at FROM job_claims k
+           WHERE k.queue = q.queue
+             AND k.lease_expires_at >= m.expired_to AND k.lease_expires_at < now()
+           ORDER BY k.lease_expires_at
+           LIMIT $1) c
+     ORDER BY c.lease_expires_at
+     LIMIT $1
+), late AS (
+    SELECT k.ready_seq, k.job_id FROM job_claims k, m
+     WHERE k.claim_xid >= m.xid_horizon AND k.lease_expires_at < m.expired_to
+), marked AS (
+    UPDATE job_expiry_mark
+       SET expired_to = CASE WHEN (SELECT count(*) FROM seen) >= $1
+                             THEN (SELECT max(lease_expires_at) FROM seen)
+                             ELSE now() END,
+           xid_horizon = pg_snapshot_xmin(pg_current_snapshot())::text::bigint
+    RETURNING 1
+), locked AS (
+    SELECT j.id FROM jobs j
+     WHERE j.id = ANY(ARRAY(SELECT job_id FROM seen UNION SELECT job_id FROM late))
+       AND j.state IN ('created', 'retry')
+       AND j.ready_seq IN (SELECT ready_seq FROM seen UNION SELECT ready_seq FROM late)
+     ORDER BY j.id
+       FOR UPDATE
+)
+SELECT coalesce(array_agg(locked.id), ARRAY[]::text[]) AS ids FROM locked, (SELECT count(*) FROM marked) x";
+
+/// Lease expiry, its second statement (a new snapshot: it sees what a worker
+/// ending or renewing a candidate committed while the first waited for it):
+/// binds `$1`, the candidates' ids (text[]). The jobs whose current claim ran
+/// out are failed with the rules of `fail` (retry with the job's delay, or
+/// failed); returns `(id, state, dead_letter)` of each.
 pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH expired AS (
              UPDATE jobs j SET {set},
                     last_error = format('job lease expired: attempt %s not finished within \
-                                         expire_in of %s ms', j.attempt, j.expire_in_ms)
-              WHERE j.state = 'active'
-                AND j.id IN (SELECT id FROM jobs
-                              WHERE state = 'active' AND lease_expires_at < now()
-                              ORDER BY lease_expires_at
-                              LIMIT $1
-                              FOR UPDATE SKIP LOCKED)
+                                         expire_in of %s ms', k.attempt, j.expire_in_ms)
+               FROM job_claims k
+              WHERE j.id = ANY($1) AND {CLAIM_FENCE_SQL} AND k.lease_expires_at < now()
              RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
          ), notified AS (
              SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
@@ -163,10 +208,18 @@ pub async fn maintain(
         }
         let mut report = MaintenanceReport::default();
 
-        let expired: Vec<ExpiredRow> = diesel::sql_query(EXPIRE_SQL.as_str())
+        let candidates: Candidates = diesel::sql_query(EXPIRY_CANDIDATES_SQL)
             .bind::<BigInt, _>(limit)
-            .load(conn)
+            .get_result(conn)
             .await?;
+        let expired: Vec<ExpiredRow> = if candidates.ids.is_empty() {
+            Vec::new()
+        } else {
+            diesel::sql_query(EXPIRE_SQL.as_str())
+                .bind::<Array<Text>, _>(&candidates.ids)
+                .load(conn)
+                .await?
+        };
         let mut to_dead_letter = Vec::new();
         for row in &expired {
             if row.state == JobState::Retry.as_str() {
@@ -218,6 +271,27 @@ pub async fn maintain(
                   LIMIT $2)
                AND state IN ('completed', 'cancelled', 'failed')
                AND completed_at < now() - $1 * interval '1 millisecond'",
+        )
+        .bind::<BigInt, _>(retention_ms)
+        .bind::<BigInt, _>(limit)
+        .execute(conn)
+        .await?;
+        // Claims after the retention, by deadline: one behind the expiry mark
+        // has ended (expiry took it back if nothing else ended it), so nothing
+        // reads it but a view of a job that is gone or ended long ago.
+        diesel::sql_query(
+            "DELETE FROM job_claims WHERE ready_seq IN (
+                 SELECT c.ready_seq
+                   FROM (SELECT DISTINCT l.queue FROM job_lanes l) q
+                   CROSS JOIN LATERAL (
+                       SELECT k.ready_seq FROM job_claims k
+                        WHERE k.queue = q.queue
+                          AND k.lease_expires_at < least(
+                                  now() - $1 * interval '1 millisecond',
+                                  (SELECT m.expired_to FROM job_expiry_mark m))
+                        ORDER BY k.lease_expires_at
+                        LIMIT $2) c
+                  LIMIT $2)",
         )
         .bind::<BigInt, _>(retention_ms)
         .bind::<BigInt, _>(limit)

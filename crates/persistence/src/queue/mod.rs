@@ -53,7 +53,7 @@ pub(crate) use finish::{
     complete_pipelined, CANCEL_SQL, COMPLETE_SQL, FAIL_SQL, RENEW_LEASE_SQL, RETRY_AT_SQL,
 };
 pub(crate) use floors::ADVANCE_FLOORS_SQL;
-pub(crate) use maintenance::EXPIRE_SQL;
+pub(crate) use maintenance::{EXPIRE_SQL, EXPIRY_CANDIDATES_SQL};
 pub(crate) use notifier::NOTIFY_QUEUES_SQL;
 pub(crate) use send::send_pipelined;
 pub(crate) use send::{

@@ -144,7 +144,7 @@ async fn entries_read_by_a_run(conn: &mut AsyncPgConnection, mark: i64, walk_bel
     stat_around(
         conn,
         "pg_stat_get_xact_tuples_returned('jobs_ready_idx'::regclass) \
-         + pg_stat_get_xact_tuples_returned('jobs_lease_idx'::regclass) \
+         + pg_stat_get_xact_tuples_returned('job_claims_tenant_lease_idx'::regclass) \
          + pg_stat_get_xact_tuples_returned('jobs_deferred_idx'::regclass)",
         format!("SELECT idemstage_advance_floors({mark}, 3000, 0, {walk_below})"),
     )
@@ -552,7 +552,7 @@ async fn scans_of_jobs_by_a_run(conn: &mut AsyncPgConnection) -> i64 {
     stat_around(
         conn,
         "pg_stat_get_xact_numscans('jobs'::regclass) \
-         + pg_stat_get_xact_numscans('jobs_lease_idx'::regclass) \
+         + pg_stat_get_xact_numscans('job_claims_tenant_lease_idx'::regclass) \
          + pg_stat_get_xact_numscans('jobs_completed_idx'::regclass)",
         "SELECT idemstage_advance_floors(NULL, 3000, 2000)".to_owned(),
     )

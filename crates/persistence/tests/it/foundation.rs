@@ -53,6 +53,8 @@ async fn migrations_round_trip_up_down_up() {
             "item_inputs",
             "items",
             "items_open",
+            "job_claims",
+            "job_expiry_mark",
             "job_lanes",
             "jobs",
             "queue_buckets",

@@ -3,6 +3,7 @@
 
 mod claim;
 mod claim_cost;
+mod claims;
 mod controls;
 mod diesel_errors;
 mod fair;

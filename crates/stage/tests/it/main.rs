@@ -489,13 +489,20 @@ async fn a_leased_run_completes_its_job_in_the_stage_transaction() {
         .await
         .unwrap()
         .remove(0);
+    // Taken back (the attempt's end written, as maintenance's expiry writes it)
+    // and fetched again: the job's current claim is the next attempt's.
     diesel::sql_query(format!(
-        "UPDATE jobs SET attempt = attempt + 1 WHERE id = '{}'",
+        "UPDATE jobs SET attempt = attempt + 1, state = 'retry' WHERE id = '{}'",
         fetched.id
     ))
     .execute(&mut f.conn)
     .await
     .unwrap();
+    let again = queue::fetch(&mut f.conn, &[extract.name().to_string()], 1)
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].attempt, fetched.attempt + 1);
     let stale = JobLease {
         id: fetched.id,
         attempt: fetched.attempt,

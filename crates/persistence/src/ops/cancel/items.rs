@@ -100,14 +100,18 @@ RETURNING id";
 /// (`$1`), cancelled in one statement (one pass over `jobs`, however many
 /// items: a parent's cancel names all its children), locked in id order.
 /// `$3` the reason.
+/// A job with a current claim is `active` (its claim's attempt is recorded).
 const CANCEL_JOBS_SQL: &str = "\
 WITH live AS (
-    SELECT id, state FROM jobs
-     WHERE state IN ('created', 'retry', 'active')
-       AND payload->>'tenant_id' = $1 AND payload->>'item_id' = ANY($2::text[])
-     ORDER BY id FOR UPDATE)
-UPDATE jobs j SET state = 'cancelled', completed_at = now(),
-       lease_expires_at = NULL, last_error = $3
+    SELECT j.id, coalesce(k.attempt, j.attempt) AS attempt, k.claimed_at,
+           CASE WHEN k.ready_seq IS NULL THEN j.state ELSE 'active' END AS state
+      FROM jobs j
+      LEFT JOIN job_claims k ON k.ready_seq = j.ready_seq AND k.job_id = j.id
+     WHERE j.state IN ('created', 'retry')
+       AND j.payload->>'tenant_id' = $1 AND j.payload->>'item_id' = ANY($2::text[])
+     ORDER BY j.id FOR UPDATE OF j)
+UPDATE jobs j SET state = 'cancelled', completed_at = now(), attempt = live.attempt,
+       started_at = coalesce(live.claimed_at, j.started_at), last_error = $3
   FROM live WHERE j.id = live.id
 RETURNING j.id, j.queue, live.state, j.singleton_key,
           j.payload->>'input_hash' AS input_hash, j.payload->>'item_id' AS item_id";

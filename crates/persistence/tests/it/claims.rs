@@ -1,0 +1,165 @@
+//! A job's lease is a claim appended to `job_claims` beside the job's row
+//! (migration `2026-12-05-090000_job_claims`): the fetch writes no version of
+//! the job's row, and expiry finds every claim whose lease ran out, one that
+//! committed after its deadline had passed maintenance's mark included.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Text, Timestamptz};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_domain::{JobCompleteOutcome, JobId, JobToSend, SendOptions, SendResult};
+use idemstage_persistence::queue::{self, MaintenanceConfig, MaintenanceOutcome};
+use idemstage_testkit::TestDb;
+use serde_json::json;
+
+use crate::support::stat_around;
+
+async fn send(conn: &mut AsyncPgConnection, queue_name: &str, options: SendOptions) -> JobId {
+    let job = JobToSend {
+        tenant: None,
+        queue: queue_name.to_owned(),
+        payload: json!({}),
+        options,
+    };
+    match queue::send_in(conn, &job).await.unwrap() {
+        SendResult::Sent(id) => id,
+        SendResult::Duplicate => panic!("a send without a key is never a duplicate"),
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct N {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn n(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    diesel::sql_query(sql)
+        .get_result::<N>(conn)
+        .await
+        .unwrap()
+        .n
+}
+
+#[tokio::test]
+async fn a_fetch_appends_claims_and_writes_no_version_of_the_jobs_rows() {
+    const JOBS: i64 = 50;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for _ in 0..JOBS {
+        send(&mut conn, "c", SendOptions::default()).await;
+    }
+    let updated = stat_around(
+        &mut conn,
+        "pg_stat_get_xact_tuples_updated('jobs'::regclass)",
+        format!("SELECT * FROM idemstage_fetch(ARRAY['c'], {JOBS}::int)"),
+    )
+    .await;
+    assert_eq!(updated, 0, "the fetch wrote versions of the jobs' rows");
+    assert_eq!(
+        n(&mut conn, "SELECT count(*) AS n FROM job_claims").await,
+        JOBS
+    );
+    assert_eq!(
+        n(
+            &mut conn,
+            "SELECT count(*) AS n FROM job_states WHERE state = 'active' AND attempt = 1"
+        )
+        .await,
+        JOBS
+    );
+    // The completion ends each claim with one version of its job's row.
+    let completed = stat_around(
+        &mut conn,
+        "pg_stat_get_xact_tuples_updated('jobs'::regclass)",
+        "UPDATE jobs j SET state = 'completed', completed_at = now(), attempt = k.attempt
+           FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id
+            AND j.state IN ('created', 'retry')"
+            .to_owned(),
+    )
+    .await;
+    assert_eq!(completed, JOBS);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Deadline {
+    #[diesel(sql_type = Timestamptz)]
+    at: DateTime<Utc>,
+}
+
+#[derive(diesel::QueryableByName)]
+struct State {
+    #[diesel(sql_type = Text)]
+    state: String,
+}
+
+fn ran(outcome: MaintenanceOutcome) -> queue::MaintenanceReport {
+    match outcome {
+        MaintenanceOutcome::Ran(report) => report,
+        MaintenanceOutcome::Skipped => panic!("no other session holds the maintenance lock"),
+    }
+}
+
+/// A fetch in a transaction that commits only after maintenance has looked at
+/// the claims whose deadline passed (its claim was invisible to that run, and
+/// its deadline is behind the mark the run set): the next run takes it back.
+#[tokio::test]
+async fn a_claim_committed_after_expiry_passed_its_deadline_is_taken_back() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut holder = db.conn().await;
+    let id = send(
+        &mut conn,
+        "late",
+        SendOptions::default().with_expire_in(Duration::from_millis(1)),
+    )
+    .await;
+
+    holder.batch_execute("BEGIN").await.unwrap();
+    let fetched = queue::fetch(&mut holder, &["late".to_owned()], 1)
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), 1);
+    let deadline: Deadline =
+        diesel::sql_query("SELECT lease_expires_at AS at FROM job_claims WHERE job_id = $1")
+            .bind::<Text, _>(id.to_string())
+            .get_result(&mut holder)
+            .await
+            .unwrap();
+    // The database's clock past the deadline.
+    while n(
+        &mut conn,
+        &format!(
+            "SELECT (clock_timestamp() <= '{}'::timestamptz)::int::bigint AS n",
+            deadline.at.to_rfc3339()
+        ),
+    )
+    .await
+        == 1
+    {}
+
+    let config = MaintenanceConfig::default();
+    let first = ran(queue::maintain(&mut conn, &config).await.unwrap());
+    assert_eq!(first.expired_retried, 0, "the claim is not committed yet");
+    holder.batch_execute("COMMIT").await.unwrap();
+
+    let second = ran(queue::maintain(&mut conn, &config).await.unwrap());
+    assert_eq!(
+        second.expired_retried, 1,
+        "the late claim was not taken back"
+    );
+    let state: State = diesel::sql_query("SELECT state FROM job_states WHERE id = $1")
+        .bind::<Text, _>(id.to_string())
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(state.state, "retry");
+    // Its holder's token is fenced.
+    assert_eq!(
+        queue::complete(&mut conn, id, fetched[0].attempt, None)
+            .await
+            .unwrap(),
+        JobCompleteOutcome::Fenced
+    );
+}
