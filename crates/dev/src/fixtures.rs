@@ -46,6 +46,9 @@ pub async fn reset(conn: &mut AsyncPgConnection) -> Result<(), RepoError> {
            EXECUTE (SELECT 'TRUNCATE ' || string_agg(format('public.%I', tablename), ', ')
                       FROM pg_tables
                      WHERE schemaname = 'public' AND tablename <> '__diesel_schema_migrations');
+           -- The one row the migrations put there, which expiry keeps its mark in.
+           INSERT INTO job_expiry_mark (expired_to, xid_horizon)
+           VALUES ('-infinity', pg_snapshot_xmin(pg_current_snapshot())::text::bigint);
          END $$",
     )
     .execute(conn)
@@ -221,7 +224,9 @@ mod tests {
                 .get_result(&mut conn)
                 .await
                 .unwrap();
-            assert_eq!(n.n, 0, "{} not emptied", t.name);
+            // job_expiry_mark holds one row by design, seeded again.
+            let left = i64::from(t.name == "job_expiry_mark");
+            assert_eq!(n.n, left, "{} not emptied", t.name);
         }
     }
 }

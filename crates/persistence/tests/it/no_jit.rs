@@ -71,3 +71,31 @@ async fn the_floors_run_runs_without_jit() {
         row.value
     );
 }
+
+/// The fetch's functions: each entry's probe of `job_claims` (migration
+/// `2026-12-05-090000_job_claims`) raises their estimated cost past
+/// `jit_above_cost`, and a prototype's fetch was compiled on every call (230 ms).
+#[tokio::test]
+async fn the_fetch_runs_without_jit() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for function in [
+        "idemstage_fetch",
+        "idemstage_fetch_queues",
+        "idemstage_fetch_plain",
+        "idemstage_fetch_controlled",
+    ] {
+        let row: Setting = diesel::sql_query(format!(
+            "SELECT array_to_string(proconfig, ',') AS value FROM pg_proc \
+              WHERE proname = '{function}'"
+        ))
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+        assert!(
+            row.value.split(',').any(|s| s == "jit=off"),
+            "{function} is set {:?}",
+            row.value
+        );
+    }
+}
