@@ -54,22 +54,29 @@ async fn the_reconcilers_plan_runs_without_jit() {
     );
 }
 
+/// Whether the function `name` of `arguments` arguments is set `jit=off`, and
+/// its settings.
+async fn set_without_jit(
+    conn: &mut AsyncPgConnection,
+    name: &str,
+    arguments: i32,
+) -> (bool, String) {
+    let row: Setting = diesel::sql_query(format!(
+        "SELECT coalesce(array_to_string(proconfig, ','), '') AS value FROM pg_proc \
+          WHERE proname = '{name}' AND pronargs = {arguments}"
+    ))
+    .get_result(conn)
+    .await
+    .unwrap();
+    (row.value.split(',').any(|s| s == "jit=off"), row.value)
+}
+
 #[tokio::test]
 async fn the_floors_run_runs_without_jit() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    let row: Setting = diesel::sql_query(
-        "SELECT array_to_string(proconfig, ',') AS value FROM pg_proc \
-          WHERE proname = 'idemstage_advance_floors' AND pronargs = 4",
-    )
-    .get_result(&mut conn)
-    .await
-    .unwrap();
-    assert!(
-        row.value.split(',').any(|s| s == "jit=off"),
-        "the floors' run is set {:?}",
-        row.value
-    );
+    let (off, settings) = set_without_jit(&mut conn, "idemstage_advance_floors", 4).await;
+    assert!(off, "the floors' run is set {settings:?}");
 }
 
 /// The fetch's functions: each entry's probe of `job_claims` (migration
@@ -85,17 +92,7 @@ async fn the_fetch_runs_without_jit() {
         "idemstage_fetch_plain",
         "idemstage_fetch_controlled",
     ] {
-        let row: Setting = diesel::sql_query(format!(
-            "SELECT array_to_string(proconfig, ',') AS value FROM pg_proc \
-              WHERE proname = '{function}'"
-        ))
-        .get_result(&mut conn)
-        .await
-        .unwrap();
-        assert!(
-            row.value.split(',').any(|s| s == "jit=off"),
-            "{function} is set {:?}",
-            row.value
-        );
+        let (off, settings) = set_without_jit(&mut conn, function, 2).await;
+        assert!(off, "{function} is set {settings:?}");
     }
 }
