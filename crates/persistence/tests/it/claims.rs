@@ -163,3 +163,30 @@ async fn a_claim_committed_after_expiry_passed_its_deadline_is_taken_back() {
         JobCompleteOutcome::Fenced
     );
 }
+
+#[derive(diesel::QueryableByName)]
+struct Options {
+    #[diesel(sql_type = diesel::sql_types::Array<Text>)]
+    options: Vec<String>,
+}
+
+/// Inserts and ANALYZE do not start autovacuum on `job_claims` every few
+/// hundred rows (an ANALYZE's snapshot keeps the fetch's spent entries from
+/// being marked dead: migration `2026-12-05-100000_claims_analyzed_rarely`).
+#[tokio::test]
+async fn claims_are_analyzed_and_vacuumed_for_inserts_only_every_100000_rows() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let row: Options = diesel::sql_query(
+        "SELECT coalesce(reloptions, '{}') AS options FROM pg_class WHERE relname = 'job_claims'",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    for want in [
+        "autovacuum_vacuum_insert_threshold=100000",
+        "autovacuum_analyze_threshold=100000",
+    ] {
+        assert!(row.options.iter().any(|o| o == want), "{:?}", row.options);
+    }
+}

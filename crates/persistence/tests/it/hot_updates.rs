@@ -98,6 +98,7 @@ async fn the_hot_tables_are_vacuumed_by_count_not_by_size() {
         "fanout_children",
         "fanouts",
         "items_open",
+        "job_claims",
         "job_lanes",
         "jobs",
         "queue_buckets",
