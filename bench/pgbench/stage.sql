@@ -203,9 +203,8 @@ WITH inserted AS (
 SELECT id, false AS notified FROM inserted;
 \if :job
 UPDATE jobs j SET state = 'completed', completed_at = now(), output = nullif(:none, 0)::text::jsonb,
-                  attempt = k.attempt, started_at = k.claimed_at
-  FROM job_claims k
- WHERE j.id = (:ids::text[])[:k] AND k.attempt = (:attempts::int[])[:k] AND k.ready_seq = j.ready_seq AND k.job_id = j.id AND j.state IN ('created', 'retry');
+                  (attempt, started_at) = (SELECT k.attempt, k.claimed_at FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id)
+ WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k];
 \endif
 \if :pipeline
 \endpipeline

@@ -9,10 +9,12 @@
 //! not scanned whole) and each row's fence is a key lookup in the object. Joined
 //! with `unnest` of the tokens instead, the planner hashed a scan of the whole table
 //! on small tables, and, when statistics said no job was active, looped over every
-//! active job once per token.
+//! active job once per token. A job's claim is read the same way, by a subquery
+//! on its key ([`CURRENT_CLAIM_SQL`](super::finish::CURRENT_CLAIM_SQL)).
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use diesel::pg::Pg;
@@ -21,60 +23,64 @@ use diesel::sql_types::{Integer, Jsonb, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
 
+use super::finish::{claim_fence_sql, CLAIM_ENDED_SET_SQL};
 use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
-/// The fence every batched statement shares, over `jobs j` and `job_claims k`:
-/// `$1` is the token object.
-macro_rules! fenced_by_tokens {
-    () => {
-        " WHERE j.id = ANY(ARRAY(SELECT jsonb_object_keys($1)))
-   AND k.ready_seq = j.ready_seq AND k.job_id = j.id
-   AND j.state IN ('created', 'retry')
-   AND ($1 -> j.id::text) @> to_jsonb(k.attempt)"
-    };
-}
+/// The fence every batched statement shares, over `jobs j`: `$1` is the token
+/// object `{id: [attempt, ...]}`; the job's current claim is of one of its
+/// attempts.
+static FENCED_BY_TOKENS_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "j.id = ANY(ARRAY(SELECT jsonb_object_keys($1))) AND {}",
+        claim_fence_sql(|attempt| format!("($1 -> j.id::text) @> to_jsonb({attempt})"))
+    )
+});
 
 /// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
 /// Returns the `(id, attempt)` of every job it completed.
-pub(crate) const COMPLETE_MANY_SQL: &str = concat!(
-    "UPDATE jobs j SET state = 'completed', completed_at = now(), attempt = k.attempt,\n",
-    "                  started_at = k.claimed_at\n",
-    "  FROM job_claims k\n",
-    fenced_by_tokens!(),
-    "\nRETURNING j.id, k.attempt"
-);
+pub(crate) static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE jobs j SET state = 'completed', completed_at = now(), {ended}
+ WHERE {fence}
+RETURNING j.id, j.attempt",
+        ended = *CLAIM_ENDED_SET_SQL,
+        fence = *FENCED_BY_TOKENS_SQL,
+    )
+});
 
 /// `renew_leases`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
 /// attempt, lease_expires_at)` of every job whose lease it extended to `now() +
 /// expire_in`. The jobs' rows are locked FOR SHARE, as in `renew_lease`.
-pub(crate) const RENEW_LEASES_SQL: &str = concat!(
-    "WITH j AS (\n",
-    "    SELECT id, ready_seq, state, expire_in_ms FROM jobs\n",
-    "     WHERE id = ANY(ARRAY(SELECT jsonb_object_keys($1))) AND state IN ('created', 'retry')\n",
-    "     ORDER BY id\n",
-    "       FOR SHARE\n",
-    ")\n",
-    "UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'\n",
-    "  FROM j\n",
-    fenced_by_tokens!(),
-    "\nRETURNING k.job_id AS id, k.attempt, k.lease_expires_at"
-);
+pub(crate) const RENEW_LEASES_SQL: &str = "\
+WITH j AS (
+    SELECT id, ready_seq, state, expire_in_ms FROM jobs
+     WHERE id = ANY(ARRAY(SELECT jsonb_object_keys($1))) AND state IN ('created', 'retry')
+     ORDER BY id
+       FOR SHARE
+)
+UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
+  FROM j
+ WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id
+   AND ($1 -> j.id::text) @> to_jsonb(k.attempt)
+RETURNING k.job_id AS id, k.attempt, k.lease_expires_at";
 
 /// `retry_now_many`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
 /// attempt)` of every job it gave back; wakes the listeners of their queues
 /// (PostgreSQL delivers one notification per distinct queue of the transaction).
-pub(crate) const RETRY_NOW_MANY_SQL: &str = concat!(
-    "WITH released AS (\n",
-    "UPDATE jobs j SET state = 'retry', start_after = now(), attempt = k.attempt,\n",
-    "                  started_at = k.claimed_at\n",
-    "  FROM job_claims k\n",
-    fenced_by_tokens!(),
-    "\nRETURNING j.id, k.attempt, j.queue\n",
-    ")\n",
-    "SELECT id, attempt, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released"
-);
+pub(crate) static RETRY_NOW_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH released AS (
+UPDATE jobs j SET state = 'retry', start_after = now(), {ended}
+ WHERE {fence}
+RETURNING j.id, j.attempt, j.queue
+)
+SELECT id, attempt, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released",
+        ended = *CLAIM_ENDED_SET_SQL,
+        fence = *FENCED_BY_TOKENS_SQL,
+    )
+});
 
 #[derive(diesel::QueryableByName)]
 struct Token {
@@ -177,7 +183,7 @@ pub async fn complete_many(
     conn: &mut AsyncPgConnection,
     jobs: &[(JobId, i32)],
 ) -> Result<Vec<JobCompleteOutcome>, RepoError> {
-    let changed = run(conn, COMPLETE_MANY_SQL, jobs).await?;
+    let changed = run(conn, COMPLETE_MANY_SQL.as_str(), jobs).await?;
     Ok(changed_in_order(jobs, changed)?
         .into_iter()
         .map(|done| {
@@ -219,7 +225,7 @@ pub async fn retry_now_many(
     conn: &mut AsyncPgConnection,
     jobs: &[(JobId, i32)],
 ) -> Result<Vec<JobRetryOutcome>, RepoError> {
-    let changed = run(conn, RETRY_NOW_MANY_SQL, jobs).await?;
+    let changed = run(conn, RETRY_NOW_MANY_SQL.as_str(), jobs).await?;
     Ok(changed_in_order(jobs, changed)?
         .into_iter()
         .map(|done| {

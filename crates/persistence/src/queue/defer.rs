@@ -7,7 +7,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobRetryOutcome, RepoError};
 
-use super::finish::{CLAIM_ENDED_SET_SQL, CLAIM_FENCE_SQL};
+use super::finish::{CLAIM_ENDED_SET_SQL, CLAIM_FENCE_BY_TOKEN_SQL};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
@@ -16,9 +16,10 @@ use crate::error::map_diesel_error;
 pub(crate) static RETRY_AFTER_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE jobs j SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
-                  {CLAIM_ENDED_SET_SQL}
-  FROM job_claims k
- WHERE j.id = $1 AND k.attempt = $2 AND {CLAIM_FENCE_SQL}"
+                  {ended}
+ WHERE {fence}",
+        ended = *CLAIM_ENDED_SET_SQL,
+        fence = *CLAIM_FENCE_BY_TOKEN_SQL,
     )
 });
 

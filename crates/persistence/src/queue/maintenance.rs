@@ -7,7 +7,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobState, QueueStats, RepoError};
 
-use super::finish::{dead_letter_insert_sql, failure_set_sql, CLAIM_FENCE_SQL};
+use super::finish::{claim_fence_sql, dead_letter_insert_sql, failure_set_sql, CURRENT_CLAIM_SQL};
 use super::millis;
 use crate::error::map_diesel_error;
 
@@ -169,9 +169,9 @@ pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
         "WITH expired AS (
              UPDATE jobs j SET {set},
                     last_error = format('job lease expired: attempt %s not finished within \
-                                         expire_in of %s ms', k.attempt, j.expire_in_ms)
-               FROM job_claims k
-              WHERE j.id = ANY($1) AND {CLAIM_FENCE_SQL} AND k.lease_expires_at < now()
+                                         expire_in of %s ms',
+                                        (SELECT k.attempt {CURRENT_CLAIM_SQL}), j.expire_in_ms)
+              WHERE j.id = ANY($1) AND {fence}
              RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
          ), notified AS (
              SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
@@ -182,6 +182,8 @@ pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
          SELECT expired.id, expired.state, expired.dead_letter IS NOT NULL AS dead_letter
            FROM expired CROSS JOIN notified",
         set = failure_set_sql("j.retry_count < j.retry_limit"),
+        fence =
+            claim_fence_sql(|_| format!("(SELECT k.lease_expires_at {CURRENT_CLAIM_SQL}) < now()")),
     )
 });
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Text, Timestamptz};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobToSend, SendOptions, SendResult};
 use idemstage_persistence::queue::{self, MaintenanceConfig, MaintenanceOutcome};
 use idemstage_testkit::TestDb;
@@ -189,4 +189,60 @@ async fn claims_are_analyzed_and_vacuumed_for_inserts_only_every_100000_rows() {
     ] {
         assert!(row.options.iter().any(|o| o == want), "{:?}", row.options);
     }
+}
+
+/// The fenced statements read a job's claim by its key whatever plan the
+/// session keeps. Planned while the claims were few and never analyzed (a new
+/// install, a benchmark's reset) beside a backlog of jobs, the batched
+/// completion joined the claims and hashed the whole table on every call once
+/// it had grown: a 100,000-job drain at a third of its speed (BENCHMARKS.md
+/// "2026-12-05 02:30").
+#[tokio::test]
+async fn a_completion_planned_while_claims_were_few_reads_a_grown_table_by_its_key() {
+    const BACKLOG: i64 = 3_000;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // A backlog, analyzed; no claim yet.
+    conn.batch_execute(&format!(
+        "INSERT INTO jobs (id, queue, payload) \
+         SELECT lpad(g::text, 26, '0'), 'c', '{{}}' FROM generate_series(1, {BACKLOG}) g;
+         ANALYZE jobs"
+    ))
+    .await
+    .unwrap();
+    // The plan made on the first call is kept, as a connection's generic plan is.
+    conn.batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    let early = queue::fetch(&mut conn, &["c".to_owned()], 2).await.unwrap();
+    let tokens: Vec<(JobId, i32)> = early.iter().map(|j| (j.id, j.attempt)).collect();
+    assert_eq!(
+        queue::complete_many(&mut conn, &tokens[..1]).await.unwrap(),
+        vec![JobCompleteOutcome::Completed]
+    );
+    // The claims grow; no ANALYZE comes.
+    assert_eq!(
+        n(
+            &mut conn,
+            &format!("SELECT count(*) AS n FROM idemstage_fetch(ARRAY['c'], {BACKLOG}::int)")
+        )
+        .await,
+        BACKLOG - 2
+    );
+    // Rows of `job_claims` read by sequential scans, in the completion's
+    // transaction.
+    let (scanned, outcome) = conn
+        .transaction::<_, diesel::result::Error, _>(async |conn| {
+            let read = "SELECT pg_stat_get_xact_tuples_returned('job_claims'::regclass) AS n";
+            let before = n(conn, read).await;
+            let outcome = queue::complete_many(conn, &tokens[1..]).await.unwrap();
+            Ok((n(conn, read).await - before, outcome))
+        })
+        .await
+        .unwrap();
+    assert_eq!(outcome, vec![JobCompleteOutcome::Completed]);
+    assert!(
+        scanned < 100,
+        "a completion read {scanned} claims by sequential scans (of {BACKLOG} there)"
+    );
 }
