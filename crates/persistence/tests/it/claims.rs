@@ -246,3 +246,43 @@ async fn a_completion_planned_while_claims_were_few_reads_a_grown_table_by_its_k
         "a completion read {scanned} claims by sequential scans (of {BACKLOG} there)"
     );
 }
+
+/// A fetch passes the claims in flight once: the lanes' heads are read past
+/// them, and the fetch walks on from those heads, not from the floors again
+/// (migration `2026-12-05-110000_fetch_walks_from_head`).
+#[tokio::test]
+async fn a_fetch_walks_past_the_claims_in_flight_once() {
+    const IN_FLIGHT: i64 = 100;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for _ in 0..=IN_FLIGHT {
+        send(&mut conn, "c", SendOptions::default()).await;
+    }
+    assert_eq!(
+        n(
+            &mut conn,
+            &format!("SELECT count(*) AS n FROM idemstage_fetch(ARRAY['c'], {IN_FLIGHT}::int)")
+        )
+        .await,
+        IN_FLIGHT
+    );
+    // Rows of `jobs` read through the ready index by a fetch of the last one.
+    let fetched = stat_around(
+        &mut conn,
+        "pg_stat_get_xact_tuples_fetched('jobs_ready_idx'::regclass)",
+        "SELECT * FROM idemstage_fetch(ARRAY['c'], 1)".to_owned(),
+    )
+    .await;
+    assert!(
+        fetched < IN_FLIGHT * 3 / 2,
+        "a fetch read {fetched} jobs through the ready index past {IN_FLIGHT} claims in flight"
+    );
+    assert_eq!(
+        n(
+            &mut conn,
+            "SELECT count(*) AS n FROM job_states WHERE state = 'active'"
+        )
+        .await,
+        IN_FLIGHT + 1
+    );
+}
