@@ -2,11 +2,14 @@
 //!
 //! Every function takes the caller's connection, so that it can run inside the
 //! caller's transaction (a send is then visible, and its NOTIFY fires, only on
-//! commit). Every state change of a fetched job is fenced on `(id, attempt,
-//! state = 'active')`: `attempt` is incremented by each fetch, so a worker whose
-//! lease was taken over cannot complete, fail or release the job.
+//! commit). A fetch leases a job by appending a claim to `job_claims` (its
+//! attempt, its deadline) and leaves the job's row alone; every state change of
+//! a fetched job is fenced on `(id, attempt)` being the job's current claim
+//! (`finish.rs`): each fetch claims a new attempt, so a worker whose lease was
+//! taken over cannot complete, fail or release the job.
 //!
-//! Lifecycle: `created -> active -> completed | cancelled | retry -> active ... | failed`.
+//! Lifecycle (as `job_states` shows it; `active` is a job with a current
+//! claim): `created -> active -> completed | cancelled | retry -> active ... | failed`.
 
 mod aging;
 mod batched;

@@ -286,3 +286,34 @@ async fn a_fetch_walks_past_the_claims_in_flight_once() {
         IN_FLIGHT + 1
     );
 }
+
+/// A job is active through its claim only: a row written `active` (or with a
+/// lease of its own) by hand would have no claim, and nothing would ever fetch,
+/// expire or end it (migration `2026-12-05-120000_no_active_rows`).
+#[tokio::test]
+async fn a_jobs_row_is_never_active_or_leased_itself() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let id = send(&mut conn, "c", SendOptions::default()).await;
+    for (change, constraint) in [
+        ("state = 'active'", "jobs_state_check"),
+        ("lease_expires_at = now()", "jobs_no_lease"),
+    ] {
+        let err = conn
+            .batch_execute(&format!("UPDATE jobs SET {change} WHERE id = '{id}'"))
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains(constraint),
+            "{change}: refused by {constraint}, got {err}"
+        );
+    }
+    assert_eq!(
+        n(
+            &mut conn,
+            "SELECT count(*) AS n FROM job_states WHERE state = 'created' AND lease_expires_at IS NULL"
+        )
+        .await,
+        1
+    );
+}

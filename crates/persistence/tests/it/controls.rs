@@ -272,8 +272,8 @@ async fn a_slow_fetch_does_not_lose_the_refill_of_its_own_duration() {
     conn.batch_execute(
         "CREATE FUNCTION slow_lease() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END $$;
-         CREATE TRIGGER slow_lease BEFORE UPDATE ON jobs FOR EACH ROW
-             WHEN (NEW.state = 'active') EXECUTE FUNCTION slow_lease();",
+         CREATE TRIGGER slow_lease BEFORE INSERT ON job_claims FOR EACH ROW
+             EXECUTE FUNCTION slow_lease();",
     )
     .await
     .unwrap();
