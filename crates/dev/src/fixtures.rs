@@ -45,10 +45,13 @@ pub async fn reset(conn: &mut AsyncPgConnection) -> Result<(), RepoError> {
         "DO $$ BEGIN
            EXECUTE (SELECT 'TRUNCATE ' || string_agg(format('public.%I', tablename), ', ')
                       FROM pg_tables
-                     WHERE schemaname = 'public' AND tablename <> '__diesel_schema_migrations');
-           -- The one row the migrations put there, which expiry keeps its mark in.
-           INSERT INTO job_expiry_mark (expired_to, xid_horizon)
-           VALUES ('-infinity', pg_snapshot_xmin(pg_current_snapshot())::text::bigint);
+                     WHERE schemaname = 'public'
+                       AND tablename NOT IN ('__diesel_schema_migrations', 'job_expiry_mark'));
+           -- Expiry's mark keeps its one row (a migration refuses its
+           -- deletion); it starts over.
+           UPDATE job_expiry_mark
+              SET expired_to = '-infinity',
+                  xid_horizon = pg_snapshot_xmin(pg_current_snapshot())::text::bigint;
          END $$",
     )
     .execute(conn)
@@ -224,7 +227,7 @@ mod tests {
                 .get_result(&mut conn)
                 .await
                 .unwrap();
-            // job_expiry_mark holds one row by design, seeded again.
+            // job_expiry_mark holds one row by design, started over.
             let left = i64::from(t.name == "job_expiry_mark");
             assert_eq!(n.n, left, "{} not emptied", t.name);
         }

@@ -317,3 +317,27 @@ async fn a_jobs_row_is_never_active_or_leased_itself() {
         1
     );
 }
+
+/// Expiry's mark keeps its one row: without it caps counted no open claim and
+/// expiry never moved it (migration `2026-12-05-130000_expiry_mark_kept`).
+#[tokio::test]
+async fn the_expiry_mark_keeps_its_one_row() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for statement in ["DELETE FROM job_expiry_mark", "TRUNCATE job_expiry_mark"] {
+        let err = conn.batch_execute(statement).await.unwrap_err();
+        assert!(
+            err.to_string().contains("keeps its one row"),
+            "{statement}: {err}"
+        );
+    }
+    let err = conn
+        .batch_execute("INSERT INTO job_expiry_mark (expired_to, xid_horizon) VALUES (now(), 0)")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("job_expiry_mark_pkey"), "{err}");
+    assert_eq!(
+        n(&mut conn, "SELECT count(*) AS n FROM job_expiry_mark").await,
+        1
+    );
+}
