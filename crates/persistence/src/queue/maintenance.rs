@@ -122,11 +122,9 @@ const LOOK_PER_EXPIRY: i64 = 100;
 /// not finished now.
 pub(crate) const EXPIRY_CANDIDATES_SQL: &str = "\
 WITH m AS (
-    -- One row, whatever the table holds (a benchmark's reset empties it: then
-    -- the look starts from the first claim, and the mark is not kept).
-    SELECT coalesce(max(expired_to), '-infinity') AS expired_to,
-           coalesce(max(xid_horizon), 0) AS xid_horizon
-      FROM job_expiry_mark
+    -- Its one row (migration 2026-12-05-130000_expiry_mark_kept refuses its
+    -- deletion; a reset starts it over).
+    SELECT expired_to, xid_horizon FROM job_expiry_mark
 ), seen AS (
     SELECT c.ready_seq, c.job_id, c.lease_expires_at
       FROM (SELECT DISTINCT l.queue FROM job_lanes l) q
