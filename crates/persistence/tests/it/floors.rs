@@ -121,9 +121,10 @@ async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     let mut hold = leased_under_a_hold(&db, &mut conn, SPENT).await;
-    // Floors never moved: the fetch walks every entry the leases left.
+    // Floors never moved: the fetch walks every entry the leases left (a
+    // session of its own: the leasing session's walks start past its claims).
     let next = send(&mut conn, SendOptions::default()).await;
-    let (walked, ids) = entries_walked_by_a_fetch(&mut conn).await;
+    let (walked, ids) = entries_walked_by_a_fetch(&mut db.conn().await).await;
     assert_eq!(ids, vec![next]);
     assert!(
         walked > SPENT,
@@ -132,7 +133,7 @@ async fn under_a_held_snapshot_the_fetch_reads_its_lane_from_the_floor() {
 
     advance_twice(&mut conn).await;
     let next = send(&mut conn, SendOptions::default()).await;
-    let (walked, ids) = entries_walked_by_a_fetch(&mut conn).await;
+    let (walked, ids) = entries_walked_by_a_fetch(&mut db.conn().await).await;
     assert_eq!(ids, vec![next]);
     assert!(walked <= 4, "{walked} entries walked from the floor");
     hold.batch_execute("ROLLBACK").await.unwrap();
@@ -467,14 +468,22 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
         !lane_parked(&mut conn).await,
         "a lane worked lately was parked"
     );
-    assert_eq!(lane_reads_of_a_fetch(&mut conn).await, (1, vec![]));
+    // (A session of its own: one that fetched from the lane reads it from
+    // where it left it, and then from its floor.)
+    assert_eq!(
+        lane_reads_of_a_fetch(&mut db.conn().await).await,
+        (1, vec![])
+    );
 
     // Nothing ready, nothing leased, nothing finished within the window: parked,
     // and a fetch of its queue reads no lane.
     long_ago(&mut conn).await;
     let mark = queue::advance_floors(&mut conn, mark, every).await.unwrap();
     assert!(lane_parked(&mut conn).await, "an idle lane was not parked");
-    assert_eq!(lane_reads_of_a_fetch(&mut conn).await, (0, vec![]));
+    assert_eq!(
+        lane_reads_of_a_fetch(&mut db.conn().await).await,
+        (0, vec![])
+    );
     // Parked once, not again on every run.
     let parked_by = lane_version(&mut conn).await;
     send_elsewhere(&mut conn).await;

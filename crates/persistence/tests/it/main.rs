@@ -13,6 +13,7 @@ mod foundation;
 mod hot_updates;
 mod isolation;
 mod job_labels;
+mod lane_starts;
 mod no_jit;
 mod ops;
 mod pgbench_scripts;
