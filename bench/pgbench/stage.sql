@@ -202,9 +202,22 @@ WITH inserted AS (
 )
 SELECT id, false AS notified FROM inserted;
 \if :job
-UPDATE jobs j SET state = 'completed', completed_at = now(), output = nullif(:none, 0)::text::jsonb,
-                  (attempt, started_at) = (SELECT k.attempt, k.claimed_at FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id)
- WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k];
+WITH closed AS (
+    INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority, outcome, output)
+    SELECT j.ready_seq, j.id, coalesce((SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id), j.attempt),
+           j.queue, j.tenant_id, j.priority, 'completed', nullif(:none, 0)::text::jsonb
+      FROM jobs j
+     WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k] AND j.singleton_key IS NULL
+     ORDER BY j.id
+    ON CONFLICT (ready_seq) DO NOTHING
+    RETURNING ready_seq, job_id, attempt
+), written AS (
+    UPDATE jobs j SET state = 'completed', completed_at = now(), output = nullif(:none, 0)::text::jsonb,
+                      (attempt, started_at) = (SELECT k.attempt, k.claimed_at FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id)
+     WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k] AND j.singleton_key IS NOT NULL
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM closed) + (SELECT count(*) FROM written) AS n;
 \endif
 \if :pipeline
 \endpipeline

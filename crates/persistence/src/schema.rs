@@ -87,6 +87,20 @@ diesel::table! {
 }
 
 diesel::table! {
+    job_closures (ready_seq) {
+        ready_seq -> Int8,
+        job_id -> Text,
+        attempt -> Int4,
+        queue -> Text,
+        tenant_id -> Text,
+        priority -> Int4,
+        outcome -> Text,
+        output -> Nullable<Jsonb>,
+        closed_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     job_expiry_mark (only_row) {
         only_row -> Bool,
         expired_to -> Timestamptz,
@@ -289,6 +303,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     items,
     items_open,
     job_claims,
+    job_closures,
     job_expiry_mark,
     job_lanes,
     audit_log,

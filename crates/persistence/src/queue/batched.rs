@@ -23,7 +23,7 @@ use diesel::sql_types::{Integer, Jsonb, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
 
-use super::finish::{claim_fence_sql, CLAIM_ENDED_SET_SQL};
+use super::finish::{claim_fence_sql, closure_cte, CLAIM_ENDED_SET_SQL, ROW_ENDS_SQL};
 use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
@@ -39,12 +39,17 @@ static FENCED_BY_TOKENS_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
-/// Returns the `(id, attempt)` of every job it completed.
+/// Returns the `(id, attempt)` of every job it completed: by its closure, or,
+/// with a singleton key, by its row.
 pub(crate) static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "UPDATE jobs j SET state = 'completed', completed_at = now(), {ended}
- WHERE {fence}
-RETURNING j.id, j.attempt",
+        "WITH {closed}, written AS (
+UPDATE jobs j SET state = 'completed', completed_at = now(), {ended}
+ WHERE {fence} AND j.singleton_key IS NOT NULL
+RETURNING j.id, j.attempt
+)
+SELECT job_id AS id, attempt FROM closed UNION ALL SELECT id, attempt FROM written",
+        closed = closure_cte("'completed'", "NULL", &FENCED_BY_TOKENS_SQL),
         ended = *CLAIM_ENDED_SET_SQL,
         fence = *FENCED_BY_TOKENS_SQL,
     )
@@ -52,7 +57,8 @@ RETURNING j.id, j.attempt",
 
 /// `renew_leases`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
 /// attempt, lease_expires_at)` of every job whose lease it extended to `now() +
-/// expire_in`. The jobs' rows are locked FOR SHARE, as in `renew_lease`.
+/// expire_in`. The jobs' rows are locked FOR SHARE, as in `renew_lease`; a
+/// claim with a closure has ended.
 pub(crate) const RENEW_LEASES_SQL: &str = "\
 WITH j AS (
     SELECT id, ready_seq, state, expire_in_ms FROM jobs
@@ -64,6 +70,7 @@ UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 
   FROM j
  WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id
    AND ($1 -> j.id::text) @> to_jsonb(k.attempt)
+   AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL
 RETURNING k.job_id AS id, k.attempt, k.lease_expires_at";
 
 /// `retry_now_many`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
@@ -71,12 +78,13 @@ RETURNING k.job_id AS id, k.attempt, k.lease_expires_at";
 /// (PostgreSQL delivers one notification per distinct queue of the transaction).
 pub(crate) static RETRY_NOW_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH released AS (
+        "WITH {closed}, released AS (
 UPDATE jobs j SET state = 'retry', start_after = now(), {ended}
- WHERE {fence}
+ WHERE {fence} AND {ROW_ENDS_SQL}
 RETURNING j.id, j.attempt, j.queue
 )
 SELECT id, attempt, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released",
+        closed = closure_cte("'released'", "NULL", &FENCED_BY_TOKENS_SQL),
         ended = *CLAIM_ENDED_SET_SQL,
         fence = *FENCED_BY_TOKENS_SQL,
     )

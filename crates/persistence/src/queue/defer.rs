@@ -7,7 +7,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobRetryOutcome, RepoError};
 
-use super::finish::{CLAIM_ENDED_SET_SQL, CLAIM_FENCE_BY_TOKEN_SQL};
+use super::finish::{closure_cte, CLAIM_ENDED_SET_SQL, CLAIM_FENCE_BY_TOKEN_SQL, ROW_ENDS_SQL};
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
@@ -15,9 +15,11 @@ use crate::error::map_diesel_error;
 /// (int8). No row updated: fenced.
 pub(crate) static RETRY_AFTER_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "UPDATE jobs j SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
+        "WITH {closed}
+UPDATE jobs j SET state = 'retry', start_after = now() + $3 * interval '1 millisecond',
                   {ended}
- WHERE {fence}",
+ WHERE {fence} AND {ROW_ENDS_SQL}",
+        closed = closure_cte("'released'", "NULL", &CLAIM_FENCE_BY_TOKEN_SQL),
         ended = *CLAIM_ENDED_SET_SQL,
         fence = *CLAIM_FENCE_BY_TOKEN_SQL,
     )

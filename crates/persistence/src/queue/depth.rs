@@ -8,14 +8,20 @@ use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
 
 /// Per queue of `$1` (text[]): its ready jobs (`created`/`retry`, due and not
-/// claimed), its delayed ones (due later), its active ones (claimed), and how
-/// long the oldest ready job has been due, in seconds (0 without one). One index
-/// scan of the ready jobs' partial index (`jobs_ready_idx`) on one queue, with a
-/// probe of `job_claims` per job (a scalar subquery: as a join a generic plan
-/// may merge all claims), so finished jobs, however many, are not read.
+/// claimed), its delayed ones (due later), its active ones (an open claim), and
+/// how long the oldest ready job has been due, in seconds (0 without one).
+///
+/// A job completed by its closure keeps its entry in the ready index until the
+/// retention, so the read is bounded as the fetch's is: each lane's entries from
+/// its floor (a probe of `job_claims` and `job_closures` each: scalar subqueries,
+/// as a join a generic plan may merge all claims); below the floor, the jobs
+/// that were not due when they became ready (`jobs_deferred_idx`, where a
+/// deferred job waits) and the open claims, from the claims whose lease has not
+/// run out (`job_claims_lease_idx`), as a cap counts them.
 pub(crate) const QUEUE_DEPTHS_SQL: &str = "\
 SELECT q.queue,
-       r.ready, r.delayed, r.active,
+       coalesce(r.ready, 0) AS ready, coalesce(r.delayed, 0) AS delayed,
+       coalesce(r.active, 0) + coalesce(b.active, 0) AS active,
        coalesce(extract(epoch FROM now() - r.oldest_ready), 0)::float8 AS oldest_ready_s
   FROM unnest($1::text[]) WITH ORDINALITY AS q(queue, n)
   CROSS JOIN LATERAL (
@@ -24,12 +30,36 @@ SELECT q.queue,
               count(*) FILTER (WHERE c.claimed) AS active,
               min(c.start_after) FILTER (WHERE NOT c.claimed AND c.start_after <= now())
                   AS oldest_ready
-         FROM (SELECT j.start_after,
-                      (SELECT 1 FROM job_claims k
-                        WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) IS NOT NULL
-                          AS claimed
-                 FROM jobs j
-                WHERE j.queue = q.queue AND j.state IN ('created', 'retry')) c) r
+         FROM job_lanes l
+         CROSS JOIN LATERAL (
+              SELECT j.start_after,
+                     (SELECT 1 FROM job_claims k
+                       WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) IS NOT NULL
+                         AS claimed
+                FROM jobs j
+               WHERE j.queue = l.queue AND j.tenant_id = l.tenant_id
+                 AND j.priority = l.priority AND j.state IN ('created', 'retry')
+                 AND j.ready_seq >= l.floor
+                 AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = j.ready_seq) IS NULL
+              UNION ALL
+              SELECT j.start_after, false
+                FROM jobs j
+               WHERE j.queue = l.queue AND j.tenant_id = l.tenant_id
+                 AND j.priority = l.priority AND j.state IN ('created', 'retry')
+                 AND j.start_after > j.created_at AND j.ready_seq < l.floor
+                 AND (SELECT 1 FROM job_claims k WHERE k.ready_seq = j.ready_seq) IS NULL) c
+        WHERE l.queue = q.queue) r
+  CROSS JOIN LATERAL (
+       SELECT count(*) AS active
+         FROM job_claims a
+         JOIN job_lanes l
+           ON l.queue = a.queue AND l.tenant_id = a.tenant_id AND l.priority = a.priority
+        WHERE a.queue = q.queue
+          AND a.lease_expires_at >= (SELECT m.expired_to FROM job_expiry_mark m)
+          AND a.ready_seq < l.floor
+          AND (SELECT o.ready_seq FROM jobs o
+                WHERE o.id = a.job_id AND o.state IN ('created', 'retry')) = a.ready_seq
+          AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = a.ready_seq) IS NULL) b
  ORDER BY q.n";
 
 /// How many jobs of one queue wait, and for how long (see [`queue_depths`]).

@@ -6,10 +6,14 @@
 //! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
 //! nobody else holds the job.
 //!
-//! Every end writes the job's row (its state, and the attempt and start of the
-//! claim it ends), so two ends of one attempt meet on that row: the second waits
-//! for the first and then finds the job no longer `created` or `retry`, or with
-//! a new `ready_seq`.
+//! A job with a singleton key (every stage job) ends by its row: every end
+//! writes its state, and the attempt and start of the claim it ends, so two ends
+//! of one attempt meet on that row: the second waits for the first and then finds
+//! the job no longer `created` or `retry`, or with a new `ready_seq`. A job
+//! without one ends by a closure (`job_closures`, keyed by the claim's
+//! `ready_seq`) appended first ([`closure_cte`]): a completion writes nothing
+//! else, the other ends write the row only when their closure was inserted, so
+//! two ends meet on the closure's key.
 
 use std::sync::LazyLock;
 
@@ -63,17 +67,62 @@ pub(crate) static CLAIM_ENDED_SET_SQL: LazyLock<String> = LazyLock::new(|| {
     format!("(attempt, started_at) = (SELECT k.attempt, k.claimed_at {CURRENT_CLAIM_SQL})")
 });
 
+/// The CTE `closed`: the closure of the current ready entry of every job `j`
+/// that `fence` selects and that has no singleton key, appended with `outcome`
+/// and `output` (SQL expressions), in id order (two statements closing the same
+/// jobs wait for each other in one order). `ON CONFLICT`: an entry already
+/// closed, or being closed by a transaction that then commits, is left out; its
+/// `ready_seq` is not returned, and the statement's row write (below,
+/// [`ROW_ENDS_SQL`]) leaves its job alone.
+pub(crate) fn closure_cte(outcome: &str, output: &str, fence: &str) -> String {
+    format!(
+        "closed AS (
+    INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority,
+                              outcome, output)
+    SELECT j.ready_seq, j.id, coalesce((SELECT k.attempt {CURRENT_CLAIM_SQL}), j.attempt),
+           j.queue, j.tenant_id, j.priority, {outcome}, {output}
+      FROM jobs j
+     WHERE {fence} AND j.singleton_key IS NULL
+     ORDER BY j.id
+    ON CONFLICT (ready_seq) DO NOTHING
+    RETURNING ready_seq, job_id, attempt
+)"
+    )
+}
+
+/// The jobs `j` whose row an end writes, besides its fence: those with a
+/// singleton key, and those whose closure the statement's [`closure_cte`]
+/// inserted.
+pub(crate) const ROW_ENDS_SQL: &str =
+    "(j.singleton_key IS NOT NULL OR j.ready_seq IN (SELECT ready_seq FROM closed))";
+
+/// An entry `k` (a claim) without a closure: still open.
+pub(crate) const NOT_CLOSED_SQL: &str =
+    "(SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL";
+
 /// `complete`: binds `$1` id (text), `$2` attempt (int4), `$3` output (jsonb, NULL
-/// for none). One row updated: completed; none: fenced.
+/// for none). Returns `n`: 1 completed (its closure appended, or, for a job with
+/// a singleton key, its row written); 0 fenced.
 pub(crate) static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "UPDATE jobs j SET state = 'completed', completed_at = now(), output = $3,
-                  {set}
- WHERE {fence}",
+        "WITH {closed}, written AS (
+    UPDATE jobs j SET state = 'completed', completed_at = now(), output = $3,
+                      {set}
+     WHERE {fence} AND j.singleton_key IS NOT NULL
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM closed) + (SELECT count(*) FROM written) AS n",
+        closed = closure_cte("'completed'", "$3", &CLAIM_FENCE_BY_TOKEN_SQL),
         set = *CLAIM_ENDED_SET_SQL,
         fence = *CLAIM_FENCE_BY_TOKEN_SQL,
     )
 });
+
+#[derive(diesel::QueryableByName)]
+struct Ended {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
 
 /// Marks the job completed (with an optional output). `Fenced`: the lease was
 /// taken over, nothing changed.
@@ -106,19 +155,20 @@ async fn complete_statement(
     id: JobId,
     attempt: i32,
     output: Option<&serde_json::Value>,
-) -> Result<usize, diesel::result::Error> {
-    diesel::sql_query(COMPLETE_SQL.as_str())
+) -> Result<i64, diesel::result::Error> {
+    let ended: Ended = diesel::sql_query(COMPLETE_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .bind::<Nullable<Jsonb>, _>(output)
         .cached()
-        .execute(&mut conn)
-        .await
+        .get_result(&mut conn)
+        .await?;
+    Ok(ended.n)
 }
 
-/// What the completion's row count says: none updated means fenced.
-fn completed(rows: Result<usize, diesel::result::Error>) -> Result<JobCompleteOutcome, RepoError> {
-    Ok(match rows.map_err(map_diesel_error)? {
+/// What the completion's count says: nothing ended means fenced.
+fn completed(ended: Result<i64, diesel::result::Error>) -> Result<JobCompleteOutcome, RepoError> {
+    Ok(match ended.map_err(map_diesel_error)? {
         1 => JobCompleteOutcome::Completed,
         _ => JobCompleteOutcome::Fenced,
     })
@@ -172,9 +222,9 @@ struct FailRow {
 /// its `start_after` and the dead-letter copy's id; no row: fenced.
 pub(crate) static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH failed AS (
+        "WITH {closed}, failed AS (
              UPDATE jobs j SET {set}, last_error = $3
-              WHERE {fence}
+              WHERE {fence} AND {ROW_ENDS_SQL}
              RETURNING j.*
          ), dl AS (
              {dl}
@@ -186,6 +236,7 @@ pub(crate) static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
          )
          SELECT failed.state, failed.start_after, dl.id AS dead_letter_id
            FROM failed LEFT JOIN dl ON true CROSS JOIN notified",
+        closed = closure_cte("'failed'", "NULL", &CLAIM_FENCE_BY_TOKEN_SQL),
         set = failure_set_sql("($4 AND j.retry_count < j.retry_limit)"),
         fence = *CLAIM_FENCE_BY_TOKEN_SQL,
         dl = dead_letter_insert_sql("$5", "failed", ""),
@@ -240,8 +291,10 @@ pub async fn fail(
 /// `cancel`: binds `$1` id (text), `$2` attempt (int4). No row updated: fenced.
 pub(crate) static CANCEL_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "UPDATE jobs j SET state = 'cancelled', completed_at = now(), {set}
- WHERE {fence}",
+        "WITH {closed}
+UPDATE jobs j SET state = 'cancelled', completed_at = now(), {set}
+ WHERE {fence} AND {ROW_ENDS_SQL}",
+        closed = closure_cte("'cancelled'", "NULL", &CLAIM_FENCE_BY_TOKEN_SQL),
         set = *CLAIM_ENDED_SET_SQL,
         fence = *CLAIM_FENCE_BY_TOKEN_SQL,
     )
@@ -281,12 +334,13 @@ pub async fn retry_now(
 /// (timestamptz, NULL for now). Returns `(id, notified)`; no row: fenced.
 pub(crate) static RETRY_AT_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH released AS (
+        "WITH {closed}, released AS (
     UPDATE jobs j SET state = 'retry', start_after = greatest(now(), $3), {set}
-     WHERE {fence}
+     WHERE {fence} AND {ROW_ENDS_SQL}
     RETURNING j.id, j.queue
 )
 SELECT id, pg_notify('idemstage_jobs', queue) IS NULL AS notified FROM released",
+        closed = closure_cte("'released'", "NULL", &CLAIM_FENCE_BY_TOKEN_SQL),
         set = *CLAIM_ENDED_SET_SQL,
         fence = *CLAIM_FENCE_BY_TOKEN_SQL,
     )
@@ -338,8 +392,11 @@ pub enum RenewLeaseOutcome {
 /// The claim's deadline moves (an UPDATE of the claim: long stages only). The
 /// job's row is locked FOR SHARE, so that an end of the same attempt, which
 /// writes that row, waits for the renewal or the renewal for it; expiry reads
-/// the deadlines after it has locked the rows (`maintenance.rs`).
-pub(crate) const RENEW_LEASE_SQL: &str = "WITH j AS (
+/// the deadlines after it has locked the rows (`maintenance.rs`). A claim with
+/// a closure has ended: fenced.
+pub(crate) static RENEW_LEASE_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH j AS (
     SELECT id, ready_seq, state, expire_in_ms FROM jobs
      WHERE id = $1 AND state IN ('created', 'retry')
        FOR SHARE
@@ -347,7 +404,10 @@ pub(crate) const RENEW_LEASE_SQL: &str = "WITH j AS (
 UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 millisecond'
   FROM j
  WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id AND k.attempt = $2
-RETURNING k.lease_expires_at";
+   AND {NOT_CLOSED_SQL}
+RETURNING k.lease_expires_at"
+    )
+});
 
 /// Extends the lease of a long-running job to `now() + expire_in` (database clock).
 pub async fn renew_lease(
@@ -360,7 +420,7 @@ pub async fn renew_lease(
         #[diesel(sql_type = Timestamptz)]
         lease_expires_at: DateTime<Utc>,
     }
-    let query = diesel::sql_query(RENEW_LEASE_SQL)
+    let query = diesel::sql_query(RENEW_LEASE_SQL.as_str())
         .bind::<Text, _>(id.to_string())
         .bind::<Integer, _>(attempt)
         .cached();

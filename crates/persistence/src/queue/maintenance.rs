@@ -7,7 +7,10 @@ use diesel::sql_types::{Array, BigInt, Bool, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobId, JobState, QueueStats, RepoError};
 
-use super::finish::{claim_fence_sql, dead_letter_insert_sql, failure_set_sql, CURRENT_CLAIM_SQL};
+use super::finish::{
+    claim_fence_sql, closure_cte, dead_letter_insert_sql, failure_set_sql, CURRENT_CLAIM_SQL,
+    ROW_ENDS_SQL,
+};
 use super::millis;
 use crate::error::map_diesel_error;
 
@@ -152,6 +155,9 @@ WITH m AS (
      WHERE j.id = ANY(ARRAY(SELECT job_id FROM seen UNION SELECT job_id FROM late))
        AND j.state IN ('created', 'retry')
        AND j.ready_seq IN (SELECT ready_seq FROM seen UNION SELECT ready_seq FROM late)
+       -- A claim with a closure has ended (a completion of a job without a
+       -- singleton key writes nothing else).
+       AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = j.ready_seq) IS NULL
      ORDER BY j.id
        FOR UPDATE
 )
@@ -163,13 +169,15 @@ SELECT coalesce(array_agg(locked.id), ARRAY[]::text[]) AS ids FROM locked, (SELE
 /// out are failed with the rules of `fail` (retry with the job's delay, or
 /// failed); returns `(id, state, dead_letter)` of each.
 pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
+    let fence =
+        claim_fence_sql(|_| format!("(SELECT k.lease_expires_at {CURRENT_CLAIM_SQL}) < now()"));
     format!(
-        "WITH expired AS (
+        "WITH {closed}, expired AS (
              UPDATE jobs j SET {set},
                     last_error = format('job lease expired: attempt %s not finished within \
                                          expire_in of %s ms',
                                         (SELECT k.attempt {CURRENT_CLAIM_SQL}), j.expire_in_ms)
-              WHERE j.id = ANY($1) AND {fence}
+              WHERE j.id = ANY($1) AND {fence} AND {ROW_ENDS_SQL}
              RETURNING j.id, j.queue, j.state, j.start_after, j.dead_letter
          ), notified AS (
              SELECT count(pg_notify('idemstage_jobs', queue)) AS n FROM (
@@ -179,11 +187,32 @@ pub(crate) static EXPIRE_SQL: LazyLock<String> = LazyLock::new(|| {
          )
          SELECT expired.id, expired.state, expired.dead_letter IS NOT NULL AS dead_letter
            FROM expired CROSS JOIN notified",
+        closed = closure_cte("'expired'", "NULL", &format!("j.id = ANY($1) AND {fence}")),
         set = failure_set_sql("j.retry_count < j.retry_limit"),
-        fence =
-            claim_fence_sql(|_| format!("(SELECT k.lease_expires_at {CURRENT_CLAIM_SQL}) < now()")),
     )
 });
+
+/// Retention of closures: binds `$1` the retention (ms), `$2` the batch. The
+/// closures closed before it (the oldest first, at most `$2`), their claims, and
+/// the rows of the jobs they completed; returns `n`, the jobs deleted.
+const CLOSURES_RETENTION_SQL: &str = "\
+WITH old AS (
+    SELECT z.ready_seq, z.job_id, z.outcome FROM job_closures z
+     WHERE z.closed_at < now() - $1 * interval '1 millisecond'
+     ORDER BY z.closed_at
+     LIMIT $2
+), done AS (
+    DELETE FROM jobs j
+     WHERE j.id = ANY(ARRAY(SELECT job_id FROM old WHERE outcome = 'completed'))
+       AND j.ready_seq = ANY(ARRAY(SELECT ready_seq FROM old))
+       AND j.state IN ('created', 'retry')
+    RETURNING 1
+), claims AS (
+    DELETE FROM job_claims k WHERE k.ready_seq = ANY(ARRAY(SELECT ready_seq FROM old))
+), closures AS (
+    DELETE FROM job_closures z WHERE z.ready_seq = ANY(ARRAY(SELECT ready_seq FROM old))
+)
+SELECT count(*) AS n FROM done";
 
 /// One maintenance run in one transaction, under `pg_try_advisory_xact_lock` (a
 /// concurrent run is `Skipped`, not waited for): expired leases are failed with the
@@ -293,9 +322,19 @@ pub async fn maintain(
         .bind::<BigInt, _>(limit)
         .execute(conn)
         .await?;
+        // Closures after the retention, with their claims and the rows of the
+        // jobs they completed (such a row is still `created` or `retry` and
+        // names the claim), in one statement: a job's ready entry never has
+        // its claim without its closure, or neither (it would be fetched again).
+        let closed: Count = diesel::sql_query(CLOSURES_RETENTION_SQL)
+            .bind::<BigInt, _>(retention_ms)
+            .bind::<BigInt, _>(limit)
+            .get_result(conn)
+            .await?;
         // Claims after the retention, by deadline: one behind the expiry mark
         // has ended (expiry took it back if nothing else ended it), so nothing
-        // reads it but a view of a job that is gone or ended long ago.
+        // reads it but a view of a job that is gone or ended long ago. A claim
+        // with a closure goes with its closure (above).
         diesel::sql_query(
             "DELETE FROM job_claims WHERE ready_seq IN (
                  SELECT c.ready_seq
@@ -306,6 +345,7 @@ pub async fn maintain(
                           AND k.lease_expires_at < least(
                                   now() - $1 * interval '1 millisecond',
                                   (SELECT m.expired_to FROM job_expiry_mark m))
+                          AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL
                         ORDER BY k.lease_expires_at
                         LIMIT $2) c
                   LIMIT $2)",
@@ -314,7 +354,7 @@ pub async fn maintain(
         .bind::<BigInt, _>(limit)
         .execute(conn)
         .await?;
-        report.deleted = deleted as u64;
+        report.deleted = deleted as u64 + u64::try_from(closed.n).unwrap_or(0);
         Ok(MaintenanceOutcome::Ran(report))
     })
     .await

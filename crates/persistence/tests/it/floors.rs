@@ -448,6 +448,13 @@ async fn long_ago(conn: &mut AsyncPgConnection) {
     .execute(conn)
     .await
     .unwrap();
+    // A job without a singleton key is completed by its closure.
+    diesel::sql_query(
+        "UPDATE job_closures SET closed_at = now() - interval '1 hour' WHERE queue = 'floors'",
+    )
+    .execute(conn)
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -495,7 +502,9 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
     );
 
     // A send wakes its lane: the job is fetched at once, with no run between.
-    let b = send(&mut conn, SendOptions::default()).await;
+    // (b has a singleton key: it is completed by its row, which the operator's
+    // UPDATE below sets back; one without is completed by its closure.)
+    let b = send(&mut conn, SendOptions::default().with_singleton_key("b")).await;
     assert!(!lane_parked(&mut conn).await, "a send left its lane parked");
     let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
         .await

@@ -54,6 +54,7 @@ async fn migrations_round_trip_up_down_up() {
             "items",
             "items_open",
             "job_claims",
+            "job_closures",
             "job_expiry_mark",
             "job_lanes",
             "jobs",

@@ -4,6 +4,7 @@
 mod claim;
 mod claim_cost;
 mod claims;
+mod closures;
 mod controls;
 mod diesel_errors;
 mod fair;

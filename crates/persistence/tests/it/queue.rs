@@ -944,11 +944,14 @@ async fn maintenance_expires_into_dead_letter_deletes_after_retention_and_runs_o
     queue::complete(&mut conn, fresh, j.attempt, None)
         .await
         .unwrap();
-    diesel::sql_query("UPDATE jobs SET completed_at = now() - interval '2 days' WHERE id = $1")
-        .bind::<Text, _>(old.to_string())
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    // A job without a singleton key is completed by its closure.
+    diesel::sql_query(
+        "UPDATE job_closures SET closed_at = now() - interval '2 days' WHERE job_id = $1",
+    )
+    .bind::<Text, _>(old.to_string())
+    .execute(&mut conn)
+    .await
+    .unwrap();
     let config = MaintenanceConfig::default().with_retention(Duration::from_secs(24 * 3600));
     let MaintenanceOutcome::Ran(report) = queue::maintain(&mut conn, &config).await.unwrap() else {
         panic!("skipped");

@@ -544,9 +544,12 @@ async fn idle_worker_pickup_latency_via_notify() {
 }
 
 /// Completions that arrive while a completion statement runs go together in the
-/// next one: one statement and one commit for many jobs. One job's row is held
-/// locked, so the statement that completes it waits until the other handlers
-/// have finished; jobs completed by one statement share its `now()`.
+/// next one: one statement and one commit for many jobs. One job's closure is
+/// held by an open transaction that inserted it (a completion of a job without
+/// a singleton key inserts its closure, and waits for the other's), so the
+/// statement that completes it waits until the other handlers have finished;
+/// the holder then rolls back. Jobs completed by one statement share its
+/// `now()`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_that_arrive_together_share_one_statement() {
     let db = TestDb::new().await;
@@ -580,7 +583,10 @@ async fn completions_that_arrive_together_share_one_statement() {
     let mut locker = db.conn().await;
     locker
         .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            "BEGIN; INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id,
+                                              priority, outcome)
+                    SELECT ready_seq, id, 0, queue, tenant_id, priority, 'completed'
+                      FROM jobs WHERE id = '{}'",
             ids[0]
         ))
         .await
@@ -596,7 +602,7 @@ async fn completions_that_arrive_together_share_one_statement() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    locker.batch_execute("COMMIT").await.unwrap();
+    locker.batch_execute("ROLLBACK").await.unwrap();
     for id in &ids {
         wait_for_state(&mut conn, *id, "completed").await;
     }
