@@ -59,7 +59,7 @@ pub fn all() -> Vec<Statement> {
         s("job_cancel", &queue::CANCEL_SQL),
         s("job_retry_at", &queue::RETRY_AT_SQL),
         s("job_renew_lease", &queue::RENEW_LEASE_SQL),
-        s("job_renew_leases", queue::RENEW_LEASES_SQL),
+        s("job_renew_leases", &queue::RENEW_LEASES_SQL),
         s("job_retry_now_many", &queue::RETRY_NOW_MANY_SQL),
         s("job_expiry_candidates", queue::EXPIRY_CANDIDATES_SQL),
         s("job_expire_leases", &queue::EXPIRE_SQL),

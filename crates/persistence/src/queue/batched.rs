@@ -23,7 +23,9 @@ use diesel::sql_types::{Integer, Jsonb, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
 
-use super::finish::{claim_fence_sql, closure_cte, CLAIM_ENDED_SET_SQL, ROW_ENDS_SQL};
+use super::finish::{
+    claim_fence_sql, closure_cte, CLAIM_ENDED_SET_SQL, NOT_CLOSED_SQL, ROW_ENDS_SQL,
+};
 use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
 use crate::error::map_diesel_error;
@@ -59,8 +61,9 @@ SELECT job_id AS id, attempt FROM closed UNION ALL SELECT id, attempt FROM writt
 /// attempt, lease_expires_at)` of every job whose lease it extended to `now() +
 /// expire_in`. The jobs' rows are locked FOR SHARE, as in `renew_lease`; a
 /// claim with a closure has ended.
-pub(crate) const RENEW_LEASES_SQL: &str = "\
-WITH j AS (
+pub(crate) static RENEW_LEASES_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH j AS (
     SELECT id, ready_seq, state, expire_in_ms FROM jobs
      WHERE id = ANY(ARRAY(SELECT jsonb_object_keys($1))) AND state IN ('created', 'retry')
      ORDER BY id
@@ -70,8 +73,10 @@ UPDATE job_claims k SET lease_expires_at = now() + j.expire_in_ms * interval '1 
   FROM j
  WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id
    AND ($1 -> j.id::text) @> to_jsonb(k.attempt)
-   AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL
-RETURNING k.job_id AS id, k.attempt, k.lease_expires_at";
+   AND {NOT_CLOSED_SQL}
+RETURNING k.job_id AS id, k.attempt, k.lease_expires_at"
+    )
+});
 
 /// `retry_now_many`: binds `$1`, the tokens as a jsonb object. Returns the `(id,
 /// attempt)` of every job it gave back; wakes the listeners of their queues
@@ -212,7 +217,7 @@ pub async fn renew_leases(
     conn: &mut AsyncPgConnection,
     jobs: &[(JobId, i32)],
 ) -> Result<Vec<RenewLeaseOutcome>, RepoError> {
-    let rows: Vec<Lease> = run(conn, RENEW_LEASES_SQL, jobs).await?;
+    let rows: Vec<Lease> = run(conn, RENEW_LEASES_SQL.as_str(), jobs).await?;
     let renewed = rows
         .into_iter()
         .map(|r| Ok(((JobId::parse(&r.id)?, r.attempt), r.lease_expires_at)))
