@@ -4,7 +4,11 @@
 use std::path::Path;
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations");
+    // Read when the script runs, not baked in when it is built: a target
+    // directory shared between two checkouts reuses the built script.
+    let manifest_dir =
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let dir = Path::new(&manifest_dir).join("../../migrations");
     println!("cargo:rerun-if-changed={}", dir.display());
     let mut files = Vec::new();
     collect(&dir, &mut files);

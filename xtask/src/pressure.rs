@@ -5,11 +5,21 @@
 //! Writes `target/bench/pressure/<cell>.json` (both runs) and `<cell>.svg` (the
 //! picture BENCHMARKS.md links), and prints a markdown table of the summaries.
 //!
+//! With `--together` the runs of a cell start at the same moment, each on a
+//! database of its own on the one server (the long soak: ours and awa's under
+//! the same conditions for the same two hours); the rate is then given, not
+//! measured: `--jobs-per-s R` offers R jobs/s to every run.
+//!
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
-//!        [--items-per-s R] [--clean-s N] [--stress-s N] [--recovery-s N]
+//!        [--items-per-s R | --jobs-per-s R] [--together]
+//!        [--clean-s N] [--stress-s N] [--recovery-s N]
 //!        [--workloads pipeline,queue,fan-out] [--pressure-prefetch N] [--no-awa]
 
-use std::{fs, process::Command};
+use std::{
+    fs, io,
+    process::{Command, Output, Stdio},
+    thread::{self, JoinHandle},
+};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -55,6 +65,27 @@ pub fn main(args: &[String]) -> Result<i32> {
         },
         None => None,
     };
+    let jobs_per_s: Option<f64> = match flag(args, "--jobs-per-s") {
+        Some(v) => match v.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Some(r),
+            _ => {
+                eprintln!("xtask pressure: --jobs-per-s {v:?}: give a positive number");
+                return Ok(2);
+            }
+        },
+        None => None,
+    };
+    if jobs_per_s.is_some() && items_per_s.is_some() {
+        eprintln!("xtask pressure: give --items-per-s or --jobs-per-s, not both");
+        return Ok(2);
+    }
+    let together = args.iter().any(|a| a == "--together");
+    if together && jobs_per_s.is_none() {
+        eprintln!(
+            "xtask pressure: --together needs --jobs-per-s R (no run goes first to measure the peak)"
+        );
+        return Ok(2);
+    }
     let awa_too = !args.iter().any(|a| a == "--no-awa");
     let workloads: Vec<String> = flag(args, "--workloads")
         .unwrap_or_else(|| "pipeline,queue".into())
@@ -101,9 +132,23 @@ pub fn main(args: &[String]) -> Result<i32> {
             psql(url, "DROP DATABASE IF EXISTS awa_pressure_bench")?;
             psql(url, "CREATE DATABASE awa_pressure_bench")?;
         }
+        let ours_url = |workload: &str| -> Result<String> {
+            if !together {
+                return Ok(url.to_owned());
+            }
+            // Together: each workload on its own database (a run resets its own).
+            let db = format!("idemstage_pressure_bench_{}", workload.replace('-', "_"));
+            psql(url, &format!("DROP DATABASE IF EXISTS {db}"))?;
+            psql(url, &format!("CREATE DATABASE {db}"))?;
+            Ok(match url.rsplit_once('/') {
+                Some((base, _)) => format!("{base}/{db}"),
+                None => unreachable!("checked above"),
+            })
+        };
         for cell in &cells {
             let mut runs = Vec::new();
-            let mut offered: Option<f64> = None;
+            let mut offered: Option<f64> = jobs_per_s;
+            let mut started: Vec<(String, JoinHandle<io::Result<Output>>)> = Vec::new();
             for workload in &workloads {
                 let mut cmd = Command::new(&ours_bin);
                 cmd.args([
@@ -116,7 +161,7 @@ pub fn main(args: &[String]) -> Result<i32> {
                 .args(["--workload", workload])
                 .args(&phase_args)
                 .args(&prefetch_args)
-                .env("DATABASE_URL", url);
+                .env("DATABASE_URL", ours_url(workload)?);
                 // Units/s: items for the pipeline (four jobs each), jobs for the queue.
                 match (offered, workload.as_str()) {
                     (Some(jobs), "queue") => cmd.args(["--items-per-s", &jobs.to_string()]),
@@ -131,6 +176,10 @@ pub fn main(args: &[String]) -> Result<i32> {
                     },
                 };
                 eprintln!("xtask pressure: {cell}: idemstage {workload}");
+                if together {
+                    started.push((format!("idemstage {workload}"), spawn(&mut cmd)?));
+                    continue;
+                }
                 let run = run_json(&mut cmd)?;
                 // The first run measured the peak; every later one offers the same.
                 offered = offered.or(run["offered_per_s"].as_f64());
@@ -146,9 +195,22 @@ pub fn main(args: &[String]) -> Result<i32> {
                 cmd.args(["pressure", "--cell", cell, "--rate", &offered.to_string()])
                     .args(&phase_args)
                     .env("DATABASE_URL", &awa_url);
-                match run_json(&mut cmd) {
+                if together {
+                    started.push(("awa".to_owned(), spawn(&mut cmd)?));
+                } else {
+                    match run_json(&mut cmd) {
+                        Ok(run) => runs.push(run),
+                        Err(e) => eprintln!("xtask pressure: {cell}: awa gave no run: {e:#}"),
+                    }
+                }
+            }
+            for (name, run) in started {
+                let run = run
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the thread reading {name} panicked"))?;
+                match output_json(run.context("running a pressure cell")?) {
                     Ok(run) => runs.push(run),
-                    Err(e) => eprintln!("xtask pressure: {cell}: awa gave no run: {e:#}"),
+                    Err(e) => eprintln!("xtask pressure: {cell}: {name} gave no run: {e:#}"),
                 }
             }
             for run in &runs {
@@ -174,7 +236,21 @@ pub fn main(args: &[String]) -> Result<i32> {
 
 /// The one JSON object a run prints, or why there is none.
 fn run_json(cmd: &mut Command) -> Result<Value> {
-    let out = cmd.output().context("running a pressure cell")?;
+    output_json(cmd.output().context("running a pressure cell")?)
+}
+
+/// A run started now, its output read by a thread of its own (so no run
+/// waits on a full pipe while another is read).
+fn spawn(cmd: &mut Command) -> Result<JoinHandle<io::Result<Output>>> {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting a pressure cell")?;
+    Ok(thread::spawn(move || child.wait_with_output()))
+}
+
+fn output_json(out: Output) -> Result<Value> {
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));
     match line {
