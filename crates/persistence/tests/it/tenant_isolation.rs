@@ -409,3 +409,107 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_items(
     // Outside the scope the worker (the reconciler's batch) reads every tenant's.
     assert_eq!(n(&mut w, "SELECT 1 FROM items_open").await, 2);
 }
+
+#[derive(diesel::QueryableByName)]
+struct Entry {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    ready_seq: i64,
+    #[diesel(sql_type = Text)]
+    id: String,
+}
+
+async fn entry_of(conn: &mut AsyncPgConnection, tenant: &str) -> Entry {
+    diesel::sql_query("SELECT ready_seq, id FROM jobs WHERE tenant_id = $1")
+        .bind::<Text, _>(tenant)
+        .get_result(conn)
+        .await
+        .unwrap()
+}
+
+/// A claim or a closure is keyed by the job's ready entry (`ready_seq`), and
+/// the tenant scope's policy checked only the row's own tenant label: in A's
+/// scope a crafted claim or closure naming B's entry (under A's label, with A's
+/// job id or B's) was accepted, and B's job was then never fetched (its entry
+/// claimed) or never ended (every end meets the closure's key). In the scope a
+/// claim or a closure must name one of the scope's own jobs at its current
+/// entry; the library's fetch and completion there are unchanged.
+#[tokio::test]
+async fn a_transaction_scoped_to_one_tenant_cannot_claim_or_close_another_tenants_job() {
+    use idemstage_domain::JobCompleteOutcome;
+    use idemstage_persistence::queue;
+    let db = TestDb::new().await;
+    let (a, b) = (tenant("ta"), tenant("tb"));
+    let mut owner = db.conn().await;
+    for t in [&a, &b] {
+        queue::send_in(&mut owner, &job_of(Some(t))).await.unwrap();
+    }
+    let mine = entry_of(&mut owner, "ta").await;
+    let theirs = entry_of(&mut owner, "tb").await;
+    let mut w = idemstage_persistence::connect(&db.worker_url())
+        .await
+        .unwrap();
+
+    let mut crafted = Vec::new();
+    for job_id in [&mine.id, &theirs.id] {
+        crafted.push(format!(
+            "INSERT INTO job_claims (ready_seq, job_id, attempt, queue, tenant_id, priority, \
+             claim_xid, claimed_at, lease_expires_at) \
+             VALUES ({}, '{job_id}', 1, 'intake', 'ta', 0, 1, now(), now() + interval '1 hour')",
+            theirs.ready_seq
+        ));
+        crafted.push(format!(
+            "INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority, \
+             outcome) VALUES ({}, '{job_id}', 1, 'intake', 'ta', 0, 'completed')",
+            theirs.ready_seq
+        ));
+    }
+    // A's own job at an entry that is not its current one.
+    crafted.push(format!(
+        "INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority, \
+         outcome) VALUES ({}, '{}', 1, 'intake', 'ta', 0, 'completed')",
+        mine.ready_seq + 1_000_000,
+        mine.id
+    ));
+    for sql in &crafted {
+        let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+            c.batch_execute(sql).await
+        })
+        .await
+        .expect_err(sql);
+        assert!(e.to_string().contains("row-level security"), "{sql}: {e}");
+    }
+    let left = n(
+        &mut owner,
+        "SELECT 1 FROM job_claims UNION ALL SELECT 1 FROM job_closures",
+    )
+    .await;
+    assert_eq!(left, 0, "a crafted claim or closure was written");
+
+    // The worker fetches both jobs; A's is completed in A's scope (its closure
+    // names A's own entry), B's outside any scope, as before.
+    let mut jobs = queue::fetch(&mut w, &["intake".to_string()], 10)
+        .await
+        .unwrap();
+    jobs.sort_by_key(|j| j.tenant.as_ref().map(|t| t.as_str().to_owned()));
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    assert_eq!(jobs[1].id.to_string(), theirs.id);
+    let (job_a, attempt_a) = (jobs[0].id, jobs[0].attempt);
+    let done = tenant::transaction::<_, TxError, _>(&mut w, &a, async |c| {
+        Ok(queue::complete(c, job_a, attempt_a, None).await?)
+    })
+    .await
+    .unwrap();
+    assert_eq!(done, JobCompleteOutcome::Completed);
+    let done = queue::complete(&mut w, jobs[1].id, jobs[1].attempt, None)
+        .await
+        .unwrap();
+    assert_eq!(done, JobCompleteOutcome::Completed);
+    assert_eq!(
+        n(
+            &mut owner,
+            "SELECT 1 FROM job_states WHERE state = 'completed'"
+        )
+        .await,
+        2
+    );
+}

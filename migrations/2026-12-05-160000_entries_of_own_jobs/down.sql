@@ -1,0 +1,2 @@
+DROP POLICY own_entry ON job_closures;
+DROP POLICY own_entry ON job_claims;
