@@ -44,6 +44,7 @@ Commands:
            [--items-per-s R | --jobs-per-s R] [--together]
            [--clean-s N] [--stress-s N] [--recovery-s N]
            [--workloads pipeline,queue,fan-out] [--no-awa]
+           [--pressure-prefetch N] [--pressure-retention-s S]
                  the pressure cells (clean -> stress -> recovery at a fixed offered
                  rate, default half our pipeline workers' measured peak) for ours
                  (the example pipeline, a no-op queue) and awa's no-op queue on

@@ -13,7 +13,8 @@
 //! usage: cargo xtask pressure [--cells idle_in_tx,active_readers,...]
 //!        [--items-per-s R | --jobs-per-s R] [--together]
 //!        [--clean-s N] [--stress-s N] [--recovery-s N]
-//!        [--workloads pipeline,queue,fan-out] [--pressure-prefetch N] [--no-awa]
+//!        [--workloads pipeline,queue,fan-out] [--pressure-prefetch N]
+//!        [--pressure-retention-s S] [--no-awa]
 
 use std::{
     fs, io,
@@ -117,10 +118,13 @@ pub fn main(args: &[String]) -> Result<i32> {
             phase_args.extend([f.to_owned(), v]);
         }
     }
-    // Ours only: the pipeline workers' --prefetch.
-    let prefetch_args: Vec<String> = flag(args, "--pressure-prefetch")
-        .map(|v| vec!["--pressure-prefetch".to_owned(), v])
-        .unwrap_or_default();
+    // Ours only: the pipeline workers' --prefetch, the queue workers' retention.
+    let mut ours_args: Vec<String> = Vec::new();
+    for f in ["--pressure-prefetch", "--pressure-retention-s"] {
+        if let Some(v) = flag(args, f) {
+            ours_args.extend([f.to_owned(), v]);
+        }
+    }
     let mut failed = false;
     let mut rows = Vec::new();
     with_database_durable("idemstage_pressure_bench", None, |url| {
@@ -160,7 +164,7 @@ pub fn main(args: &[String]) -> Result<i32> {
                 ])
                 .args(["--workload", workload])
                 .args(&phase_args)
-                .args(&prefetch_args)
+                .args(&ours_args)
                 .env("DATABASE_URL", ours_url(workload)?);
                 // Units/s: items for the pipeline (four jobs each), jobs for the queue.
                 match (offered, workload.as_str()) {

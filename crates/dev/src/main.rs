@@ -36,7 +36,12 @@ enum DevCommand {
     Bench(bench::Args),
     /// The no-op queue's worker process of `bench pressure --workload queue`
     #[command(hide = true)]
-    PressureWorker,
+    PressureWorker {
+        /// Seconds a finished job is kept before maintenance deletes it
+        /// (default: the worker's, 7 days)
+        #[arg(long)]
+        retention_s: Option<u64>,
+    },
 }
 
 // `worker`'s flags for the seed pipeline (a team's stages carry their own
@@ -153,7 +158,9 @@ fn main() -> ExitCode {
                         db.direct_only("bench")?;
                         bench::run(&db.url, args).await
                     }
-                    DevCommand::PressureWorker => pressure::queue_worker(&db.url).await,
+                    DevCommand::PressureWorker { retention_s } => {
+                        pressure::queue_worker(&db.url, retention_s).await
+                    }
                 }
             }
             .await;

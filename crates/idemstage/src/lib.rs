@@ -322,8 +322,8 @@ pub mod queue {
         complete, complete_many, control_changes, controls, fetch, held_until, hold, pause,
         queue_depths, queue_stats, resume, send, send_batch, send_in, send_in_waking, set_limits,
         set_priority_aging, ControlChange, ControlChangeKind, JobListener, LeaseCommit, Limits,
-        Notifier, PauseOutcome, QueueControl, QueueDepth, Rate, ResumeOutcome, Scope, Wake,
-        MAX_PRIORITY_AGING,
+        MaintenanceConfig, Notifier, PauseOutcome, QueueControl, QueueDepth, Rate, ResumeOutcome,
+        Scope, Wake, MAX_PRIORITY_AGING,
     };
 }
 

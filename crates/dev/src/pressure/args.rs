@@ -93,6 +93,11 @@ pub struct PressureArgs {
     /// only for free slots)
     #[arg(long, default_value_t = 0)]
     pub pressure_prefetch: usize,
+    /// pressure: seconds the no-op queue's workers keep a finished job before
+    /// their maintenance deletes it (default: 7 days, so a run of hours never
+    /// reaches the retention; a short one shows the steady state's deletes)
+    #[arg(long)]
+    pub pressure_retention_s: Option<u64>,
     /// pressure: tenants the items are sent for, round-robin
     #[arg(long, default_value_t = 4)]
     pub tenants: usize,
@@ -115,11 +120,18 @@ impl PressureArgs {
             || self.peak_items == 0
             || self.pressure_workers == 0
             || self.tenants == 0
+            || self.pressure_retention_s == Some(0)
         {
             return Err(BadInput(
                 "pressure: --items-per-s, --peak-items, the phases' seconds, --sample-every-s, \
-                 --pressure-workers and --tenants must be positive (--warmup-s may be 0)"
+                 --pressure-workers, --pressure-retention-s and --tenants must be positive \
+                 (--warmup-s may be 0)"
                     .into(),
+            ));
+        }
+        if self.pressure_retention_s.is_some() && self.workload != Workload::Queue {
+            return Err(BadInput(
+                "pressure: --pressure-retention-s is the no-op queue's (--workload queue)".into(),
             ));
         }
         Ok(())

@@ -11,7 +11,7 @@ use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use idemstage::db::PoolConfig;
 use idemstage::ids::TenantId;
 use idemstage::pipeline::first_job;
-use idemstage::queue::{self, JobToSend};
+use idemstage::queue::{self, JobToSend, MaintenanceConfig};
 use idemstage::worker::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
 use idemstage_example::{self as example, Chaos};
 use serde_json::json;
@@ -72,12 +72,20 @@ pub(super) async fn send_units(
 
 /// `idemstage pressure-worker`: the no-op queue's worker process, a
 /// `QueueWorker` on [`QUEUE`] in the drain bench's fastest setting, until
-/// SIGTERM or SIGINT (then it stops within the default grace).
-pub async fn queue_worker(url: &str) -> anyhow::Result<std::process::ExitCode> {
-    let config = QueueWorkerConfig::for_queues([QUEUE])
+/// SIGTERM or SIGINT (then it stops within the default grace); its maintenance
+/// deletes finished jobs after `retention_s` (default 7 days).
+pub async fn queue_worker(
+    url: &str,
+    retention_s: Option<u64>,
+) -> anyhow::Result<std::process::ExitCode> {
+    let mut config = QueueWorkerConfig::for_queues([QUEUE])
         .with_concurrency(16)
         .with_batch_size(512)
         .with_prefetch(512);
+    if let Some(s) = retention_s {
+        config = config
+            .with_maintenance(MaintenanceConfig::default().with_retention(Duration::from_secs(s)));
+    }
     let pool = idemstage::db::connect_pool(url, PoolConfig::default().with_max_size(18)).await?;
     let handler = handler_fn(|_job, _: serde_json::Value| async { Ok::<(), HandlerError>(()) });
     let worker = QueueWorker::new(pool, url, config, handler)?;
@@ -220,9 +228,11 @@ pub(super) fn spawn_workers(
     workload: Workload,
     n: usize,
     prefetch: usize,
+    retention_s: Option<u64>,
 ) -> anyhow::Result<Vec<Child>> {
     let exe = std::env::current_exe().context("the idemstage binary")?;
     let prefetch = prefetch.to_string();
+    let retention = retention_s.map(|s| s.to_string());
     let args: Vec<&str> = match workload {
         Workload::Pipeline => vec!["worker", "--allow-owner", "--prefetch", &prefetch],
         Workload::FanOut => vec![
@@ -232,7 +242,10 @@ pub(super) fn spawn_workers(
             "--prefetch",
             &prefetch,
         ],
-        Workload::Queue => vec!["pressure-worker"],
+        Workload::Queue => match &retention {
+            Some(s) => vec!["pressure-worker", "--retention-s", s],
+            None => vec!["pressure-worker"],
+        },
     };
     (0..n)
         .map(|_| {

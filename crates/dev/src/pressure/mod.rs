@@ -61,7 +61,13 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     // the jobs per unit.
     let stages = p.workload.jobs_per_unit();
     let tenants: Vec<String> = (0..p.tenants).map(|k| format!("p-{k}")).collect();
-    let mut workers = spawn_workers(url, p.workload, p.pressure_workers, p.pressure_prefetch)?;
+    let mut workers = spawn_workers(
+        url,
+        p.workload,
+        p.pressure_workers,
+        p.pressure_prefetch,
+        p.pressure_retention_s,
+    )?;
     let peak_units = match p.workload {
         Workload::Pipeline | Workload::FanOut => p.peak_items,
         Workload::Queue => p.peak_items * 4,
@@ -247,6 +253,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "workers": p.pressure_workers,
         "tenants": p.tenants,
         "pressure_prefetch": p.pressure_prefetch,
+        "pressure_retention_s": p.pressure_retention_s,
         "items_per_s": round1(base),
         "peak_items_per_s": peak_items_per_s.map(round1),
         "offered_per_s": round1(offered_jobs),

@@ -171,6 +171,9 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
         vec!["--warmup-s=-1"],
         vec!["--pressure-workers", "0"],
         vec!["--peak-items", "0"],
+        vec!["--workload", "queue", "--pressure-retention-s", "0"],
+        // The retention is the no-op queue's workers' (the pipeline's keep theirs).
+        vec!["--pressure-retention-s", "60"],
     ] {
         let mut full = vec!["bench", "pressure"];
         full.extend(args.iter().copied());
