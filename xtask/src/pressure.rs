@@ -56,26 +56,14 @@ pub fn main(args: &[String]) -> Result<i32> {
         );
         return Ok(2);
     }
-    let mut items_per_s: Option<f64> = match flag(args, "--items-per-s") {
-        Some(v) => match v.parse::<f64>() {
-            Ok(r) if r.is_finite() && r > 0.0 => Some(r),
-            _ => {
-                eprintln!("xtask pressure: --items-per-s {v:?}: give a positive number");
+    let (mut items_per_s, jobs_per_s) =
+        match (rate(args, "--items-per-s"), rate(args, "--jobs-per-s")) {
+            (Ok(items), Ok(jobs)) => (items, jobs),
+            (Err(bad), _) | (_, Err(bad)) => {
+                eprintln!("xtask pressure: {bad}: give a positive number");
                 return Ok(2);
             }
-        },
-        None => None,
-    };
-    let jobs_per_s: Option<f64> = match flag(args, "--jobs-per-s") {
-        Some(v) => match v.parse::<f64>() {
-            Ok(r) if r.is_finite() && r > 0.0 => Some(r),
-            _ => {
-                eprintln!("xtask pressure: --jobs-per-s {v:?}: give a positive number");
-                return Ok(2);
-            }
-        },
-        None => None,
-    };
+        };
     if jobs_per_s.is_some() && items_per_s.is_some() {
         eprintln!("xtask pressure: give --items-per-s or --jobs-per-s, not both");
         return Ok(2);
@@ -236,6 +224,17 @@ pub fn main(args: &[String]) -> Result<i32> {
     }
     eprintln!("xtask pressure: wrote {}", dir.display());
     Ok(if failed { 1 } else { 0 })
+}
+
+/// The positive rate `name` gives, if given; `Err` names the flag and its value.
+fn rate(args: &[String], name: &str) -> Result<Option<f64>, String> {
+    match flag(args, name) {
+        Some(v) => match v.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Ok(Some(r)),
+            _ => Err(format!("{name} {v:?}")),
+        },
+        None => Ok(None),
+    }
 }
 
 /// The one JSON object a run prints, or why there is none.
