@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use idemstage::db::PoolConfig;
 use idemstage::ids::TenantId;
 use idemstage::pipeline::first_job;
 use idemstage::queue::{self, JobToSend, MaintenanceConfig};
+use idemstage::runs::TxError;
 use idemstage::worker::{handler_fn, HandlerError, QueueWorker, QueueWorkerConfig};
 use idemstage_example::{self as example, Chaos};
 use serde_json::json;
@@ -30,7 +31,9 @@ const READER_GAP: Duration = Duration::from_millis(100);
 pub const QUEUE: &str = "pressure";
 
 /// Sends units `from..from + n` of `tenant`: items with their first stage's job,
-/// or no-op jobs.
+/// or no-op jobs. An item and its job commit together, as a team's `start_in`
+/// does: a reconciler's pass between two commits would find the item without a
+/// job and send one of its own (harmless, but one job more than the count).
 pub(super) async fn send_units(
     conn: &mut AsyncPgConnection,
     workload: Workload,
@@ -39,34 +42,41 @@ pub(super) async fn send_units(
     n: u64,
 ) -> anyhow::Result<()> {
     let tenant_id = TenantId::parse(tenant)?;
-    let jobs: Vec<JobToSend> = match workload {
-        Workload::Pipeline | Workload::FanOut => {
-            fixtures::insert_numbered_items_from(conn, tenant, from, n, INPUT).await?;
-            let pipeline = example::pipeline(Chaos::default());
-            let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
-            (from..from + n)
-                .map(|i| {
-                    first_job(
-                        &pipeline,
-                        tenant_id.clone(),
-                        fixtures::numbered_item_id(i),
-                        hash.clone(),
-                    )
-                })
-                .collect()
-        }
-        Workload::Queue => (from..from + n)
+    let items = matches!(workload, Workload::Pipeline | Workload::FanOut);
+    let jobs: Vec<JobToSend> = if items {
+        let pipeline = example::pipeline(Chaos::default());
+        let hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
+        (from..from + n)
+            .map(|i| {
+                first_job(
+                    &pipeline,
+                    tenant_id.clone(),
+                    fixtures::numbered_item_id(i),
+                    hash.clone(),
+                )
+            })
+            .collect()
+    } else {
+        (from..from + n)
             .map(|i| JobToSend {
                 queue: QUEUE.into(),
                 tenant: Some(tenant_id.clone()),
                 payload: json!({ "i": i }),
                 options: idemstage::queue::SendOptions::default(),
             })
-            .collect(),
+            .collect()
     };
-    for chunk in jobs.chunks(1000) {
-        queue::send_batch(conn, chunk).await?;
-    }
+    conn.transaction::<_, TxError, _>(async |conn| {
+        if items {
+            fixtures::insert_numbered_items_from(conn, tenant, from, n, INPUT).await?;
+        }
+        for chunk in jobs.chunks(1000) {
+            queue::send_batch(conn, chunk).await?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(TxError::into_repo)?;
     Ok(())
 }
 

@@ -169,7 +169,12 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         }
     }
     stop_producer.cancel();
-    producer.await.context("producer")??;
+    // A producer that failed (a send refused) ends the run; its workers stop
+    // first, so that none outlives it.
+    if let Err(e) = producer.await.context("producer").and_then(|r| r) {
+        stop_workers(&mut workers, Duration::from_secs(30))?;
+        return Err(e);
+    }
 
     // The backlog drains, then the workers stop within their grace.
     let drain_started = Instant::now();

@@ -186,6 +186,57 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
     assert_eq!(rows(&db).await, 2);
 }
 
+/// The pressure bench's producer registers an item and its first job in one
+/// transaction, as a team's `start_in` does. It committed the items first: a
+/// job send that failed left items without a job, and in the two-hour soak a
+/// reconciler's pass between the two commits sent three items a job of its own
+/// (harmless, but three jobs more than items x stages: a violation). Here every
+/// job send fails: the run ends with the error, its workers stopped, and no
+/// item is left behind.
+#[tokio::test]
+async fn bench_pressure_registers_an_item_with_its_job_or_not_at_all() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = idemstage_harness::example::db().await;
+    assert!(db.url().contains("bench"), "{}", db.url());
+    db.conn()
+        .await
+        .batch_execute(
+            "CREATE FUNCTION refuse_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'no jobs today'; END $$;
+             CREATE TRIGGER refuse_jobs BEFORE INSERT ON jobs
+                 FOR EACH ROW EXECUTE FUNCTION refuse_jobs();",
+        )
+        .await
+        .unwrap();
+    let out = idemstage(
+        &db,
+        &[
+            "bench",
+            "pressure",
+            "--workload",
+            "pipeline",
+            "--items-per-s",
+            "20",
+            "--warmup-s",
+            "0",
+            "--clean-s",
+            "1",
+            "--stress-s",
+            "1",
+            "--recovery-s",
+            "1",
+            "--sample-every-s",
+            "1",
+            "--pressure-workers",
+            "1",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("no jobs today"), "{stderr}");
+    assert_eq!(rows(&db).await, 0, "an item was registered without its job");
+}
+
 /// The demo's verdict covers every row, so on a database with other items (and
 /// no "demo" in its name, which it would empty) it refuses to start.
 #[tokio::test]
