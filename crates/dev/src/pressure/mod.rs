@@ -201,7 +201,9 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         "SELECT count(*) AS n FROM job_states WHERE state = 'completed'",
     )
     .await?;
-    if drained && completed as u64 != items * stages as u64 {
+    // With a short retention the workers have deleted most completed jobs:
+    // then the drain (nothing open) is the check, not the count.
+    if drained && p.pressure_retention_s.is_none() && completed as u64 != items * stages as u64 {
         violations.push(format!(
             "{completed} jobs completed for {items} units of {stages} jobs"
         ));
