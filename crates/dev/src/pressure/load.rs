@@ -239,7 +239,7 @@ pub(super) fn spawn_workers(
     n: usize,
     prefetch: usize,
     retention_s: Option<u64>,
-) -> anyhow::Result<Vec<Child>> {
+) -> anyhow::Result<Workers> {
     let exe = std::env::current_exe().context("the idemstage binary")?;
     let prefetch = prefetch.to_string();
     let retention = retention_s.map(|s| s.to_string());
@@ -257,8 +257,10 @@ pub(super) fn spawn_workers(
             None => vec!["pressure-worker"],
         },
     };
-    (0..n)
-        .map(|_| {
+    // Pushed one by one: if a spawn fails, the ones before it are killed.
+    let mut workers = Workers(Vec::with_capacity(n));
+    for _ in 0..n {
+        workers.0.push(
             Command::new(&exe)
                 .args(&args)
                 .env("DATABASE_URL", url)
@@ -266,14 +268,37 @@ pub(super) fn spawn_workers(
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .context("spawning idemstage worker")
-        })
-        .collect()
+                .context("spawning idemstage worker")?,
+        );
+    }
+    Ok(workers)
 }
 
-/// SIGTERM to every worker; the seconds until the last exited (`None`: one had to
-/// be killed after its grace).
-pub(super) fn stop_workers(workers: &mut [Child], grace: Duration) -> anyhow::Result<Option<f64>> {
+/// A run's worker processes. Any still running when it is dropped (a run that
+/// ended early with an error, wherever) are killed, so that none outlives
+/// the run; [`Workers::stop`] is the run's own end.
+pub(super) struct Workers(Vec<Child>);
+
+impl Workers {
+    /// SIGTERM to every worker; the seconds until the last exited (`None`: one
+    /// had to be killed after its grace).
+    pub(super) fn stop(&mut self, grace: Duration) -> anyhow::Result<Option<f64>> {
+        stop_workers(&mut self.0, grace)
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for w in &mut self.0 {
+            if matches!(w.try_wait(), Ok(None)) {
+                let _ = w.kill();
+                let _ = w.wait();
+            }
+        }
+    }
+}
+
+fn stop_workers(workers: &mut [Child], grace: Duration) -> anyhow::Result<Option<f64>> {
     let started = Instant::now();
     for w in workers.iter() {
         Command::new("kill")

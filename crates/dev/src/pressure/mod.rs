@@ -25,7 +25,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use hdrhistogram::Histogram;
 use idemstage_example::{self as example, check_example_pipeline, Chaos};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -36,7 +35,7 @@ pub use load::queue_worker;
 use super::bench::{round1, round3, Args};
 use super::{bench, fixtures, BadInput};
 use args::Workload;
-use load::{peak, produce, spawn_workers, stop_workers, stress};
+use load::{peak, produce, spawn_workers, stress};
 use sample::{db_now, histogram, quantile_ms, sample, summarize, PhaseTotals};
 
 const DRAIN_GRACE: Duration = Duration::from_secs(60);
@@ -108,9 +107,11 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         })
         .collect();
     let mut samples = Vec::new();
-    let mut phase_hist: Vec<Histogram<u64>> = (0..PHASES.len()).map(|_| histogram()).collect();
-    let mut phase_done = [0_u64; PHASES.len()];
-    let mut phase_offered = [0_u64; PHASES.len()];
+    let mut totals = PhaseTotals {
+        hist: (0..PHASES.len()).map(|_| histogram()).collect(),
+        done: [0; PHASES.len()],
+        offered: [0; PHASES.len()],
+    };
     let mut window_from = db_now(&mut conn).await?;
     let mut sent_before = 0_u64;
     let mut next_sample = started + every;
@@ -125,9 +126,9 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         let sent_now = AtomicU64::load(&sent, Ordering::Relaxed);
         let offered = (sent_now - sent_before) as f64 * stages;
         sent_before = sent_now;
-        phase_hist[k].add(&s.pickups).context("histogram")?;
-        phase_done[k] += s.completed;
-        phase_offered[k] += offered as u64;
+        totals.hist[k].add(&s.pickups).context("histogram")?;
+        totals.done[k] += s.completed;
+        totals.offered[k] += offered as u64;
         let dead_total: i64 = s.dead.values().sum();
         samples.push(json!({
             "t_s": round3(started.elapsed().as_secs_f64()),
@@ -169,12 +170,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         }
     }
     stop_producer.cancel();
-    // A producer that failed (a send refused) ends the run; its workers stop
-    // first, so that none outlives it.
-    if let Err(e) = producer.await.context("producer").and_then(|r| r) {
-        stop_workers(&mut workers, Duration::from_secs(30))?;
-        return Err(e);
-    }
+    producer.await.context("producer")??;
 
     // The backlog drains, then the workers stop within their grace.
     let drain_started = Instant::now();
@@ -192,7 +188,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let shutdown_s = stop_workers(&mut workers, Duration::from_secs(30))?;
+    let shutdown_s = workers.stop(Duration::from_secs(30))?;
 
     let mut violations = Vec::new();
     let items = AtomicU64::load(&sent, Ordering::Relaxed);
@@ -240,11 +236,6 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
 
     let offered_jobs = base * stages;
     let stress_offered = offered_jobs * p.cell.multiplier();
-    let totals = PhaseTotals {
-        hist: phase_hist,
-        done: phase_done,
-        offered: phase_offered,
-    };
     let summary = summarize(&samples, &totals, durations, offered_jobs, stress_offered);
 
     let hot_tables: Vec<String> = sample(&mut conn, 0.0, 0.0)

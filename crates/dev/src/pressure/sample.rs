@@ -146,23 +146,22 @@ pub(super) fn summarize(
     offered_jobs: f64,
     stress_offered: f64,
 ) -> serde_json::Map<String, serde_json::Value> {
-    let (phase_hist, phase_done, phase_offered) = (&totals.hist, &totals.done, &totals.offered);
     let stress_from = durations[0] + durations[CLEAN];
     let mut summary = serde_json::Map::new();
     for (k, name) in PHASES.iter().enumerate().skip(CLEAN) {
         summary.insert(
             (*name).into(),
             phase_summary(
-                &phase_hist[k],
-                phase_done[k],
+                &totals.hist[k],
+                totals.done[k],
                 durations[k],
-                phase_offered[k] as f64 / durations[k],
+                totals.offered[k] as f64 / durations[k],
             ),
         );
     }
-    let clean_p99 = quantile_ms(&phase_hist[CLEAN], 0.99);
-    let stress_p99 = quantile_ms(&phase_hist[STRESS], 0.99);
-    let stress_rate = phase_done[STRESS] as f64 / durations[STRESS];
+    let clean_p99 = quantile_ms(&totals.hist[CLEAN], 0.99);
+    let stress_p99 = quantile_ms(&totals.hist[STRESS], 0.99);
+    let stress_rate = totals.done[STRESS] as f64 / durations[STRESS];
     let first_240: Vec<f64> = samples
         .iter()
         .filter(|s| {

@@ -191,8 +191,8 @@ async fn bench_refuses_bad_counts_before_it_touches_the_database() {
 /// job send that failed left items without a job, and in the two-hour soak a
 /// reconciler's pass between the two commits sent three items a job of its own
 /// (harmless, but three jobs more than items x stages: a violation). Here every
-/// job send fails: the run ends with the error, its workers stopped, and no
-/// item is left behind.
+/// job send fails: the run ends with the error, its workers killed (any error
+/// of a run does), and no item is left behind.
 #[tokio::test]
 async fn bench_pressure_registers_an_item_with_its_job_or_not_at_all() {
     use diesel_async::SimpleAsyncConnection;
@@ -235,6 +235,33 @@ async fn bench_pressure_registers_an_item_with_its_job_or_not_at_all() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("no jobs today"), "{stderr}");
     assert_eq!(rows(&db).await, 0, "an item was registered without its job");
+    // Its worker processes went with it: their sessions end (a killed
+    // process's session ends when the server sees its socket close).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut conn = db.conn().await;
+    loop {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let others = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .get_result::<N>(&mut conn)
+        .await
+        .unwrap()
+        .n;
+        if others == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{others} sessions of the run's workers outlived it"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// The demo's verdict covers every row, so on a database with other items (and
