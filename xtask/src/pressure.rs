@@ -116,10 +116,13 @@ pub fn main(args: &[String]) -> Result<i32> {
     let mut failed = false;
     let mut rows = Vec::new();
     with_database_durable("idemstage_pressure_bench", None, |url| {
-        let awa_url = match url.rsplit_once('/') {
-            Some((base, _)) => format!("{base}/awa_pressure_bench"),
+        // The server's URL without the database: awa's and (together) each
+        // workload's database are beside ours.
+        let base = match url.rsplit_once('/') {
+            Some((base, _)) => base,
             None => bail!("DATABASE_URL {url:?} names no database"),
         };
+        let awa_url = format!("{base}/awa_pressure_bench");
         if awa_too {
             psql(url, "DROP DATABASE IF EXISTS awa_pressure_bench")?;
             psql(url, "CREATE DATABASE awa_pressure_bench")?;
@@ -132,10 +135,7 @@ pub fn main(args: &[String]) -> Result<i32> {
             let db = format!("idemstage_pressure_bench_{}", workload.replace('-', "_"));
             psql(url, &format!("DROP DATABASE IF EXISTS {db}"))?;
             psql(url, &format!("CREATE DATABASE {db}"))?;
-            Ok(match url.rsplit_once('/') {
-                Some((base, _)) => format!("{base}/{db}"),
-                None => unreachable!("checked above"),
-            })
+            Ok(format!("{base}/{db}"))
         };
         for cell in &cells {
             let mut runs = Vec::new();
