@@ -189,35 +189,44 @@ INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "at
 \if :pipeline
 \startpipeline
 \endif
-WITH inserted AS (
+WITH keyed AS (
+    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
+    SELECT lpad((:r5)::text, 26, '0'), :next_queue, :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
+           CASE WHEN nullif(:none, 0)::int IS NULL THEN NULL
+                ELSE to_timestamp(floor(extract(epoch FROM now()) / nullif(:none, 0)) * nullif(:none, 0)) END,
+           :tenant
+     WHERE :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING job_id, singleton_on
+), inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    VALUES (lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
-            CASE WHEN nullif(:none, 0)::int IS NULL THEN NULL
-                 ELSE to_timestamp(floor(extract(epoch FROM now()) / nullif(:none, 0)) * nullif(:none, 0)) END,
-            :retry_limit, :retry_delay_ms, :retry_backoff, :retry_delay_max_ms, :expire_in_ms, nullif(:none, 0)::text, now() + :start_after_ms * interval '1 millisecond', :tenant)
-    ON CONFLICT (queue, singleton_key) WHERE singleton_key IS NOT NULL AND state IN ('created', 'retry', 'active') DO NOTHING
+    SELECT lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r, (SELECT singleton_on FROM keyed),
+           :retry_limit, :retry_delay_ms, :retry_backoff, :retry_delay_max_ms, :expire_in_ms, nullif(:none, 0)::text, now() + :start_after_ms * interval '1 millisecond', :tenant
+     WHERE :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r::text IS NULL OR EXISTS (SELECT 1 FROM keyed)
     RETURNING id, queue
 )
 SELECT id, false AS notified FROM inserted;
 \if :job
 WITH closed AS (
-    INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority, outcome, output)
+    INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority,
+                              outcome, output)
     SELECT j.ready_seq, j.id, coalesce((SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id), j.attempt),
            j.queue, j.tenant_id, j.priority, 'completed', nullif(:none, 0)::text::jsonb
       FROM jobs j
-     WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k] AND j.singleton_key IS NULL
+     WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k]
      ORDER BY j.id
     ON CONFLICT (ready_seq) DO NOTHING
     RETURNING ready_seq, job_id, attempt
-), written AS (
-    UPDATE jobs j SET state = 'completed', completed_at = now(), output = nullif(:none, 0)::text::jsonb,
-                      (attempt, started_at) = (SELECT k.attempt, k.claimed_at FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id)
-     WHERE j.id = (:ids::text[])[:k] AND j.state IN ('created', 'retry') AND (SELECT k.attempt FROM job_claims k WHERE k.ready_seq = j.ready_seq AND k.job_id = j.id) = (:attempts::int[])[:k] AND j.singleton_key IS NOT NULL
-    RETURNING 1
+), key_deleted AS (
+    DELETE FROM job_singletons g
+     WHERE g.job_id = ANY(ARRAY(SELECT job_id FROM closed)) AND g.singleton_on IS NULL
+), key_ended AS (
+    UPDATE job_singletons g SET live = false
+     WHERE g.job_id = ANY(ARRAY(SELECT job_id FROM closed)) AND g.singleton_on IS NOT NULL AND g.live
 )
-SELECT (SELECT count(*) FROM closed) + (SELECT count(*) FROM written) AS n;
+SELECT count(*) AS n FROM closed;
 \endif
 \if :pipeline
 \endpipeline

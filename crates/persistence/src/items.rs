@@ -246,7 +246,13 @@ pub async fn start_in(
 /// Points the live job of a singleton key at a new payload. A worker that holds it
 /// already reads the old payload: its claim is then refused (`InputMismatch`, the
 /// hash is not the stored one) or its commit fenced (the input changed), and the
-/// job comes back with this payload.
+/// job comes back with this payload. The key's row is locked first: an end of
+/// the job being committed releases it, and then nothing is repointed.
 const REPOINT_LIVE_JOB_SQL: &str = "\
+WITH live AS (
+    SELECT g.job_id FROM job_singletons g
+     WHERE g.queue = $1 AND g.singleton_key = $2 AND g.live
+       FOR UPDATE
+)
 UPDATE jobs SET payload = $3, retry_count = 0
- WHERE queue = $1 AND singleton_key = $2 AND state IN ('created', 'retry', 'active')";
+ WHERE id IN (SELECT job_id FROM live)";

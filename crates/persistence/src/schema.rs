@@ -101,6 +101,17 @@ diesel::table! {
 }
 
 diesel::table! {
+    job_singletons (job_id) {
+        job_id -> Text,
+        queue -> Text,
+        singleton_key -> Text,
+        singleton_on -> Nullable<Timestamptz>,
+        live -> Bool,
+        tenant_id -> Text,
+    }
+}
+
+diesel::table! {
     job_expiry_mark (only_row) {
         only_row -> Bool,
         expired_to -> Timestamptz,
@@ -306,6 +317,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     job_closures,
     job_expiry_mark,
     job_lanes,
+    job_singletons,
     audit_log,
     jobs,
     stage_run_attempts,

@@ -40,13 +40,8 @@ pub fn all() -> Vec<Statement> {
     }
     vec![
         s("tenant_scope", tenant::SCOPE_SQL),
-        s("job_send", &queue::SEND_LIVE_SINGLETON_SQL),
-        s("job_send_throttled", &queue::SEND_ANY_CONFLICT_SQL),
-        s("job_send_quiet", &queue::SEND_LIVE_SINGLETON_QUIET_SQL),
-        s(
-            "job_send_throttled_quiet",
-            &queue::SEND_ANY_CONFLICT_QUIET_SQL,
-        ),
+        s("job_send", &queue::SEND_SQL_NOTIFYING),
+        s("job_send_quiet", &queue::SEND_SQL_QUIET),
         s("job_notify_queues", queue::NOTIFY_QUEUES_SQL),
         s("job_send_batch", queue::SEND_BATCH_SQL),
         s("job_fetch", queue::FETCH_SQL),

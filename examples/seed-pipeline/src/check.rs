@@ -202,8 +202,8 @@ UNION ALL SELECT 'attempt_history_errors',
                    AND a.outcome = 'success')))
 UNION ALL SELECT 'abandoned',
     (SELECT count(*) FROM stage_run_attempts WHERE outcome IN ('fenced', 'abandoned'))
-UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM jobs WHERE state IN ('created', 'retry', 'active'))
-UNION ALL SELECT 'failed_jobs', (SELECT count(*) FROM jobs WHERE state = 'failed')
+UNION ALL SELECT 'live_jobs', (SELECT count(*) FROM job_states WHERE state IN ('created', 'retry', 'active'))
+UNION ALL SELECT 'failed_jobs', (SELECT count(*) FROM job_states WHERE state = 'failed')
 UNION ALL SELECT 'status:' || status, count(*) FROM stage_runs GROUP BY status
 ";
 

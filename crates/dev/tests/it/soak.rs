@@ -78,7 +78,8 @@ async fn send_blank_rerun(
         idemstage::queue::send_in(conn, &job).await?;
         diesel::sql_query(
             "UPDATE jobs SET payload = $1, retry_count = 0
-              WHERE queue = $2 AND singleton_key = $3 AND state IN ('created', 'retry', 'active')",
+              WHERE id IN (SELECT job_id FROM job_singletons
+                            WHERE queue = $2 AND singleton_key = $3 AND live)",
         )
         .bind::<Jsonb, _>(&job.payload)
         .bind::<Text, _>(&job.queue)

@@ -24,7 +24,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
 
 use super::finish::{
-    claim_fence_sql, closure_cte, CLAIM_ENDED_SET_SQL, NOT_CLOSED_SQL, ROW_ENDS_SQL,
+    claim_fence_sql, closure_cte, keys_released_cte, CLAIM_ENDED_SET_SQL, NOT_CLOSED_SQL,
+    ROW_ENDS_SQL,
 };
 use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
@@ -41,19 +42,14 @@ static FENCED_BY_TOKENS_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
-/// Returns the `(id, attempt)` of every job it completed: by its closure, or,
-/// with a singleton key, by its row.
+/// Returns the `(id, attempt)` of every job it completed (its closure appended,
+/// its singleton key released).
 pub(crate) static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH {closed}, written AS (
-UPDATE jobs j SET state = 'completed', completed_at = now(), {ended}
- WHERE {fence} AND j.singleton_key IS NOT NULL
-RETURNING j.id, j.attempt
-)
-SELECT job_id AS id, attempt FROM closed UNION ALL SELECT id, attempt FROM written",
+        "WITH {closed}, {keys}
+SELECT job_id AS id, attempt FROM closed",
         closed = closure_cte("'completed'", "NULL", &FENCED_BY_TOKENS_SQL),
-        ended = *CLAIM_ENDED_SET_SQL,
-        fence = *FENCED_BY_TOKENS_SQL,
+        keys = keys_released_cte("SELECT job_id FROM closed"),
     )
 });
 

@@ -6,14 +6,13 @@
 //! `Fenced`. A lease that ran out but was not yet taken over can still be ended:
 //! nobody else holds the job.
 //!
-//! A job with a singleton key (every stage job) ends by its row: every end
-//! writes its state, and the attempt and start of the claim it ends, so two ends
-//! of one attempt meet on that row: the second waits for the first and then finds
-//! the job no longer `created` or `retry`, or with a new `ready_seq`. A job
-//! without one ends by a closure (`job_closures`, keyed by the claim's
-//! `ready_seq`) appended first ([`closure_cte`]): a completion writes nothing
-//! else, the other ends write the row only when their closure was inserted, so
-//! two ends meet on the closure's key.
+//! Every end appends a closure first (`job_closures`, keyed by the claim's
+//! `ready_seq`, [`closure_cte`]): a completion writes nothing else in `jobs`,
+//! the other ends write the row only when their closure was inserted, so two
+//! ends of one attempt meet on the closure's key. An end for good releases the
+//! job's singleton key in the same statement, so that the key's next job can be
+//! sent: a completion by [`keys_released_cte`], an end that writes the row's
+//! state by `jobs`' trigger `jobs_key_follows_state`.
 
 use std::sync::LazyLock;
 
@@ -68,7 +67,7 @@ pub(crate) static CLAIM_ENDED_SET_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The CTE `closed`: the closure of the current ready entry of every job `j`
-/// that `fence` selects and that has no singleton key, appended with `outcome`
+/// that `fence` selects, appended with `outcome`
 /// and `output` (SQL expressions), in id order (two statements closing the same
 /// jobs wait for each other in one order). `ON CONFLICT`: an entry already
 /// closed, or being closed by a transaction that then commits, is left out; its
@@ -82,7 +81,7 @@ pub(crate) fn closure_cte(outcome: &str, output: &str, fence: &str) -> String {
     SELECT j.ready_seq, j.id, coalesce((SELECT k.attempt {CURRENT_CLAIM_SQL}), j.attempt),
            j.queue, j.tenant_id, j.priority, {outcome}, {output}
       FROM jobs j
-     WHERE {fence} AND j.singleton_key IS NULL
+     WHERE {fence}
      ORDER BY j.id
     ON CONFLICT (ready_seq) DO NOTHING
     RETURNING ready_seq, job_id, attempt
@@ -90,31 +89,42 @@ pub(crate) fn closure_cte(outcome: &str, output: &str, fence: &str) -> String {
     )
 }
 
-/// The jobs `j` whose row an end writes, besides its fence: those with a
-/// singleton key, and those whose closure the statement's [`closure_cte`]
-/// inserted.
-pub(crate) const ROW_ENDS_SQL: &str =
-    "(j.singleton_key IS NOT NULL OR j.ready_seq IN (SELECT ready_seq FROM closed))";
+/// The jobs `j` whose row an end writes, besides its fence: those whose
+/// closure the statement's [`closure_cte`] inserted.
+pub(crate) const ROW_ENDS_SQL: &str = "j.ready_seq IN (SELECT ready_seq FROM closed)";
+
+/// The CTEs `key_deleted` and `key_ended`: the singleton keys of the jobs
+/// `ids` (a query of job ids) released, as those jobs were completed (an end
+/// that writes the row's state releases the key by `jobs`' trigger). A key
+/// without a window is deleted; a windowed one stays, not live, until its
+/// job's row is deleted (it still refuses a second job in its window). A job
+/// without a key has no row here: a probe of the primary key that finds
+/// nothing.
+pub(crate) fn keys_released_cte(ids: &str) -> String {
+    format!(
+        "key_deleted AS (
+    DELETE FROM job_singletons g
+     WHERE g.job_id = ANY(ARRAY({ids})) AND g.singleton_on IS NULL
+), key_ended AS (
+    UPDATE job_singletons g SET live = false
+     WHERE g.job_id = ANY(ARRAY({ids})) AND g.singleton_on IS NOT NULL AND g.live
+)"
+    )
+}
 
 /// An entry `k` (a claim) without a closure: still open.
 pub(crate) const NOT_CLOSED_SQL: &str =
     "(SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL";
 
 /// `complete`: binds `$1` id (text), `$2` attempt (int4), `$3` output (jsonb, NULL
-/// for none). Returns `n`: 1 completed (its closure appended, or, for a job with
-/// a singleton key, its row written); 0 fenced.
+/// for none). Returns `n`: 1 completed (its closure appended, its key
+/// released); 0 fenced.
 pub(crate) static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH {closed}, written AS (
-    UPDATE jobs j SET state = 'completed', completed_at = now(), output = $3,
-                      {set}
-     WHERE {fence} AND j.singleton_key IS NOT NULL
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM closed) + (SELECT count(*) FROM written) AS n",
+        "WITH {closed}, {keys}
+SELECT count(*) AS n FROM closed",
         closed = closure_cte("'completed'", "$3", &CLAIM_FENCE_BY_TOKEN_SQL),
-        set = *CLAIM_ENDED_SET_SQL,
-        fence = *CLAIM_FENCE_BY_TOKEN_SQL,
+        keys = keys_released_cte("SELECT job_id FROM closed"),
     )
 });
 

@@ -155,8 +155,7 @@ WITH m AS (
      WHERE j.id = ANY(ARRAY(SELECT job_id FROM seen UNION SELECT job_id FROM late))
        AND j.state IN ('created', 'retry')
        AND j.ready_seq IN (SELECT ready_seq FROM seen UNION SELECT ready_seq FROM late)
-       -- A claim with a closure has ended (a completion of a job without a
-       -- singleton key writes nothing else).
+       -- A claim with a closure has ended (a completion writes nothing else).
        AND (SELECT 1 FROM job_closures z WHERE z.ready_seq = j.ready_seq) IS NULL
      ORDER BY j.id
        FOR UPDATE

@@ -59,10 +59,7 @@ pub(crate) use floors::ADVANCE_FLOORS_SQL;
 pub(crate) use maintenance::{EXPIRE_SQL, EXPIRY_CANDIDATES_SQL};
 pub(crate) use notifier::NOTIFY_QUEUES_SQL;
 pub(crate) use send::send_pipelined;
-pub(crate) use send::{
-    SEND_ANY_CONFLICT_QUIET_SQL, SEND_ANY_CONFLICT_SQL, SEND_BATCH_SQL,
-    SEND_LIVE_SINGLETON_QUIET_SQL, SEND_LIVE_SINGLETON_SQL,
-};
+pub(crate) use send::{SEND_BATCH_SQL, SEND_SQL_NOTIFYING, SEND_SQL_QUIET};
 
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

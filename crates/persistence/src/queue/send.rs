@@ -18,48 +18,42 @@ use crate::PgPool;
 /// The payload is the queue name.
 pub const NOTIFY_CHANNEL: &str = "idemstage_jobs";
 
-/// Insert, then NOTIFY only if a row was inserted: one round trip.
-/// `{conflict}` is the ON CONFLICT clause; the live-singleton variant names the partial
-/// index `jobs_singleton_live_uq` by its columns and predicate. `{notify}` is the
+/// The key first, then the job, then NOTIFY only if a job was inserted: one
+/// round trip. A job with a singleton key is inserted only when its key's row
+/// was (`job_singletons`: its two partial unique indexes are the rules, one live
+/// job per key and one job per key and window; a conflict, or a wait for a
+/// sender of the same key that then commits, is `Duplicate`). `{notify}` is the
 /// NOTIFY, or `false` for a send whose wake-up comes after the commit
 /// ([`Wake::AfterCommit`]).
 const SEND_SQL: &str = "\
-WITH inserted AS (
+WITH keyed AS (
+    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
+    SELECT $1, $2, $5,
+           CASE WHEN $6::int IS NULL THEN NULL
+                ELSE to_timestamp(floor(extract(epoch FROM now()) / $6) * $6) END,
+           $14
+     WHERE $5::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING job_id, singleton_on
+), inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    VALUES ($1, $2, $3, $4, $5,
-            CASE WHEN $6::int IS NULL THEN NULL
-                 ELSE to_timestamp(floor(extract(epoch FROM now()) / $6) * $6) END,
-            $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond', $14)
-    {conflict}
+    SELECT $1, $2, $3, $4, $5, (SELECT singleton_on FROM keyed),
+           $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond', $14
+     WHERE $5::text IS NULL OR EXISTS (SELECT 1 FROM keyed)
     RETURNING id, queue
 )
 SELECT id, {notify} AS notified FROM inserted";
 
 const NOTIFY_IN_COMMIT: &str = "pg_notify('idemstage_jobs', queue) IS NULL";
 
-const LIVE_SINGLETON_CONFLICT: &str = "ON CONFLICT (queue, singleton_key) \
-     WHERE singleton_key IS NOT NULL AND state IN ('created', 'retry', 'active') DO NOTHING";
-/// With a throttle window both the live index and the window index arbitrate.
-const ANY_CONFLICT: &str = "ON CONFLICT DO NOTHING";
-
 /// Built once: the statement cache is keyed by the SQL text, so a text rebuilt per
 /// call costs an allocation and a hash of the whole statement every time.
-pub(crate) static SEND_LIVE_SINGLETON_SQL: LazyLock<String> =
-    LazyLock::new(|| send_sql(LIVE_SINGLETON_CONFLICT, NOTIFY_IN_COMMIT));
-pub(crate) static SEND_ANY_CONFLICT_SQL: LazyLock<String> =
-    LazyLock::new(|| send_sql(ANY_CONFLICT, NOTIFY_IN_COMMIT));
-pub(crate) static SEND_LIVE_SINGLETON_QUIET_SQL: LazyLock<String> =
-    LazyLock::new(|| send_sql(LIVE_SINGLETON_CONFLICT, "false"));
-pub(crate) static SEND_ANY_CONFLICT_QUIET_SQL: LazyLock<String> =
-    LazyLock::new(|| send_sql(ANY_CONFLICT, "false"));
-
-fn send_sql(conflict: &str, notify: &str) -> String {
-    SEND_SQL
-        .replace("{conflict}", conflict)
-        .replace("{notify}", notify)
-}
+pub(crate) static SEND_SQL_NOTIFYING: LazyLock<String> =
+    LazyLock::new(|| SEND_SQL.replace("{notify}", NOTIFY_IN_COMMIT));
+pub(crate) static SEND_SQL_QUIET: LazyLock<String> =
+    LazyLock::new(|| SEND_SQL.replace("{notify}", "false"));
 
 #[derive(diesel::QueryableByName)]
 struct Inserted {
@@ -69,7 +63,7 @@ struct Inserted {
 
 /// Sends one job on the caller's connection (and so inside the caller's transaction,
 /// if one is open). A second live job with the same `(queue, singleton_key)` is a
-/// `Duplicate`, decided by the partial unique index `jobs_singleton_live_uq`. The
+/// `Duplicate`, decided by the key's row in `job_singletons`. The
 /// send NOTIFYs its queue's listeners when the transaction commits
 /// ([`Wake::InCommit`]).
 pub async fn send_in(
@@ -109,11 +103,9 @@ fn statement_for(job: &JobToSend, wake: Wake) -> Result<&'static str, RepoError>
     validate_queue_name(&job.queue)?;
     job.options.validate()?;
     job.validate_labels()?;
-    Ok(match (job.options.singleton_seconds.is_some(), wake) {
-        (true, Wake::InCommit) => &SEND_ANY_CONFLICT_SQL,
-        (false, Wake::InCommit) => &SEND_LIVE_SINGLETON_SQL,
-        (true, Wake::AfterCommit) => &SEND_ANY_CONFLICT_QUIET_SQL,
-        (false, Wake::AfterCommit) => &SEND_LIVE_SINGLETON_QUIET_SQL,
+    Ok(match wake {
+        Wake::InCommit => &SEND_SQL_NOTIFYING,
+        Wake::AfterCommit => &SEND_SQL_QUIET,
     })
 }
 
@@ -157,34 +149,41 @@ pub async fn send(pool: &PgPool, job: &JobToSend) -> Result<SendResult, RepoErro
     send_in(&mut conn, job).await
 }
 
-/// Many sends in one statement. Rows are inserted in input order (`ORDER BY ord`), so
-/// of two jobs with the same live key in one batch the first is `Sent` and the second
-/// `Duplicate`, exactly as two `send_in` calls in a row. The conflict clause has no
-/// target because throttled and unthrottled jobs share the statement; that is the
-/// same arbitration as `send_in`, since the only other unique index is the primary
-/// key and the ids are fresh, distinct ULIDs.
+/// Many sends in one statement. Keys are inserted in input order (`ORDER BY
+/// ord`), so of two jobs with the same live key in one batch the first is `Sent`
+/// and the second `Duplicate`, exactly as two `send_in` calls in a row; a job
+/// with a key is inserted only when its key's row was.
 pub(crate) const SEND_BATCH_SQL: &str = "\
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
-                         $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],
-                         $11::bigint[], $12::text[], $13::bigint[], $14::text[])
+    SELECT t.*,
+           CASE WHEN t.singleton_seconds IS NULL THEN NULL
+                ELSE to_timestamp(floor(extract(epoch FROM now()) / t.singleton_seconds)
+                                  * t.singleton_seconds) END AS singleton_on
+      FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
+                  $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],
+                  $11::bigint[], $12::text[], $13::bigint[], $14::text[])
            WITH ORDINALITY
            AS t(id, queue, priority, payload, singleton_key, singleton_seconds, retry_limit,
                 retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
                 dead_letter, start_after_ms, tenant_id, ord)
+), keyed AS (
+    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
+    SELECT id, queue, singleton_key, singleton_on, tenant_id
+      FROM input
+     WHERE singleton_key IS NOT NULL
+     ORDER BY ord
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
 ), inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    SELECT id, queue, priority, payload, singleton_key,
-           CASE WHEN singleton_seconds IS NULL THEN NULL
-                ELSE to_timestamp(floor(extract(epoch FROM now()) / singleton_seconds)
-                                  * singleton_seconds) END,
+    SELECT id, queue, priority, payload, singleton_key, singleton_on,
            retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
            dead_letter, now() + start_after_ms * interval '1 millisecond', tenant_id
       FROM input
+     WHERE singleton_key IS NULL OR id IN (SELECT job_id FROM keyed)
      ORDER BY ord
-    ON CONFLICT DO NOTHING
     RETURNING id, queue
 ), notified AS (
     -- One NOTIFY per queue, not per job.

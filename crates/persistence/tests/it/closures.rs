@@ -1,9 +1,9 @@
-//! A job without a singleton key is completed by a closure appended to
-//! `job_closures` beside its row (migration `2026-12-05-150000_job_closures`):
-//! the completion writes no version of the job's row, and everything that asks
-//! whether a claim is still open (expiry, caps, renewals, the other ends of the
-//! same attempt, retention) reads the closure. A job with a singleton key (every
-//! stage job) is still completed by its row.
+//! A job is completed by a closure appended to `job_closures` beside its row
+//! (migration `2026-12-05-150000_job_closures`; a job with a singleton key, as
+//! every stage job, since `2026-12-05-170000_job_singletons`): the completion
+//! writes no version of the job's row, and everything that asks whether a claim
+//! is still open (expiry, caps, renewals, the other ends of the same attempt,
+//! retention) reads the closure.
 
 use std::time::Duration;
 
@@ -152,22 +152,24 @@ async fn a_completion_without_a_singleton_key_appends_a_closure_and_leaves_the_r
         .unwrap()
         .is_empty());
 
-    // With a singleton key the row is written, and the key is free again.
+    // With a singleton key too: the row is not written, and the key is free
+    // again.
     let keyed = send(&mut conn, "c", Some("k")).await;
     let (id, attempt) = fetch_one(&mut conn, "c").await;
     assert_eq!(id, keyed);
-    queue::complete(&mut conn, keyed, attempt, None)
-        .await
-        .unwrap();
+    let before = version(&mut conn, keyed).await;
     assert_eq!(
-        n(
-            &mut conn,
-            "SELECT count(*) AS n FROM jobs WHERE id = $1 AND state = 'completed'",
-            keyed
-        )
-        .await,
-        1
+        queue::complete(&mut conn, keyed, attempt, None)
+            .await
+            .unwrap(),
+        JobCompleteOutcome::Completed
     );
+    assert_eq!(
+        version(&mut conn, keyed).await,
+        before,
+        "the row was written"
+    );
+    assert_eq!(shown(&mut conn, keyed).await.state, "completed");
     assert_eq!(
         n(
             &mut conn,
@@ -175,7 +177,7 @@ async fn a_completion_without_a_singleton_key_appends_a_closure_and_leaves_the_r
             keyed
         )
         .await,
-        0
+        1
     );
     send(&mut conn, "c", Some("k")).await;
 }

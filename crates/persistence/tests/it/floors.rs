@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::support::stat_around;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemstage_domain::{JobId, JobToSend, SendOptions, SendResult};
+use idemstage_domain::{FailKind, JobId, JobToSend, SendOptions, SendResult};
 use idemstage_persistence::queue::{self, FloorMark, WALK_BELOW_EVERY};
 use idemstage_testkit::TestDb;
 use serde_json::json;
@@ -502,17 +502,23 @@ async fn an_idle_lane_is_parked_the_fetch_skips_it_and_what_makes_a_job_ready_wa
     );
 
     // A send wakes its lane: the job is fetched at once, with no run between.
-    // (b has a singleton key: it is completed by its row, which the operator's
-    // UPDATE below sets back; one without is completed by its closure.)
-    let b = send(&mut conn, SendOptions::default().with_singleton_key("b")).await;
+    // (b fails for good: a failure writes its row, which the operator's UPDATE
+    // below sets back; a completion writes only a closure.)
+    let b = send(&mut conn, SendOptions::default().with_retry_limit(0)).await;
     assert!(!lane_parked(&mut conn).await, "a send left its lane parked");
     let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], 1)
         .await
         .unwrap();
     assert_eq!(fetched[0].id, b);
-    queue::complete(&mut conn, b, fetched[0].attempt, None)
-        .await
-        .unwrap();
+    queue::fail(
+        &mut conn,
+        b,
+        fetched[0].attempt,
+        "for good",
+        FailKind::Transient,
+    )
+    .await
+    .unwrap();
 
     // A job ready again (here an operator's UPDATE of a finished job) wakes it.
     long_ago(&mut conn).await;

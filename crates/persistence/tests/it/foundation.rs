@@ -57,6 +57,7 @@ async fn migrations_round_trip_up_down_up() {
             "job_closures",
             "job_expiry_mark",
             "job_lanes",
+            "job_singletons",
             "jobs",
             "queue_buckets",
             "queue_control_changes",

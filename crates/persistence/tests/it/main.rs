@@ -21,6 +21,7 @@ mod pgbench_scripts;
 mod pooler;
 mod queue;
 mod roles;
+mod singletons;
 mod start;
 mod support;
 mod team_tables;

@@ -40,7 +40,7 @@ SELECT a.id FROM items a
            AND o.status = 'success' AND o.input_hash = a.input_sha256
            AND t.status = 'success' AND t.upstream_attempt = o.success_attempt)
 UNION ALL
-SELECT id FROM jobs WHERE state IN ('created', 'retry', 'active')";
+SELECT id FROM job_states WHERE state IN ('created', 'retry', 'active')";
 
 /// The violations of the pipeline's invariants, in plain SQL: each query selects
 /// the rows that break one, and must select none.

@@ -101,8 +101,9 @@ RETURNING id";
 /// items: a parent's cancel names all its children), locked in id order.
 /// `$3` the reason.
 /// A job with a current claim is `active` (its claim's attempt is recorded).
-/// A job without a singleton key ends by a closure (`queue/finish.rs`): this
-/// cancel's, or one already there (it was completed), which leaves it alone.
+/// Every job ends by a closure (`queue/finish.rs`): this cancel's, or one
+/// already there (it was completed), which leaves it alone; a cancelled job's
+/// singleton key is released by `jobs`' trigger.
 const CANCEL_JOBS_SQL: &str = "\
 WITH live AS (
     SELECT j.id, j.ready_seq, j.queue, j.tenant_id, j.priority, j.singleton_key,
@@ -117,14 +118,14 @@ WITH live AS (
     INSERT INTO job_closures (ready_seq, job_id, attempt, queue, tenant_id, priority, outcome)
     SELECT live.ready_seq, live.id, live.attempt, live.queue, live.tenant_id, live.priority,
            'cancelled'
-      FROM live WHERE live.singleton_key IS NULL
+      FROM live
      ORDER BY live.id
     ON CONFLICT (ready_seq) DO NOTHING
-    RETURNING ready_seq)
+    RETURNING ready_seq
+)
 UPDATE jobs j SET state = 'cancelled', completed_at = now(), attempt = live.attempt,
        started_at = coalesce(live.claimed_at, j.started_at), last_error = $3
-  FROM live WHERE j.id = live.id
-   AND (live.singleton_key IS NOT NULL OR live.ready_seq IN (SELECT ready_seq FROM closed))
+  FROM live WHERE j.id = live.id AND live.ready_seq IN (SELECT ready_seq FROM closed)
 RETURNING j.id, j.queue, live.state, j.singleton_key,
           j.payload->>'input_hash' AS input_hash, j.payload->>'item_id' AS item_id";
 

@@ -1,0 +1,332 @@
+//! The singleton rules in `job_singletons` (migration
+//! `2026-12-05-170000_job_singletons`): one live job per (queue, key), one job
+//! per (queue, key, window) while the job is kept. Every end of a job for good
+//! (completed, failed, cancelled, expired and failed) releases its key in its
+//! own statement; a retry keeps it; any writer's UPDATE of the state moves the
+//! key along; a job's row deleted takes its key along. A key of the stage form
+//! names its row's tenant under the tenant scope.
+
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemstage_domain::{
+    FailKind, JobCancelOutcome, JobFailOutcome, JobId, JobToSend, SendOptions, SendResult, TenantId,
+};
+use idemstage_persistence::queue::{self, MaintenanceConfig, MaintenanceOutcome};
+use idemstage_persistence::{tenant, TxError};
+use idemstage_testkit::TestDb;
+use serde_json::json;
+
+fn job(key: &str, options: SendOptions) -> JobToSend {
+    JobToSend {
+        tenant: None,
+        queue: "s".to_owned(),
+        payload: json!({}),
+        options: options.with_singleton_key(key),
+    }
+}
+
+async fn sent(conn: &mut AsyncPgConnection, job: &JobToSend) -> Option<JobId> {
+    match queue::send_in(conn, job).await.unwrap() {
+        SendResult::Sent(id) => Some(id),
+        SendResult::Duplicate => None,
+    }
+}
+
+async fn fetch_one(conn: &mut AsyncPgConnection) -> (JobId, i32) {
+    let jobs = queue::fetch(conn, &["s".to_owned()], 1).await.unwrap();
+    assert_eq!(jobs.len(), 1, "no job fetched");
+    (jobs[0].id, jobs[0].attempt)
+}
+
+#[derive(diesel::QueryableByName)]
+struct N {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Rows of `job_singletons` for the key: `(all, live)`.
+async fn key_rows(conn: &mut AsyncPgConnection, key: &str) -> (i64, i64) {
+    let all: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM job_singletons WHERE queue = 's' AND singleton_key = $1",
+    )
+    .bind::<Text, _>(key)
+    .get_result(conn)
+    .await
+    .unwrap();
+    let live: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM job_singletons
+          WHERE queue = 's' AND singleton_key = $1 AND live",
+    )
+    .bind::<Text, _>(key)
+    .get_result(conn)
+    .await
+    .unwrap();
+    (all.n, live.n)
+}
+
+#[tokio::test]
+async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let no_retry = SendOptions::default().with_retry_limit(0);
+
+    // Completed.
+    let first = sent(&mut conn, &job("done", SendOptions::default()))
+        .await
+        .unwrap();
+    assert_eq!(
+        sent(&mut conn, &job("done", SendOptions::default())).await,
+        None
+    );
+    let (id, attempt) = fetch_one(&mut conn).await;
+    assert_eq!(id, first);
+    assert_eq!(
+        sent(&mut conn, &job("done", SendOptions::default())).await,
+        None
+    );
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+    assert_eq!(key_rows(&mut conn, "done").await, (0, 0));
+    let next = sent(&mut conn, &job("done", SendOptions::default())).await;
+    assert!(next.is_some(), "the completed job kept its key");
+    let (id, attempt) = fetch_one(&mut conn).await;
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+
+    // A retry keeps the key; the failure for good releases it.
+    let failing = sent(
+        &mut conn,
+        &job("fail", SendOptions::default().with_retry_limit(1)),
+    )
+    .await
+    .unwrap();
+    let (id, attempt) = fetch_one(&mut conn).await;
+    assert_eq!(id, failing);
+    assert!(matches!(
+        queue::fail(&mut conn, id, attempt, "once", FailKind::Transient)
+            .await
+            .unwrap(),
+        JobFailOutcome::Retrying { .. }
+    ));
+    assert_eq!(key_rows(&mut conn, "fail").await, (1, 1));
+    assert_eq!(sent(&mut conn, &job("fail", no_retry.clone())).await, None);
+    diesel::sql_query("UPDATE jobs SET start_after = now() WHERE id = $1")
+        .bind::<Text, _>(failing.to_string())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let (id, attempt) = fetch_one(&mut conn).await;
+    assert_eq!(id, failing);
+    assert!(matches!(
+        queue::fail(&mut conn, id, attempt, "twice", FailKind::Transient)
+            .await
+            .unwrap(),
+        JobFailOutcome::Failed { .. }
+    ));
+    assert_eq!(key_rows(&mut conn, "fail").await, (0, 0));
+
+    // Cancelled.
+    sent(&mut conn, &job("cancel", no_retry.clone()))
+        .await
+        .unwrap();
+    let (id, attempt) = fetch_one(&mut conn).await;
+    assert_eq!(
+        queue::cancel(&mut conn, id, attempt).await.unwrap(),
+        JobCancelOutcome::Cancelled
+    );
+    assert_eq!(key_rows(&mut conn, "cancel").await, (0, 0));
+    // A second cancel of the attempt is fenced and touches no key.
+    sent(&mut conn, &job("cancel", no_retry.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        queue::cancel(&mut conn, id, attempt).await.unwrap(),
+        JobCancelOutcome::Fenced
+    );
+    assert_eq!(key_rows(&mut conn, "cancel").await, (1, 1));
+    let (id, attempt) = fetch_one(&mut conn).await;
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+
+    // Expired with no retry left.
+    sent(&mut conn, &job("expire", no_retry)).await.unwrap();
+    let (id, _) = fetch_one(&mut conn).await;
+    diesel::sql_query(
+        "UPDATE job_claims SET lease_expires_at = now() - interval '1 minute' WHERE job_id = $1",
+    )
+    .bind::<Text, _>(id.to_string())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let MaintenanceOutcome::Ran(report) = queue::maintain(&mut conn, &MaintenanceConfig::default())
+        .await
+        .unwrap()
+    else {
+        panic!("skipped");
+    };
+    assert_eq!(report.expired_failed, 1);
+    assert_eq!(key_rows(&mut conn, "expire").await, (0, 0));
+
+    // Nothing live is left, and no key row either.
+    let left: N = diesel::sql_query("SELECT count(*) AS n FROM job_singletons")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left.n, 0);
+}
+
+#[tokio::test]
+async fn a_batch_releases_the_keys_of_the_jobs_it_completed_only() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let batch = [
+        job("a", SendOptions::default()),
+        job("a", SendOptions::default()),
+        job("b", SendOptions::default()),
+    ];
+    let results = queue::send_batch(&mut conn, &batch).await.unwrap();
+    assert!(matches!(results[0], SendResult::Sent(_)));
+    assert_eq!(results[1], SendResult::Duplicate);
+    assert!(matches!(results[2], SendResult::Sent(_)));
+    let jobs = queue::fetch(&mut conn, &["s".to_owned()], 2).await.unwrap();
+    assert_eq!(jobs.len(), 2);
+    let first: Vec<(JobId, i32)> = jobs[..1].iter().map(|j| (j.id, j.attempt)).collect();
+    queue::complete_many(&mut conn, &first).await.unwrap();
+    let done = jobs[0].singleton_key.clone().unwrap();
+    let other = if done == "a" { "b" } else { "a" };
+    assert_eq!(key_rows(&mut conn, &done).await, (0, 0));
+    assert_eq!(key_rows(&mut conn, other).await, (1, 1));
+}
+
+#[tokio::test]
+async fn a_windowed_key_refuses_its_window_after_its_job_ended_until_the_retention() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let hourly = || job("w", SendOptions::default().with_singleton_seconds(3600));
+    sent(&mut conn, &hourly()).await.unwrap();
+    let (id, attempt) = fetch_one(&mut conn).await;
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+    assert_eq!(key_rows(&mut conn, "w").await, (1, 0), "the window is kept");
+    assert_eq!(
+        sent(&mut conn, &hourly()).await,
+        None,
+        "a second job in the window"
+    );
+    // The live rule alone does not refuse it: a send without a window goes.
+    let unwindowed = sent(&mut conn, &job("w", SendOptions::default())).await;
+    assert!(unwindowed.is_some());
+    let (id, attempt) = fetch_one(&mut conn).await;
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+
+    // Past the retention the window goes with its job's row.
+    diesel::sql_query("UPDATE job_closures SET closed_at = now() - interval '2 days'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let config = MaintenanceConfig::default().with_retention(Duration::from_secs(24 * 3600));
+    assert!(matches!(
+        queue::maintain(&mut conn, &config).await.unwrap(),
+        MaintenanceOutcome::Ran(_)
+    ));
+    assert_eq!(key_rows(&mut conn, "w").await, (0, 0));
+    assert!(sent(&mut conn, &hourly()).await.is_some());
+}
+
+/// A job's row deleted by hand takes its key along: the key's next job can be
+/// sent (before, a key could outlive its job and refuse every send for good).
+#[tokio::test]
+async fn a_job_deleted_by_hand_releases_its_key() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let id = sent(&mut conn, &job("gone", SendOptions::default()))
+        .await
+        .unwrap();
+    diesel::sql_query("DELETE FROM jobs WHERE id = $1")
+        .bind::<Text, _>(id.to_string())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(key_rows(&mut conn, "gone").await, (0, 0));
+    assert!(sent(&mut conn, &job("gone", SendOptions::default()))
+        .await
+        .is_some());
+}
+
+/// Any writer's UPDATE of a keyed job's state across live and ended moves its
+/// key along (`jobs`' trigger): ended by hand, the key is free; made live
+/// again, the job takes its key back, and a second live job of the key is
+/// refused (a unique violation, as with the index on `jobs` before).
+#[tokio::test]
+async fn a_state_written_by_hand_moves_the_key_along() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let first = sent(&mut conn, &job("hand", SendOptions::default()))
+        .await
+        .unwrap();
+    let set_state = |state: &str, id: JobId| {
+        diesel::sql_query(format!(
+            "UPDATE jobs SET state = '{state}', completed_at = now() WHERE id = '{id}'"
+        ))
+    };
+    set_state("completed", first)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(key_rows(&mut conn, "hand").await, (0, 0));
+    let second = sent(&mut conn, &job("hand", SendOptions::default()))
+        .await
+        .expect("the key of a job completed by hand was kept");
+    // The first made live again while the second is: refused, nothing changed.
+    let e = set_state("retry", first)
+        .execute(&mut conn)
+        .await
+        .expect_err("two live jobs of one key");
+    assert!(e.to_string().contains("job_singletons_live_uq"), "{e}");
+    set_state("cancelled", second)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    set_state("retry", first).execute(&mut conn).await.unwrap();
+    assert_eq!(key_rows(&mut conn, "hand").await, (1, 1));
+    assert_eq!(
+        sent(&mut conn, &job("hand", SendOptions::default())).await,
+        None
+    );
+}
+
+/// Under the tenant scope a key row of the stage form must name the row's own
+/// tenant: a scoped transaction cannot hold another tenant's stage key (which
+/// would refuse every send of that tenant's stage job as a duplicate).
+#[tokio::test]
+async fn a_transaction_scoped_to_one_tenant_cannot_hold_another_tenants_stage_key() {
+    let db = TestDb::new().await;
+    let a = TenantId::parse("ta").unwrap();
+    let mut w = idemstage_persistence::connect(&db.worker_url())
+        .await
+        .unwrap();
+    let item = idemstage_domain::ItemId::new();
+    let theirs = format!("intake:tb:{item}");
+    let mine = format!("intake:ta:{item}");
+    let insert = |key: &str| {
+        format!(
+            "INSERT INTO job_singletons (job_id, queue, singleton_key, tenant_id) \
+             VALUES ('{}', 'intake', '{key}', 'ta')",
+            JobId::new()
+        )
+    };
+    let sql = insert(&theirs);
+    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+        c.batch_execute(&sql).await
+    })
+    .await
+    .expect_err("another tenant's stage key");
+    assert!(e.to_string().contains("row-level security"), "{e}");
+    // Its own stage key, and a key of any other form, it may write.
+    for key in [mine.as_str(), "invoice-42"] {
+        let sql = insert(key);
+        tenant::transaction::<(), TxError, _>(&mut w, &a, async |c| {
+            Ok(c.batch_execute(&sql).await?)
+        })
+        .await
+        .unwrap();
+    }
+}
