@@ -618,3 +618,46 @@ async fn a_run_reads_the_busy_lanes_once_however_many_lanes_are_idle() {
         "the idle lanes are parked, the busy one is not"
     );
 }
+
+/// A completed job's entry stays in the ready index until the retention (it
+/// ends by a closure), so a run must not read a lane's entries below its
+/// floor to find the deferred jobs that came due there: those are in
+/// `jobs_deferred_idx`. The run read every completed entry of the lane, with
+/// the planner's generic plan of `min(ready_seq)` walking the ready index
+/// (over a second a run, every second, after twenty minutes at 200 jobs/s).
+#[tokio::test]
+async fn a_run_reads_no_completed_entry_below_the_floor() {
+    const DONE: usize = 3000;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // Jobs deferred past the horizon (the deferred index is not empty, as in a
+    // service with retries), then jobs worked to their end.
+    let later = SendOptions::default().with_start_after(Duration::from_secs(3600));
+    let deferred: Vec<JobToSend> = (0..DONE).map(|_| job(later.clone())).collect();
+    queue::send_batch(&mut conn, &deferred).await.unwrap();
+    let jobs: Vec<JobToSend> = (0..DONE).map(|_| job(SendOptions::default())).collect();
+    queue::send_batch(&mut conn, &jobs).await.unwrap();
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], DONE as u32)
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), DONE);
+    let tokens: Vec<(JobId, i32)> = fetched.iter().map(|j| (j.id, j.attempt)).collect();
+    queue::complete_many(&mut conn, &tokens).await.unwrap();
+    conn.batch_execute("ANALYZE jobs; ANALYZE job_claims; ANALYZE job_closures")
+        .await
+        .unwrap();
+    let mark: Walked =
+        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 0, true) AS n")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+    send_elsewhere(&mut conn).await;
+    // The raise: the floor passes the completed entries. Then the plan a
+    // worker's session keeps after a few runs: a generic one.
+    entries_read_by_a_run(&mut conn, mark.n, false).await;
+    conn.batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    let read = entries_read_by_a_run(&mut conn, mark.n, false).await;
+    assert!(read <= 4, "a run read {read} index entries");
+}
