@@ -189,22 +189,14 @@ INSERT INTO "audit_log" ("id", "tenant_id", "entity_id", "action", "run_id", "at
 \if :pipeline
 \startpipeline
 \endif
-WITH keyed AS (
-    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
-    SELECT lpad((:r5)::text, 26, '0'), :next_queue, :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
-           CASE WHEN nullif(:none, 0)::int IS NULL THEN NULL
-                ELSE to_timestamp(floor(extract(epoch FROM now()) / nullif(:none, 0)) * nullif(:none, 0)) END,
-           :tenant
-     WHERE :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r::text IS NOT NULL
-    ON CONFLICT DO NOTHING
-    RETURNING job_id, singleton_on
-), inserted AS (
+WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    SELECT lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r, (SELECT singleton_on FROM keyed),
-           :retry_limit, :retry_delay_ms, :retry_backoff, :retry_delay_max_ms, :expire_in_ms, nullif(:none, 0)::text, now() + :start_after_ms * interval '1 millisecond', :tenant
-     WHERE :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r::text IS NULL OR EXISTS (SELECT 1 FROM keyed)
+    VALUES (lpad((:r5)::text, 26, '0'), :next_queue, :priority, jsonb_build_object('tenant_id', :tenant::text, 'item_id', lpad((:a)::text, 26, '0'), 'input_hash', :input_hash::text), :next_queue || ':' || :tenant || ':' || lpad((:a)::text, 26, '0') || ':' || :r,
+            CASE WHEN nullif(:none, 0)::int IS NULL THEN NULL
+                 ELSE to_timestamp(floor(extract(epoch FROM now()) / nullif(:none, 0)) * nullif(:none, 0)) END,
+            :retry_limit, :retry_delay_ms, :retry_backoff, :retry_delay_max_ms, :expire_in_ms, nullif(:none, 0)::text, now() + :start_after_ms * interval '1 millisecond', :tenant)
     RETURNING id, queue
 )
 SELECT id, false AS notified FROM inserted;

@@ -18,30 +18,22 @@ use crate::PgPool;
 /// The payload is the queue name.
 pub const NOTIFY_CHANNEL: &str = "idemstage_jobs";
 
-/// The key first, then the job, then NOTIFY only if a job was inserted: one
-/// round trip. A job with a singleton key is inserted only when its key's row
-/// was (`job_singletons`: its two partial unique indexes are the rules, one live
-/// job per key and one job per key and window; a conflict, or a wait for a
-/// sender of the same key that then commits, is `Duplicate`). `{notify}` is the
-/// NOTIFY, or `false` for a send whose wake-up comes after the commit
+/// Insert, then NOTIFY only if a row was inserted: one round trip. A job with a
+/// singleton key takes its key's row in `job_singletons` (`jobs`' insert
+/// trigger, for every writer); when a rule refuses it (a live job of the key,
+/// or one sent in its window, or a wait for a sender of the same key that then
+/// commits) the job is not inserted: no row back, `Duplicate`. `{notify}` is
+/// the NOTIFY, or `false` for a send whose wake-up comes after the commit
 /// ([`Wake::AfterCommit`]).
 const SEND_SQL: &str = "\
-WITH keyed AS (
-    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
-    SELECT $1, $2, $5,
-           CASE WHEN $6::int IS NULL THEN NULL
-                ELSE to_timestamp(floor(extract(epoch FROM now()) / $6) * $6) END,
-           $14
-     WHERE $5::text IS NOT NULL
-    ON CONFLICT DO NOTHING
-    RETURNING job_id, singleton_on
-), inserted AS (
+WITH inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    SELECT $1, $2, $3, $4, $5, (SELECT singleton_on FROM keyed),
-           $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond', $14
-     WHERE $5::text IS NULL OR EXISTS (SELECT 1 FROM keyed)
+    VALUES ($1, $2, $3, $4, $5,
+            CASE WHEN $6::int IS NULL THEN NULL
+                 ELSE to_timestamp(floor(extract(epoch FROM now()) / $6) * $6) END,
+            $7, $8, $9, $10, $11, $12, now() + $13 * interval '1 millisecond', $14)
     RETURNING id, queue
 )
 SELECT id, {notify} AS notified FROM inserted";
@@ -149,40 +141,30 @@ pub async fn send(pool: &PgPool, job: &JobToSend) -> Result<SendResult, RepoErro
     send_in(&mut conn, job).await
 }
 
-/// Many sends in one statement. Keys are inserted in input order (`ORDER BY
-/// ord`), so of two jobs with the same live key in one batch the first is `Sent`
-/// and the second `Duplicate`, exactly as two `send_in` calls in a row; a job
-/// with a key is inserted only when its key's row was.
+/// Many sends in one statement. Rows are inserted in input order (`ORDER BY ord`),
+/// so of two jobs with the same live key in one batch the first is `Sent` and the
+/// second `Duplicate` (its key refused by `jobs`' insert trigger), exactly as two
+/// `send_in` calls in a row.
 pub(crate) const SEND_BATCH_SQL: &str = "\
 WITH input AS (
-    SELECT t.*,
-           CASE WHEN t.singleton_seconds IS NULL THEN NULL
-                ELSE to_timestamp(floor(extract(epoch FROM now()) / t.singleton_seconds)
-                                  * t.singleton_seconds) END AS singleton_on
-      FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
-                  $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],
-                  $11::bigint[], $12::text[], $13::bigint[], $14::text[])
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::jsonb[], $5::text[],
+                         $6::int[], $7::int[], $8::bigint[], $9::bool[], $10::bigint[],
+                         $11::bigint[], $12::text[], $13::bigint[], $14::text[])
            WITH ORDINALITY
            AS t(id, queue, priority, payload, singleton_key, singleton_seconds, retry_limit,
                 retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
                 dead_letter, start_after_ms, tenant_id, ord)
-), keyed AS (
-    INSERT INTO job_singletons (job_id, queue, singleton_key, singleton_on, tenant_id)
-    SELECT id, queue, singleton_key, singleton_on, tenant_id
-      FROM input
-     WHERE singleton_key IS NOT NULL
-     ORDER BY ord
-    ON CONFLICT DO NOTHING
-    RETURNING job_id
 ), inserted AS (
     INSERT INTO jobs (id, queue, priority, payload, singleton_key, singleton_on,
                       retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms,
                       expire_in_ms, dead_letter, start_after, tenant_id)
-    SELECT id, queue, priority, payload, singleton_key, singleton_on,
+    SELECT id, queue, priority, payload, singleton_key,
+           CASE WHEN singleton_seconds IS NULL THEN NULL
+                ELSE to_timestamp(floor(extract(epoch FROM now()) / singleton_seconds)
+                                  * singleton_seconds) END,
            retry_limit, retry_delay_ms, retry_backoff, retry_delay_max_ms, expire_in_ms,
            dead_letter, now() + start_after_ms * interval '1 millisecond', tenant_id
       FROM input
-     WHERE singleton_key IS NULL OR id IN (SELECT job_id FROM keyed)
      ORDER BY ord
     RETURNING id, queue
 ), notified AS (

@@ -293,6 +293,38 @@ async fn a_state_written_by_hand_moves_the_key_along() {
     );
 }
 
+/// A job row written by hand (a team's script, not the library's send) takes
+/// its key too (`jobs`' insert trigger): one of a live key is not inserted,
+/// and one of a free key holds it against the library's next send.
+#[tokio::test]
+async fn a_job_row_written_by_hand_takes_its_key() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    sent(&mut conn, &job("by-hand", SendOptions::default()))
+        .await
+        .unwrap();
+    let insert = |id: JobId, key: &str| {
+        diesel::sql_query(format!(
+            "INSERT INTO jobs (id, queue, payload, singleton_key, tenant_id) \
+             VALUES ('{id}', 's', '{{}}'::jsonb, '{key}', '')"
+        ))
+    };
+    let inserted = insert(JobId::new(), "by-hand")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(inserted, 0, "a second live job of the key was written");
+    assert_eq!(key_rows(&mut conn, "by-hand").await, (1, 1));
+
+    let own = JobId::new();
+    assert_eq!(insert(own, "free").execute(&mut conn).await.unwrap(), 1);
+    assert_eq!(key_rows(&mut conn, "free").await, (1, 1));
+    assert_eq!(
+        sent(&mut conn, &job("free", SendOptions::default())).await,
+        None
+    );
+}
+
 /// Under the tenant scope a key row of the stage form must name the row's own
 /// tenant: a scoped transaction cannot hold another tenant's stage key (which
 /// would refuse every send of that tenant's stage job as a duplicate).
@@ -329,4 +361,23 @@ async fn a_transaction_scoped_to_one_tenant_cannot_hold_another_tenants_stage_ke
         .await
         .unwrap();
     }
+    // Nor can it rename a key row of its own into another tenant's stage key
+    // (the insert's policy does not see an UPDATE): it may set `live` only.
+    let rename = format!(
+        "UPDATE job_singletons SET singleton_key = '{theirs}' WHERE singleton_key = 'invoice-42'"
+    );
+    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+        c.batch_execute(&rename).await
+    })
+    .await
+    .expect_err("a key renamed into another tenant's stage key");
+    assert!(e.to_string().contains("permission denied"), "{e}");
+    tenant::transaction::<(), TxError, _>(&mut w, &a, async |c| {
+        Ok(c.batch_execute(
+            "UPDATE job_singletons SET live = false WHERE singleton_key = 'invoice-42'",
+        )
+        .await?)
+    })
+    .await
+    .unwrap();
 }
