@@ -120,6 +120,15 @@ diesel::table! {
 }
 
 diesel::table! {
+    job_walk_mark (only_row) {
+        only_row -> Bool,
+        walked_from -> Nullable<Int8>,
+        sample_mark -> Nullable<Int8>,
+        sample_senders -> Array<Nullable<Text>>,
+    }
+}
+
+diesel::table! {
     job_lanes (queue, tenant_id, priority) {
         queue -> Text,
         tenant_id -> Text,
@@ -318,6 +327,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     job_expiry_mark,
     job_lanes,
     job_singletons,
+    job_walk_mark,
     audit_log,
     jobs,
     stage_run_attempts,

@@ -162,6 +162,15 @@ pub async fn assert_tenant_isolated(conn: &mut AsyncPgConnection, table: &str) {
 }
 
 fn diesel_type(sql: &str, not_null: bool) -> String {
+    // An array's elements may be NULL whatever the column says.
+    if let Some(element) = sql.strip_suffix("[]") {
+        let base = format!("Array<{}>", diesel_type(element, false));
+        return if not_null {
+            base
+        } else {
+            format!("Nullable<{base}>")
+        };
+    }
     let base = match sql {
         "text" => "Text",
         "integer" => "Int4",

@@ -178,6 +178,12 @@ async fn under_a_held_snapshot_a_run_reads_each_lane_from_its_floor() {
         walked > SPENT,
         "{walked} entries walked: the hold is not held"
     );
+    // That walk saw every entry up to the first run's mark (no transaction that
+    // wrote jobs then was still open): the next walk starts there, and passes
+    // none of them (before migration 2026-12-05-210000 it walked them all
+    // again, every time).
+    let walked = entries_read_by_a_run(&mut conn, mark.n, true).await;
+    assert!(walked <= 4, "the next walk read {walked} index entries");
     hold.batch_execute("ROLLBACK").await.unwrap();
 }
 
@@ -258,6 +264,78 @@ async fn a_job_whose_transaction_outlived_a_run_is_fetched_after_the_next_walk_b
     };
     assert_eq!(fetched, vec![slow]);
     assert_eq!(runs, WALK_BELOW_EVERY + 1, "found by the run that walks");
+}
+
+/// A run of the floors with the previous run's mark (a horizon and a wait
+/// between raises of zero), walking below the floors or not; gives its mark.
+async fn run_floors(conn: &mut AsyncPgConnection, mark: Option<i64>, walk_below: bool) -> i64 {
+    let row: Walked = diesel::sql_query("SELECT idemstage_advance_floors($1, 0, 0, $2) AS n")
+        .bind::<diesel::sql_types::Nullable<BigInt>, _>(mark)
+        .bind::<diesel::sql_types::Bool, _>(walk_below)
+        .get_result(conn)
+        .await
+        .unwrap();
+    row.n
+}
+
+#[derive(diesel::QueryableByName)]
+struct WalkedFrom {
+    #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
+    walked_from: Option<i64>,
+}
+
+async fn walked_from(conn: &mut AsyncPgConnection) -> Option<i64> {
+    let row: WalkedFrom = diesel::sql_query("SELECT walked_from FROM job_walk_mark")
+        .get_result(conn)
+        .await
+        .unwrap();
+    row.walked_from
+}
+
+#[tokio::test]
+async fn a_job_whose_transaction_outlived_several_walks_is_found_by_the_walk_after_it_commits() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut sender = db.conn().await;
+    let first = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![first]);
+
+    sender.batch_execute("BEGIN").await.unwrap();
+    let slow = send(&mut sender, SendOptions::default()).await;
+    let other = send(&mut conn, SendOptions::default()).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![other]);
+    // A walk samples the sequence while the slow sender is open; the raise
+    // passes the slow job's number.
+    let mark = run_floors(&mut conn, None, true).await;
+    run_floors(&mut conn, Some(mark), false).await;
+    // Walks while it is still open: the sample does not settle (its sender
+    // holds its write lock on jobs), the walks keep starting at the first entry.
+    for _ in 0..3 {
+        let next = send(&mut conn, SendOptions::default()).await;
+        assert_eq!(fetch_ids(&mut conn, 1).await, vec![next]);
+        run_floors(&mut conn, Some(mark), true).await;
+        assert_eq!(
+            walked_from(&mut conn).await,
+            None,
+            "settled with a sender open"
+        );
+    }
+    sender.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![], "below the floor");
+    // The walk after the commit finds it, and then the bound moves up.
+    run_floors(&mut conn, Some(mark), true).await;
+    assert_eq!(fetch_ids(&mut conn, 1).await, vec![slow]);
+    let from = walked_from(&mut conn).await.expect("the sample settled");
+    let slow_seq: Walked = diesel::sql_query("SELECT ready_seq AS n FROM jobs WHERE id = $1")
+        .bind::<Text, _>(slow.to_string())
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        from >= slow_seq.n,
+        "walks start at {from}, the slow job's number {}",
+        slow_seq.n
+    );
 }
 
 #[tokio::test]

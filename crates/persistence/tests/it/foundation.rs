@@ -58,6 +58,7 @@ async fn migrations_round_trip_up_down_up() {
             "job_expiry_mark",
             "job_lanes",
             "job_singletons",
+            "job_walk_mark",
             "jobs",
             "queue_buckets",
             "queue_control_changes",
