@@ -739,3 +739,48 @@ async fn a_run_reads_no_completed_entry_below_the_floor() {
     let read = entries_read_by_a_run(&mut conn, mark.n, false).await;
     assert!(read <= 4, "a run read {read} index entries");
 }
+
+#[tokio::test]
+async fn a_lane_gone_idle_is_asked_for_a_lease_among_its_latest_claims_only() {
+    const DONE: usize = 300;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // A lane worked to its end: every claim closed, each deadline still ahead
+    // (a completion writes a closure, not the claim), the floor raised past
+    // them while the lane was busy.
+    let jobs: Vec<JobToSend> = (0..DONE).map(|_| job(SendOptions::default())).collect();
+    queue::send_batch(&mut conn, &jobs).await.unwrap();
+    let fetched = queue::fetch(&mut conn, &[QUEUE.to_owned()], DONE as u32)
+        .await
+        .unwrap();
+    let tokens: Vec<(JobId, i32)> = fetched.iter().map(|j| (j.id, j.attempt)).collect();
+    queue::complete_many(&mut conn, &tokens).await.unwrap();
+    let mark: Walked =
+        diesel::sql_query("SELECT idemstage_advance_floors(NULL, 3000, 0, true) AS n")
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+    send_elsewhere(&mut conn).await;
+    entries_read_by_a_run(&mut conn, mark.n, false).await;
+    // Nothing finished within the window any more: the run asks the lane for
+    // an open claim, from its latest deadline back, and finds none. It reads
+    // the latest few, not every claim whose deadline is still ahead (before
+    // migration 2026-12-05-220000 it read all 300, on every run while the
+    // lane was idle: up to a lease's length of the lane's claims).
+    long_ago(&mut conn).await;
+    let claims_read = stat_around(
+        &mut conn,
+        "pg_stat_get_xact_tuples_returned('job_claims_tenant_lease_idx'::regclass) \
+         + pg_stat_get_xact_tuples_returned('job_claims_lease_idx'::regclass)",
+        format!(
+            "SELECT idemstage_advance_floors({}, 3000, 0, false)",
+            mark.n
+        ),
+    )
+    .await;
+    assert!(
+        claims_read <= 70,
+        "a run read {claims_read} claims of the idle lane"
+    );
+    assert!(lane_parked(&mut conn).await, "an idle lane was not parked");
+}
