@@ -325,6 +325,56 @@ async fn a_job_row_written_by_hand_takes_its_key() {
     );
 }
 
+/// A job's key rewritten by hand (`UPDATE jobs SET singleton_key`, or its
+/// queue) moves its key's row along: the old key is free, the new one held, and
+/// a rewrite onto a key another live job holds is refused, as the unique index
+/// on `jobs` refused it before the key rows had a table of their own.
+#[tokio::test]
+async fn a_key_rewritten_by_hand_moves_its_row_and_cannot_take_a_held_key() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let a = sent(&mut conn, &job("a", SendOptions::default()))
+        .await
+        .unwrap();
+    sent(&mut conn, &job("held", SendOptions::default()))
+        .await
+        .unwrap();
+    let rekey = |id: JobId, key: &str| {
+        diesel::sql_query(format!(
+            "UPDATE jobs SET singleton_key = '{key}' WHERE id = '{id}'"
+        ))
+    };
+    let e = rekey(a, "held")
+        .execute(&mut conn)
+        .await
+        .expect_err("two live jobs of one key");
+    assert!(e.to_string().contains("job_singletons_live_uq"), "{e}");
+    assert_eq!(key_rows(&mut conn, "a").await, (1, 1));
+
+    rekey(a, "b").execute(&mut conn).await.unwrap();
+    assert_eq!(key_rows(&mut conn, "a").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "b").await, (1, 1));
+    assert_eq!(
+        sent(&mut conn, &job("b", SendOptions::default())).await,
+        None,
+        "a second live job of the rewritten key"
+    );
+    assert!(
+        sent(&mut conn, &job("a", SendOptions::default()))
+            .await
+            .is_some(),
+        "the old key stayed taken"
+    );
+    // Its key taken away: the job holds none.
+    diesel::sql_query(format!(
+        "UPDATE jobs SET singleton_key = NULL WHERE id = '{a}'"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(key_rows(&mut conn, "b").await, (0, 0));
+}
+
 /// Under the tenant scope a key row of the stage form must name the row's own
 /// tenant: a scoped transaction cannot hold another tenant's stage key (which
 /// would refuse every send of that tenant's stage job as a duplicate).
