@@ -250,7 +250,7 @@ pub async fn start_in(
 /// the job being committed releases it, and then nothing is repointed.
 const REPOINT_LIVE_JOB_SQL: &str = "\
 WITH live AS (
-    SELECT g.job_id FROM job_singletons g
+    SELECT g.job_id FROM job_keys g
      WHERE g.queue = $1 AND g.singleton_key = $2 AND g.live
        FOR UPDATE
 )

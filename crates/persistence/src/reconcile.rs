@@ -144,7 +144,7 @@ SELECT tenant_id, item_id FROM items_open
 /// a rerun due (its job may have been lost before its claim): not final.
 /// Index probes only: the item's primary key, `fanout_children`'s and
 /// `fanouts`' primary keys, `stage_runs_tenant_item_stage_uq` for the run and
-/// its upstream's, `job_singletons_live_uq` for a live job.
+/// its upstream's, `job_keys_pkey` for a live job.
 const PLAN_SQL: &str = "\
 WITH stages AS (
     SELECT s.stage, s.up, s.per_child, s.gather, s.pos
@@ -162,7 +162,7 @@ WITH stages AS (
                                    AND f.completed_at IS NOT NULL))) AS expected,
            coalesce(s.pos = 1 AND $4 AND r.status = 'success'
                     AND r.input_hash <> a.input_sha256, false) AS rerun_due,
-           EXISTS (SELECT 1 FROM job_singletons g
+           EXISTS (SELECT 1 FROM job_keys g
                     WHERE g.queue = s.stage
                       AND g.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
                       AND g.live) AS live_job

@@ -101,12 +101,21 @@ diesel::table! {
 }
 
 diesel::table! {
-    job_singletons (job_id) {
+    job_keys (queue, singleton_key) {
+        queue -> Text,
+        singleton_key -> Text,
+        job_id -> Text,
+        live -> Bool,
+        tenant_id -> Text,
+    }
+}
+
+diesel::table! {
+    job_windows (job_id) {
         job_id -> Text,
         queue -> Text,
         singleton_key -> Text,
-        singleton_on -> Nullable<Timestamptz>,
-        live -> Bool,
+        singleton_on -> Timestamptz,
         tenant_id -> Text,
     }
 }
@@ -326,7 +335,8 @@ diesel::allow_tables_to_appear_in_same_query!(
     job_closures,
     job_expiry_mark,
     job_lanes,
-    job_singletons,
+    job_keys,
+    job_windows,
     job_walk_mark,
     audit_log,
     jobs,

@@ -78,7 +78,7 @@ async fn send_blank_rerun(
         idemstage::queue::send_in(conn, &job).await?;
         diesel::sql_query(
             "UPDATE jobs SET payload = $1, retry_count = 0
-              WHERE id IN (SELECT job_id FROM job_singletons
+              WHERE id IN (SELECT job_id FROM job_keys
                             WHERE queue = $2 AND singleton_key = $3 AND live)",
         )
         .bind::<Jsonb, _>(&job.payload)

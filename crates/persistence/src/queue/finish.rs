@@ -93,21 +93,21 @@ pub(crate) fn closure_cte(outcome: &str, output: &str, fence: &str) -> String {
 /// closure the statement's [`closure_cte`] inserted.
 pub(crate) const ROW_ENDS_SQL: &str = "j.ready_seq IN (SELECT ready_seq FROM closed)";
 
-/// The CTEs `key_deleted` and `key_ended`: the singleton keys of the jobs
-/// `ids` (a query of job ids) released, as those jobs were completed (an end
-/// that writes the row's state releases the key by `jobs`' trigger). A key
-/// without a window is deleted; a windowed one stays, not live, until its
-/// job's row is deleted (it still refuses a second job in its window). A job
-/// without a key has no row here: a probe of the primary key that finds
-/// nothing.
+/// The CTE `key_released`: the singleton keys of the jobs `ids` (a query of
+/// job ids) released, as those jobs were completed (an end that writes the
+/// row's state releases the key by `jobs`' trigger). The key's row in
+/// `job_keys` is kept, not live, for the key's next job to take over: an
+/// update of an unindexed column (HOT), which a page read prunes without
+/// VACUUM. Only a row still naming the job is released. A job without a key
+/// reads its own row of `jobs` and nothing else.
 pub(crate) fn keys_released_cte(ids: &str) -> String {
     format!(
-        "key_deleted AS (
-    DELETE FROM job_singletons g
-     WHERE g.job_id = ANY(ARRAY({ids})) AND g.singleton_on IS NULL
-), key_ended AS (
-    UPDATE job_singletons g SET live = false
-     WHERE g.job_id = ANY(ARRAY({ids})) AND g.singleton_on IS NOT NULL AND g.live
+        "key_released AS (
+    UPDATE job_keys g SET live = false
+      FROM jobs e
+     WHERE e.id = ANY(ARRAY({ids})) AND e.singleton_key IS NOT NULL
+       AND g.queue = e.queue AND g.singleton_key = e.singleton_key AND g.job_id = e.id
+       AND g.live
 )"
     )
 }

@@ -19,7 +19,7 @@ use crate::PgPool;
 pub const NOTIFY_CHANNEL: &str = "idemstage_jobs";
 
 /// Insert, then NOTIFY only if a row was inserted: one round trip. A job with a
-/// singleton key takes its key's row in `job_singletons` (`jobs`' insert
+/// singleton key takes its key's row in `job_keys` (`jobs`' insert
 /// trigger, for every writer); when a rule refuses it (a live job of the key,
 /// or one sent in its window, or a wait for a sender of the same key that then
 /// commits) the job is not inserted: no row back, `Duplicate`. `{notify}` is
@@ -55,7 +55,7 @@ struct Inserted {
 
 /// Sends one job on the caller's connection (and so inside the caller's transaction,
 /// if one is open). A second live job with the same `(queue, singleton_key)` is a
-/// `Duplicate`, decided by the key's row in `job_singletons`. The
+/// `Duplicate`, decided by the key's row in `job_keys`. The
 /// send NOTIFYs its queue's listeners when the transaction commits
 /// ([`Wake::InCommit`]).
 pub async fn send_in(

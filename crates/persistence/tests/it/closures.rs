@@ -1,6 +1,7 @@
 //! A job is completed by a closure appended to `job_closures` beside its row
 //! (migration `2026-12-05-150000_job_closures`; a job with a singleton key, as
-//! every stage job, since `2026-12-05-170000_job_singletons`): the completion
+//! every stage job, since `2026-12-05-170000_job_singletons`; its key is kept
+//! in `job_keys` since `2026-12-05-233000_keys_kept_between_jobs`): the completion
 //! writes no version of the job's row, and everything that asks whether a claim
 //! is still open (expiry, caps, renewals, the other ends of the same attempt,
 //! retention) reads the closure.

@@ -1,10 +1,11 @@
-//! The singleton rules in `job_singletons` (migration
-//! `2026-12-05-170000_job_singletons`): one live job per (queue, key), one job
-//! per (queue, key, window) while the job is kept. Every end of a job for good
-//! (completed, failed, cancelled, expired and failed) releases its key in its
-//! own statement; a retry keeps it; any writer's UPDATE of the state moves the
-//! key along; a job's row deleted takes its key along. A key of the stage form
-//! names its row's tenant under the tenant scope.
+//! The singleton rules in `job_keys` and `job_windows` (migration
+//! `2026-12-05-233000_keys_kept_between_jobs`): one live job per (queue, key),
+//! one job per (queue, key, window) while the job is kept. Every end of a job
+//! for good (completed, failed, cancelled, expired and failed) releases its key
+//! in its own statement, by a HOT update that keeps the key's row for its next
+//! job; a retry keeps it; any writer's UPDATE of the state moves the key along;
+//! a job's row deleted takes its key's row along. The tenant scope writes no
+//! key row by hand.
 
 use std::time::Duration;
 
@@ -46,17 +47,17 @@ struct N {
     n: i64,
 }
 
-/// Rows of `job_singletons` for the key: `(all, live)`.
+/// Rows of `job_keys` for the key: `(all, live)` (at most one row).
 async fn key_rows(conn: &mut AsyncPgConnection, key: &str) -> (i64, i64) {
     let all: N = diesel::sql_query(
-        "SELECT count(*) AS n FROM job_singletons WHERE queue = 's' AND singleton_key = $1",
+        "SELECT count(*) AS n FROM job_keys WHERE queue = 's' AND singleton_key = $1",
     )
     .bind::<Text, _>(key)
     .get_result(conn)
     .await
     .unwrap();
     let live: N = diesel::sql_query(
-        "SELECT count(*) AS n FROM job_singletons
+        "SELECT count(*) AS n FROM job_keys
           WHERE queue = 's' AND singleton_key = $1 AND live",
     )
     .bind::<Text, _>(key)
@@ -64,6 +65,18 @@ async fn key_rows(conn: &mut AsyncPgConnection, key: &str) -> (i64, i64) {
     .await
     .unwrap();
     (all.n, live.n)
+}
+
+/// Rows of `job_windows` for the key.
+async fn window_rows(conn: &mut AsyncPgConnection, key: &str) -> i64 {
+    let n: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM job_windows WHERE queue = 's' AND singleton_key = $1",
+    )
+    .bind::<Text, _>(key)
+    .get_result(conn)
+    .await
+    .unwrap();
+    n.n
 }
 
 #[tokio::test]
@@ -87,7 +100,7 @@ async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
         None
     );
     queue::complete(&mut conn, id, attempt, None).await.unwrap();
-    assert_eq!(key_rows(&mut conn, "done").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "done").await, (1, 0));
     let next = sent(&mut conn, &job("done", SendOptions::default())).await;
     assert!(next.is_some(), "the completed job kept its key");
     let (id, attempt) = fetch_one(&mut conn).await;
@@ -123,7 +136,7 @@ async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
             .unwrap(),
         JobFailOutcome::Failed { .. }
     ));
-    assert_eq!(key_rows(&mut conn, "fail").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "fail").await, (1, 0));
 
     // Cancelled.
     sent(&mut conn, &job("cancel", no_retry.clone()))
@@ -134,7 +147,7 @@ async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
         queue::cancel(&mut conn, id, attempt).await.unwrap(),
         JobCancelOutcome::Cancelled
     );
-    assert_eq!(key_rows(&mut conn, "cancel").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "cancel").await, (1, 0));
     // A second cancel of the attempt is fenced and touches no key.
     sent(&mut conn, &job("cancel", no_retry.clone()))
         .await
@@ -164,14 +177,19 @@ async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
         panic!("skipped");
     };
     assert_eq!(report.expired_failed, 1);
-    assert_eq!(key_rows(&mut conn, "expire").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "expire").await, (1, 0));
 
-    // Nothing live is left, and no key row either.
-    let left: N = diesel::sql_query("SELECT count(*) AS n FROM job_singletons")
+    // Nothing live is left; each key kept one row for its next job.
+    let left: N = diesel::sql_query("SELECT count(*) AS n FROM job_keys WHERE live")
         .get_result(&mut conn)
         .await
         .unwrap();
     assert_eq!(left.n, 0);
+    let kept: N = diesel::sql_query("SELECT count(*) AS n FROM job_keys")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kept.n, 4);
 }
 
 #[tokio::test]
@@ -193,7 +211,7 @@ async fn a_batch_releases_the_keys_of_the_jobs_it_completed_only() {
     queue::complete_many(&mut conn, &first).await.unwrap();
     let done = jobs[0].singleton_key.clone().unwrap();
     let other = if done == "a" { "b" } else { "a" };
-    assert_eq!(key_rows(&mut conn, &done).await, (0, 0));
+    assert_eq!(key_rows(&mut conn, &done).await, (1, 0));
     assert_eq!(key_rows(&mut conn, other).await, (1, 1));
 }
 
@@ -205,7 +223,8 @@ async fn a_windowed_key_refuses_its_window_after_its_job_ended_until_the_retenti
     sent(&mut conn, &hourly()).await.unwrap();
     let (id, attempt) = fetch_one(&mut conn).await;
     queue::complete(&mut conn, id, attempt, None).await.unwrap();
-    assert_eq!(key_rows(&mut conn, "w").await, (1, 0), "the window is kept");
+    assert_eq!(key_rows(&mut conn, "w").await, (1, 0));
+    assert_eq!(window_rows(&mut conn, "w").await, 1, "the window is kept");
     assert_eq!(
         sent(&mut conn, &hourly()).await,
         None,
@@ -228,6 +247,7 @@ async fn a_windowed_key_refuses_its_window_after_its_job_ended_until_the_retenti
         MaintenanceOutcome::Ran(_)
     ));
     assert_eq!(key_rows(&mut conn, "w").await, (0, 0));
+    assert_eq!(window_rows(&mut conn, "w").await, 0);
     assert!(sent(&mut conn, &hourly()).await.is_some());
 }
 
@@ -271,7 +291,7 @@ async fn a_state_written_by_hand_moves_the_key_along() {
         .execute(&mut conn)
         .await
         .unwrap();
-    assert_eq!(key_rows(&mut conn, "hand").await, (0, 0));
+    assert_eq!(key_rows(&mut conn, "hand").await, (1, 0));
     let second = sent(&mut conn, &job("hand", SendOptions::default()))
         .await
         .expect("the key of a job completed by hand was kept");
@@ -280,7 +300,7 @@ async fn a_state_written_by_hand_moves_the_key_along() {
         .execute(&mut conn)
         .await
         .expect_err("two live jobs of one key");
-    assert!(e.to_string().contains("job_singletons_live_uq"), "{e}");
+    assert!(e.to_string().contains("job_keys_pkey"), "{e}");
     set_state("cancelled", second)
         .execute(&mut conn)
         .await
@@ -348,7 +368,7 @@ async fn a_key_rewritten_by_hand_moves_its_row_and_cannot_take_a_held_key() {
         .execute(&mut conn)
         .await
         .expect_err("two live jobs of one key");
-    assert!(e.to_string().contains("job_singletons_live_uq"), "{e}");
+    assert!(e.to_string().contains("job_keys_pkey"), "{e}");
     assert_eq!(key_rows(&mut conn, "a").await, (1, 1));
 
     rekey(a, "b").execute(&mut conn).await.unwrap();
@@ -375,11 +395,15 @@ async fn a_key_rewritten_by_hand_moves_its_row_and_cannot_take_a_held_key() {
     assert_eq!(key_rows(&mut conn, "b").await, (0, 0));
 }
 
-/// Under the tenant scope a key row of the stage form must name the row's own
-/// tenant: a scoped transaction cannot hold another tenant's stage key (which
-/// would refuse every send of that tenant's stage job as a duplicate).
+/// The tenant scope writes no key row by hand: its jobs take their keys
+/// through `jobs`' insert trigger (which checks a stage key against the job's
+/// tenant), so a scoped transaction cannot hold another tenant's stage key by
+/// a row of its own (which would refuse that tenant's stage job as a
+/// duplicate for good), nor delete or rename a key row. It may set `live` (a
+/// stage's fenced completion runs in the scope and releases its key) and lock
+/// its key's row (a repoint).
 #[tokio::test]
-async fn a_transaction_scoped_to_one_tenant_cannot_hold_another_tenants_stage_key() {
+async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     let db = TestDb::new().await;
     let a = TenantId::parse("ta").unwrap();
     let mut w = idemstage_persistence::connect(&db.worker_url())
@@ -387,47 +411,91 @@ async fn a_transaction_scoped_to_one_tenant_cannot_hold_another_tenants_stage_ke
         .unwrap();
     let item = idemstage_domain::ItemId::new();
     let theirs = format!("intake:tb:{item}");
-    let mine = format!("intake:ta:{item}");
-    let insert = |key: &str| {
-        format!(
-            "INSERT INTO job_singletons (job_id, queue, singleton_key, tenant_id) \
-             VALUES ('{}', 'intake', '{key}', 'ta')",
-            JobId::new()
-        )
-    };
-    let sql = insert(&theirs);
-    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
-        c.batch_execute(&sql).await
-    })
-    .await
-    .expect_err("another tenant's stage key");
-    assert!(e.to_string().contains("row-level security"), "{e}");
-    // Its own stage key, and a key of any other form, it may write.
-    for key in [mine.as_str(), "invoice-42"] {
-        let sql = insert(key);
-        tenant::transaction::<(), TxError, _>(&mut w, &a, async |c| {
-            Ok(c.batch_execute(&sql).await?)
-        })
-        .await
-        .unwrap();
-    }
-    // Nor can it rename a key row of its own into another tenant's stage key
-    // (the insert's policy does not see an UPDATE): it may set `live` only.
-    let rename = format!(
-        "UPDATE job_singletons SET singleton_key = '{theirs}' WHERE singleton_key = 'invoice-42'"
-    );
-    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
-        c.batch_execute(&rename).await
-    })
-    .await
-    .expect_err("a key renamed into another tenant's stage key");
-    assert!(e.to_string().contains("permission denied"), "{e}");
+    let mut own = job("invoice-42", SendOptions::default());
+    own.tenant = Some(a.clone());
     tenant::transaction::<(), TxError, _>(&mut w, &a, async |c| {
-        Ok(c.batch_execute(
-            "UPDATE job_singletons SET live = false WHERE singleton_key = 'invoice-42'",
+        assert!(matches!(
+            queue::send_in(c, &own).await?,
+            SendResult::Sent(_)
+        ));
+        Ok(
+            c.batch_execute("SELECT 1 FROM job_keys WHERE singleton_key = 'invoice-42' FOR UPDATE")
+                .await?,
         )
-        .await?)
     })
     .await
     .unwrap();
+    let by_hand = [
+        format!(
+            "INSERT INTO job_keys (queue, singleton_key, job_id, tenant_id) \
+             VALUES ('s', '{theirs}', '{}', 'ta')",
+            JobId::new()
+        ),
+        format!(
+            "UPDATE job_keys SET singleton_key = '{theirs}' WHERE singleton_key = 'invoice-42'"
+        ),
+        "DELETE FROM job_keys WHERE singleton_key = 'invoice-42'".to_owned(),
+    ];
+    for sql in &by_hand {
+        let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+            c.batch_execute(sql).await
+        })
+        .await
+        .expect_err(sql);
+        assert!(e.to_string().contains("permission denied"), "{sql}: {e}");
+    }
+    let mut conn = db.conn().await;
+    assert_eq!(key_rows(&mut conn, "invoice-42").await, (1, 1));
+}
+
+/// A key's release by its job's completion and its takeover by the key's
+/// next job each write one version of the key's row that a page read prunes
+/// (a HOT update), and neither deletes: a keyed job (every stage job) leaves
+/// no dead tuple in the key table that only VACUUM reclaims, nor an index
+/// entry. Before, its key's row was deleted at the completion.
+#[tokio::test]
+async fn a_key_is_released_and_taken_over_by_hot_updates_without_a_delete() {
+    use diesel_async::AsyncConnection;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    #[derive(diesel::QueryableByName)]
+    struct Writes {
+        #[diesel(sql_type = BigInt)]
+        deleted: i64,
+        #[diesel(sql_type = BigInt)]
+        updated: i64,
+        #[diesel(sql_type = BigInt)]
+        hot: i64,
+    }
+    let keys: Vec<String> = (0..20).map(|k| format!("k{k}")).collect();
+    let writes = conn
+        .transaction::<_, TxError, _>(async |conn| {
+            for round in 0..2 {
+                for key in &keys {
+                    assert!(sent(conn, &job(key, SendOptions::default()))
+                        .await
+                        .is_some());
+                }
+                let jobs = queue::fetch(conn, &["s".to_owned()], 20).await?;
+                assert_eq!(jobs.len(), 20, "round {round}");
+                let tokens: Vec<(JobId, i32)> = jobs.iter().map(|j| (j.id, j.attempt)).collect();
+                queue::complete_many(conn, &tokens).await?;
+            }
+            // pg_stat_xact_user_tables counts this transaction's writes.
+            Ok(diesel::sql_query(
+                "SELECT coalesce(sum(n_tup_del), 0)::bigint AS deleted,
+                        coalesce(sum(n_tup_upd), 0)::bigint AS updated,
+                        coalesce(sum(n_tup_hot_upd), 0)::bigint AS hot
+                   FROM pg_stat_xact_user_tables
+                  WHERE relname IN ('job_keys', 'job_windows', 'job_singletons')",
+            )
+            .get_result::<Writes>(conn)
+            .await?)
+        })
+        .await
+        .unwrap();
+    assert_eq!(writes.deleted, 0, "key rows deleted");
+    // Released twice, taken over once, per key.
+    assert_eq!(writes.updated, 60);
+    assert_eq!(writes.hot, 60, "key row updates that were not HOT");
 }
