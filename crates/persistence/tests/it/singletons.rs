@@ -399,9 +399,9 @@ async fn a_key_rewritten_by_hand_moves_its_row_and_cannot_take_a_held_key() {
 /// through `jobs`' insert trigger (which checks a stage key against the job's
 /// tenant), so a scoped transaction cannot hold another tenant's stage key by
 /// a row of its own (which would refuse that tenant's stage job as a
-/// duplicate for good), nor delete or rename a key row. It may set `live` (a
-/// stage's fenced completion runs in the scope and releases its key) and lock
-/// its key's row (a repoint).
+/// duplicate for good), nor delete or rename a key row, nor take an ended key
+/// back by setting it live. It may release its key (a stage's fenced
+/// completion runs in the scope) and lock its key's row (a repoint).
 #[tokio::test]
 async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     let db = TestDb::new().await;
@@ -446,6 +446,24 @@ async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     }
     let mut conn = db.conn().await;
     assert_eq!(key_rows(&mut conn, "invoice-42").await, (1, 1));
+
+    // Its job done, the key's kept row is not live. Set live again by hand it
+    // would hold the key for a job that is over: every later send of the key,
+    // another tenant's too (a plain key is shared), refused until the
+    // retention. The scope may release a key, never take one.
+    let (id, attempt) = fetch_one(&mut conn).await;
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+        c.batch_execute("UPDATE job_keys SET live = true WHERE singleton_key = 'invoice-42'")
+            .await
+    })
+    .await
+    .expect_err("an ended key taken back by hand");
+    assert!(e.to_string().contains("row-level security"), "{e}");
+    assert_eq!(key_rows(&mut conn, "invoice-42").await, (1, 0));
+    let mut theirs = job("invoice-42", SendOptions::default());
+    theirs.tenant = Some(TenantId::parse("tb").unwrap());
+    assert!(sent(&mut conn, &theirs).await.is_some());
 }
 
 /// A key's release by its job's completion and its takeover by the key's

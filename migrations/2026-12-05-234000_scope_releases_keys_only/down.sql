@@ -1,0 +1,1 @@
+DROP POLICY scope_releases_only ON job_keys;
