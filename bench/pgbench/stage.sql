@@ -211,12 +211,6 @@ WITH closed AS (
      ORDER BY j.id
     ON CONFLICT (ready_seq) DO NOTHING
     RETURNING ready_seq, job_id, attempt
-), key_released AS (
-    UPDATE job_keys g SET live = false
-      FROM jobs e
-     WHERE e.id = ANY(ARRAY(SELECT job_id FROM closed)) AND e.singleton_key IS NOT NULL
-       AND g.queue = e.queue AND g.singleton_key = e.singleton_key AND g.job_id = e.id
-       AND g.live
 )
 SELECT count(*) AS n FROM closed;
 \endif

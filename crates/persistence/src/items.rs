@@ -246,13 +246,20 @@ pub async fn start_in(
 /// Points the live job of a singleton key at a new payload. A worker that holds it
 /// already reads the old payload: its claim is then refused (`InputMismatch`, the
 /// hash is not the stored one) or its commit fenced (the input changed), and the
-/// job comes back with this payload. The key's row is locked first: an end of
-/// the job being committed releases it, and then nothing is repointed.
+/// job comes back with this payload. The key's row is locked first (a sender
+/// taking the key over waits), and the job is repointed only while it is live:
+/// a job whose end is committed is left as it ran. An end not yet committed
+/// writes nothing this waits for; a stage's fenced commit meets this on the
+/// item's row instead (the caller replaced the item's input before this, the
+/// commit share-locks that row): it committed before, and this statement sees
+/// the job ended, or it is fenced after (the input changed).
 const REPOINT_LIVE_JOB_SQL: &str = "\
-WITH live AS (
+WITH holder AS (
     SELECT g.job_id FROM job_keys g
-     WHERE g.queue = $1 AND g.singleton_key = $2 AND g.live
+     WHERE g.queue = $1 AND g.singleton_key = $2
        FOR UPDATE
 )
-UPDATE jobs SET payload = $3, retry_count = 0
- WHERE id IN (SELECT job_id FROM live)";
+UPDATE jobs j SET payload = $3, retry_count = 0
+ WHERE j.id IN (SELECT job_id FROM holder) AND j.state IN ('created', 'retry')
+   AND (SELECT 1 FROM job_closures z
+         WHERE z.ready_seq = j.ready_seq AND z.outcome = 'completed') IS NULL";

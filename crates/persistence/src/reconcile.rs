@@ -144,7 +144,7 @@ SELECT tenant_id, item_id FROM items_open
 /// a rerun due (its job may have been lost before its claim): not final.
 /// Index probes only: the item's primary key, `fanout_children`'s and
 /// `fanouts`' primary keys, `stage_runs_tenant_item_stage_uq` for the run and
-/// its upstream's, `job_keys_pkey` for a live job.
+/// its upstream's, `job_keys_pkey` and the holder's primary key and closure for a live job.
 const PLAN_SQL: &str = "\
 WITH stages AS (
     SELECT s.stage, s.up, s.per_child, s.gather, s.pos
@@ -162,10 +162,13 @@ WITH stages AS (
                                    AND f.completed_at IS NOT NULL))) AS expected,
            coalesce(s.pos = 1 AND $4 AND r.status = 'success'
                     AND r.input_hash <> a.input_sha256, false) AS rerun_due,
-           EXISTS (SELECT 1 FROM job_keys g
+           EXISTS (SELECT 1 FROM job_keys g JOIN jobs j ON j.id = g.job_id
                     WHERE g.queue = s.stage
                       AND g.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
-                      AND g.live) AS live_job
+                      AND j.state IN ('created', 'retry')
+                      AND (SELECT 1 FROM job_closures z
+                            WHERE z.ready_seq = j.ready_seq
+                              AND z.outcome = 'completed') IS NULL) AS live_job
       FROM items a
       LEFT JOIN fanout_children c ON c.tenant_id = a.tenant_id AND c.item_id = a.id
       JOIN stages s ON s.per_child = (c.item_id IS NOT NULL)

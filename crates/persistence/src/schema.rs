@@ -105,7 +105,6 @@ diesel::table! {
         queue -> Text,
         singleton_key -> Text,
         job_id -> Text,
-        live -> Bool,
         tenant_id -> Text,
     }
 }

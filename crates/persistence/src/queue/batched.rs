@@ -24,8 +24,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{JobCompleteOutcome, JobId, JobRetryOutcome, RepoError};
 
 use super::finish::{
-    claim_fence_sql, closure_cte, keys_released_cte, CLAIM_ENDED_SET_SQL, NOT_CLOSED_SQL,
-    ROW_ENDS_SQL,
+    claim_fence_sql, closure_cte, CLAIM_ENDED_SET_SQL, NOT_CLOSED_SQL, ROW_ENDS_SQL,
 };
 use super::RenewLeaseOutcome;
 use crate::cached::CachedExt;
@@ -42,14 +41,12 @@ static FENCED_BY_TOKENS_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// `complete_many`: binds `$1`, the tokens as a jsonb object `{id: [attempt, ...]}`.
-/// Returns the `(id, attempt)` of every job it completed (its closure appended,
-/// its singleton key released).
+/// Returns the `(id, attempt)` of every job it completed (its closure appended).
 pub(crate) static COMPLETE_MANY_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH {closed}, {keys}
+        "WITH {closed}
 SELECT job_id AS id, attempt FROM closed",
         closed = closure_cte("'completed'", "NULL", &FENCED_BY_TOKENS_SQL),
-        keys = keys_released_cte("SELECT job_id FROM closed"),
     )
 });
 

@@ -9,10 +9,10 @@
 //! Every end appends a closure first (`job_closures`, keyed by the claim's
 //! `ready_seq`, [`closure_cte`]): a completion writes nothing else in `jobs`,
 //! the other ends write the row only when their closure was inserted, so two
-//! ends of one attempt meet on the closure's key. An end for good releases the
-//! job's singleton key in the same statement, so that the key's next job can be
-//! sent: a completion by [`keys_released_cte`], an end that writes the row's
-//! state by `jobs`' trigger `jobs_key_follows_state`.
+//! ends of one attempt meet on the closure's key. An end writes nothing to the
+//! job's singleton key: its row in `job_keys` names the job, and the key is
+//! held while that job is live (`idemstage_key_holder_live`), so the key's
+//! next job can be sent once the end is committed.
 
 use std::sync::LazyLock;
 
@@ -93,38 +93,17 @@ pub(crate) fn closure_cte(outcome: &str, output: &str, fence: &str) -> String {
 /// closure the statement's [`closure_cte`] inserted.
 pub(crate) const ROW_ENDS_SQL: &str = "j.ready_seq IN (SELECT ready_seq FROM closed)";
 
-/// The CTE `key_released`: the singleton keys of the jobs `ids` (a query of
-/// job ids) released, as those jobs were completed (an end that writes the
-/// row's state releases the key by `jobs`' trigger). The key's row in
-/// `job_keys` is kept, not live, for the key's next job to take over: an
-/// update of an unindexed column (HOT), which a page read prunes without
-/// VACUUM. Only a row still naming the job is released. A job without a key
-/// reads its own row of `jobs` and nothing else.
-pub(crate) fn keys_released_cte(ids: &str) -> String {
-    format!(
-        "key_released AS (
-    UPDATE job_keys g SET live = false
-      FROM jobs e
-     WHERE e.id = ANY(ARRAY({ids})) AND e.singleton_key IS NOT NULL
-       AND g.queue = e.queue AND g.singleton_key = e.singleton_key AND g.job_id = e.id
-       AND g.live
-)"
-    )
-}
-
 /// An entry `k` (a claim) without a closure: still open.
 pub(crate) const NOT_CLOSED_SQL: &str =
     "(SELECT 1 FROM job_closures z WHERE z.ready_seq = k.ready_seq) IS NULL";
 
 /// `complete`: binds `$1` id (text), `$2` attempt (int4), `$3` output (jsonb, NULL
-/// for none). Returns `n`: 1 completed (its closure appended, its key
-/// released); 0 fenced.
+/// for none). Returns `n`: 1 completed (its closure appended); 0 fenced.
 pub(crate) static COMPLETE_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH {closed}, {keys}
+        "WITH {closed}
 SELECT count(*) AS n FROM closed",
         closed = closure_cte("'completed'", "$3", &CLAIM_FENCE_BY_TOKEN_SQL),
-        keys = keys_released_cte("SELECT job_id FROM closed"),
     )
 });
 

@@ -21,8 +21,9 @@ pub const NOTIFY_CHANNEL: &str = "idemstage_jobs";
 /// Insert, then NOTIFY only if a row was inserted: one round trip. A job with a
 /// singleton key takes its key's row in `job_keys` (`jobs`' insert
 /// trigger, for every writer); when a rule refuses it (a live job of the key,
-/// or one sent in its window, or a wait for a sender of the same key that then
-/// commits) the job is not inserted: no row back, `Duplicate`. `{notify}` is
+/// including one whose end is not yet committed, or one sent in its window, or
+/// a wait for a sender of the same key that then commits) the job is not
+/// inserted: no row back, `Duplicate`. `{notify}` is
 /// the NOTIFY, or `false` for a send whose wake-up comes after the commit
 /// ([`Wake::AfterCommit`]).
 const SEND_SQL: &str = "\

@@ -1,11 +1,13 @@
-//! The singleton rules in `job_keys` and `job_windows` (migration
-//! `2026-12-05-233000_keys_kept_between_jobs`): one live job per (queue, key),
-//! one job per (queue, key, window) while the job is kept. Every end of a job
-//! for good (completed, failed, cancelled, expired and failed) releases its key
-//! in its own statement, by a HOT update that keeps the key's row for its next
-//! job; a retry keeps it; any writer's UPDATE of the state moves the key along;
-//! a job's row deleted takes its key's row along. The tenant scope writes no
-//! key row by hand.
+//! The singleton rules in `job_keys` and `job_windows` (migrations
+//! `2026-12-05-233000_keys_kept_between_jobs`,
+//! `2026-12-06-000000_key_liveness_from_its_job`): one live job per (queue,
+//! key), one job per (queue, key, window) while the job is kept. A key's row
+//! names its last job and is held while that job is live, so every end of a
+//! job for good (completed, failed, cancelled, expired and failed) releases
+//! the key by what it writes of the job, and the row stays for the key's next
+//! job; a retry keeps it; a job made live again by any writer takes the key
+//! back; a job's row deleted takes its key's row along. The tenant scope
+//! writes no key row by hand.
 
 use std::time::Duration;
 
@@ -58,7 +60,8 @@ async fn key_rows(conn: &mut AsyncPgConnection, key: &str) -> (i64, i64) {
     .unwrap();
     let live: N = diesel::sql_query(
         "SELECT count(*) AS n FROM job_keys
-          WHERE queue = 's' AND singleton_key = $1 AND live",
+          WHERE queue = 's' AND singleton_key = $1
+            AND idemstage_key_holder_live(job_id)",
     )
     .bind::<Text, _>(key)
     .get_result(conn)
@@ -180,10 +183,12 @@ async fn every_end_for_good_releases_the_key_and_a_retry_keeps_it() {
     assert_eq!(key_rows(&mut conn, "expire").await, (1, 0));
 
     // Nothing live is left; each key kept one row for its next job.
-    let left: N = diesel::sql_query("SELECT count(*) AS n FROM job_keys WHERE live")
-        .get_result(&mut conn)
-        .await
-        .unwrap();
+    let left: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM job_keys WHERE idemstage_key_holder_live(job_id)",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
     assert_eq!(left.n, 0);
     let kept: N = diesel::sql_query("SELECT count(*) AS n FROM job_keys")
         .get_result(&mut conn)
@@ -399,9 +404,9 @@ async fn a_key_rewritten_by_hand_moves_its_row_and_cannot_take_a_held_key() {
 /// through `jobs`' insert trigger (which checks a stage key against the job's
 /// tenant), so a scoped transaction cannot hold another tenant's stage key by
 /// a row of its own (which would refuse that tenant's stage job as a
-/// duplicate for good), nor delete or rename a key row, nor take an ended key
-/// back by setting it live. It may release its key (a stage's fenced
-/// completion runs in the scope) and lock its key's row (a repoint).
+/// duplicate for good), nor delete or rename a key row, nor point an ended
+/// key at a live job of its own, nor release its own live key by pointing it
+/// at a job that ended. It may lock its key's row (a repoint).
 #[tokio::test]
 async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     let db = TestDb::new().await;
@@ -447,18 +452,26 @@ async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     let mut conn = db.conn().await;
     assert_eq!(key_rows(&mut conn, "invoice-42").await, (1, 1));
 
-    // Its job done, the key's kept row is not live. Set live again by hand it
-    // would hold the key for a job that is over: every later send of the key,
-    // another tenant's too (a plain key is shared), refused until the
-    // retention. The scope may release a key, never take one.
+    // The key's row names its job; the scope may not point it elsewhere: at
+    // a job that ended (its live key released by hand, a second live job of
+    // the key then sent), nor, once the job is done, at a live job of its own
+    // (the key held for it: every later send of the key, another tenant's
+    // too, refused).
     let (id, attempt) = fetch_one(&mut conn).await;
-    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+    let repoint = "UPDATE job_keys SET job_id = '00000000000000000000000000' \
+                   WHERE singleton_key = 'invoice-42'";
     let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
-        c.batch_execute("UPDATE job_keys SET live = true WHERE singleton_key = 'invoice-42'")
-            .await
+        c.batch_execute(repoint).await
     })
     .await
-    .expect_err("an ended key taken back by hand");
+    .expect_err("a live key released by hand");
+    assert!(e.to_string().contains("row-level security"), "{e}");
+    queue::complete(&mut conn, id, attempt, None).await.unwrap();
+    let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+        c.batch_execute(repoint).await
+    })
+    .await
+    .expect_err("an ended key pointed elsewhere by hand");
     assert!(e.to_string().contains("row-level security"), "{e}");
     assert_eq!(key_rows(&mut conn, "invoice-42").await, (1, 0));
     let mut theirs = job("invoice-42", SendOptions::default());
@@ -466,13 +479,14 @@ async fn a_transaction_scoped_to_one_tenant_writes_no_key_row_by_hand() {
     assert!(sent(&mut conn, &theirs).await.is_some());
 }
 
-/// A key's release by its job's completion and its takeover by the key's
-/// next job each write one version of the key's row that a page read prunes
-/// (a HOT update), and neither deletes: a keyed job (every stage job) leaves
-/// no dead tuple in the key table that only VACUUM reclaims, nor an index
-/// entry. Before, its key's row was deleted at the completion.
+/// A key's job ending writes nothing to the key's row (the key is held
+/// while the job the row names is live), and the key's next job takes the
+/// row over by one version that a page read prunes (a HOT update); nothing
+/// is deleted: a keyed job (every stage job) leaves no dead tuple in the key
+/// table at its end. Before, the end wrote the row (and, before that,
+/// deleted it).
 #[tokio::test]
-async fn a_key_is_released_and_taken_over_by_hot_updates_without_a_delete() {
+async fn a_key_is_released_without_a_write_and_taken_over_by_a_hot_update() {
     use diesel_async::AsyncConnection;
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
@@ -513,7 +527,7 @@ async fn a_key_is_released_and_taken_over_by_hot_updates_without_a_delete() {
         .await
         .unwrap();
     assert_eq!(writes.deleted, 0, "key rows deleted");
-    // Released twice, taken over once, per key.
-    assert_eq!(writes.updated, 60);
-    assert_eq!(writes.hot, 60, "key row updates that were not HOT");
+    // Taken over once per key; the two completions wrote nothing.
+    assert_eq!(writes.updated, 20, "key rows written by the ends");
+    assert_eq!(writes.hot, 20, "key row updates that were not HOT");
 }
