@@ -259,7 +259,5 @@ WITH holder AS (
      WHERE g.queue = $1 AND g.singleton_key = $2
        FOR UPDATE
 )
-UPDATE jobs j SET payload = $3, retry_count = 0
- WHERE j.id IN (SELECT job_id FROM holder) AND j.state IN ('created', 'retry')
-   AND (SELECT 1 FROM job_closures z
-         WHERE z.ready_seq = j.ready_seq AND z.outcome = 'completed') IS NULL";
+UPDATE jobs SET payload = $3, retry_count = 0
+ WHERE id IN (SELECT job_id FROM holder WHERE idemstage_key_holder_live(job_id))";

@@ -162,13 +162,10 @@ WITH stages AS (
                                    AND f.completed_at IS NOT NULL))) AS expected,
            coalesce(s.pos = 1 AND $4 AND r.status = 'success'
                     AND r.input_hash <> a.input_sha256, false) AS rerun_due,
-           EXISTS (SELECT 1 FROM job_keys g JOIN jobs j ON j.id = g.job_id
+           EXISTS (SELECT 1 FROM job_keys g
                     WHERE g.queue = s.stage
                       AND g.singleton_key = s.stage || ':' || a.tenant_id || ':' || a.id
-                      AND j.state IN ('created', 'retry')
-                      AND (SELECT 1 FROM job_closures z
-                            WHERE z.ready_seq = j.ready_seq
-                              AND z.outcome = 'completed') IS NULL) AS live_job
+                      AND idemstage_key_holder_live(g.job_id)) AS live_job
       FROM items a
       LEFT JOIN fanout_children c ON c.tenant_id = a.tenant_id AND c.item_id = a.id
       JOIN stages s ON s.per_child = (c.item_id IS NOT NULL)

@@ -79,10 +79,8 @@ async fn send_blank_rerun(
         diesel::sql_query(
             "UPDATE jobs SET payload = $1, retry_count = 0
               WHERE id IN (SELECT job_id FROM job_keys
-                            WHERE queue = $2 AND singleton_key = $3)
-                AND state IN ('created', 'retry')
-                AND (SELECT 1 FROM job_closures z
-                      WHERE z.ready_seq = jobs.ready_seq AND z.outcome = 'completed') IS NULL",
+                            WHERE queue = $2 AND singleton_key = $3
+                              AND idemstage_key_holder_live(job_id))",
         )
         .bind::<Jsonb, _>(&job.payload)
         .bind::<Text, _>(&job.queue)
