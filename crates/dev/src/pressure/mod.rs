@@ -141,6 +141,8 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
             "backlog": s.backlog,
             "dead_tuples": s.dead.iter().filter(|(_, n)| **n > 0).collect::<BTreeMap<_, _>>(),
             "dead_tuples_total": dead_total,
+            "autovacuums": s.autovacuums,
+            "vacuums_running": s.vacuums_running,
             "index_bytes_total": s.index_bytes,
         }));
         // Phase changes take effect at sample boundaries, so that every window

@@ -1,6 +1,7 @@
 //! What a cell measures: a sample of the database every `--sample-every-s`
-//! (completions and their pickup latencies, the backlog, dead tuples and index
-//! sizes) and the summary of a run's samples.
+//! (completions and their pickup latencies, the backlog, dead tuples, the
+//! autovacuums so far and those running, and index sizes) and the summary of a
+//! run's samples.
 
 use std::collections::BTreeMap;
 
@@ -41,6 +42,18 @@ struct Dead {
     relname: String,
     #[diesel(sql_type = BigInt)]
     n: i64,
+    #[diesel(sql_type = BigInt)]
+    autovacuums: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Vacuum {
+    #[diesel(sql_type = Text)]
+    relname: String,
+    #[diesel(sql_type = Text)]
+    phase: String,
+    #[diesel(sql_type = Double)]
+    running_s: f64,
 }
 
 /// The database's clock, in seconds since the epoch.
@@ -57,6 +70,12 @@ pub(super) struct Sample {
     pub(super) pickups: Histogram<u64>,
     pub(super) backlog: i64,
     pub(super) dead: BTreeMap<String, i64>,
+    /// Autovacuums of each table since the statistics began (cumulative), so
+    /// that a table's visits per window show whether vacuum keeps up with it.
+    pub(super) autovacuums: BTreeMap<String, i64>,
+    /// The vacuums running in this database at the sample: table, phase and
+    /// seconds since their transaction began (a long one holds a worker).
+    pub(super) vacuums_running: Vec<serde_json::Value>,
     pub(super) index_bytes: i64,
 }
 
@@ -89,8 +108,21 @@ pub(super) async fn sample(
     )
     .await?;
     let dead: Vec<Dead> = diesel::sql_query(
-        "SELECT relname::text AS relname, n_dead_tup AS n FROM pg_stat_user_tables
+        "SELECT relname::text AS relname, n_dead_tup AS n, autovacuum_count AS autovacuums
+           FROM pg_stat_user_tables
           WHERE schemaname = 'public' AND relname <> '__diesel_schema_migrations'",
+    )
+    .load(conn)
+    .await?;
+    let running: Vec<Vacuum> = diesel::sql_query(
+        "SELECT c.relname::text AS relname, v.phase::text AS phase,
+                coalesce(extract(epoch FROM clock_timestamp() - a.xact_start), 0)::float8
+                  AS running_s
+           FROM pg_stat_progress_vacuum v
+           JOIN pg_class c ON c.oid = v.relid
+           LEFT JOIN pg_stat_activity a ON a.pid = v.pid
+          WHERE v.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
+          ORDER BY c.relname",
     )
     .load(conn)
     .await?;
@@ -104,7 +136,18 @@ pub(super) async fn sample(
         completed: rows.len() as u64,
         pickups,
         backlog,
+        autovacuums: dead
+            .iter()
+            .filter(|d| d.autovacuums > 0)
+            .map(|d| (d.relname.clone(), d.autovacuums))
+            .collect(),
         dead: dead.into_iter().map(|d| (d.relname, d.n)).collect(),
+        vacuums_running: running
+            .into_iter()
+            .map(
+                |v| json!({"table": v.relname, "phase": v.phase, "running_s": round1(v.running_s)}),
+            )
+            .collect(),
         index_bytes,
     })
 }
