@@ -42,12 +42,15 @@ pub struct PipelineWorkerConfig {
     pub wake: Wake,
     /// How often the worker's [`Reconciler`] looks for stages that are expected,
     /// not final and without a live job (a job deleted by hand, or failed while
-    /// its stage was not), and sends their jobs again; the first pass comes one
-    /// interval after the start. Default 30 s; `None`: never (another worker's
+    /// its stage was not), and sends their jobs again: each interval it looks
+    /// at every open item, a batch a pass; the first interval ends one interval
+    /// after the start. Default 30 s; `None`: never (another worker's
     /// reconciler must run then). Several workers reconciling at once is
     /// harmless: a second send is a `Duplicate`.
     pub reconcile_interval: Option<Duration>,
-    /// The most open items one reconciler pass looks at (default 1000).
+    /// The most open items one reconciler pass (a transaction per tenant of
+    /// the batch) looks at (default 1000); an interval runs as many passes as
+    /// there are open items.
     pub reconcile_batch_limit: u32,
     /// How often the worker ends the durable waits past their deadline
     /// (`waits::expire_due`: one index probe when none is due), so that a
@@ -332,10 +335,13 @@ async fn waits_loop(pipeline: Pipeline, every: Duration, pool: PgPool, stop: Can
     }
 }
 
-/// A reconciler pass every `every` (the first after one interval: at the start
-/// every job is where the last worker left it, and maintenance brings back the
-/// expired ones first), until `stop`. A failed pass is logged; the next one
-/// tries again.
+/// Every `every`, reconciler passes back to back up to the last open item
+/// (the first interval ends one interval after the start: at the start every
+/// job is where the last worker left it, and maintenance brings back the
+/// expired ones first), until `stop`. One pass an interval settled at most a
+/// batch: a pipeline opening items faster than that grew `items_open` without
+/// bound. A failed pass is logged and ends the interval's passes; the next
+/// interval goes on from the batch after it.
 async fn reconcile_loop(
     mut reconciler: Reconciler,
     every: Duration,
@@ -349,12 +355,21 @@ async fn reconcile_loop(
             _ = stop.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        match reconciler.pass(&pool).await {
-            Ok(report) if report.resent + report.settled > 0 => {
-                tracing::info!(?report, "reconciler");
+        while !stop.is_cancelled() {
+            match reconciler.pass(&pool).await {
+                Ok(report) => {
+                    if report.resent + report.settled > 0 {
+                        tracing::info!(?report, "reconciler");
+                    }
+                    if report.last_batch {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconciler pass failed");
+                    break;
+                }
             }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "reconciler pass failed"),
         }
     }
 }

@@ -120,13 +120,15 @@ impl PipelineWorkerBuilder {
         self
     }
 
-    /// How often the reconciler runs (`None`: never; default 30 s).
+    /// How often the reconciler looks at every open item, a batch a pass
+    /// (`None`: never; default 30 s).
     pub fn reconcile_interval(mut self, interval: Option<Duration>) -> Self {
         self.config.reconcile_interval = interval;
         self
     }
 
-    /// The most open items one reconciler pass looks at (default 1000).
+    /// The most open items one reconciler pass looks at (default 1000); an
+    /// interval runs passes up to the last open item.
     pub fn reconcile_batch_limit(mut self, limit: u32) -> Self {
         self.config.reconcile_batch_limit = limit;
         self

@@ -10,7 +10,9 @@
 //! at most `batch_limit` per pass, in key order, continuing where the previous
 //! pass stopped; per tenant of the batch it runs one scoped transaction of index
 //! probes (the plan, and the sends), and one to settle the items it found
-//! finished. A `dead` stage is final and never sent again (an operator's retry
+//! finished. The `PipelineWorker` runs passes back to back until the last open
+//! item once an interval: the open items are those of the last interval, not
+//! more, however fast a pipeline opens them. A `dead` stage is final and never sent again (an operator's retry
 //! revives it, and its job reopens the item). A `waiting` stage has no job by
 //! design: the end of its wait sends one (a delivered signal, or the deadline,
 //! which the `PipelineWorker` checks every `wait_interval`).
@@ -35,6 +37,8 @@ pub struct ReconcileReport {
     /// Items found finished (every expected stage final, no live job): not
     /// looked at again until a job is written for them.
     pub settled: usize,
+    /// The batch held the last open items: the next pass starts from the first.
+    pub last_batch: bool,
 }
 
 /// Sends again the jobs of a pipeline's lost stages, one batch of open items
@@ -93,6 +97,7 @@ impl Reconciler {
         };
         let mut report = ReconcileReport {
             examined: batch.len(),
+            last_batch: self.cursor.is_none(),
             ..ReconcileReport::default()
         };
         // The batch is in key order: each tenant's items are together.

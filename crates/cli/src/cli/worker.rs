@@ -45,8 +45,9 @@ pub struct Args {
     /// runs, so it bounds how long a dead worker's job waits to be retried
     #[arg(long, default_value_t = 60_000)]
     pub job_lease_ms: u64,
-    /// Seconds between the reconciler's passes, which re-send the job of every
-    /// stage that is expected, not final and has no live job (0: off)
+    /// Seconds between the reconciler's looks at every open item, which re-send
+    /// the job of every stage that is expected, not final and has no live job
+    /// (0: off)
     #[arg(long, default_value_t = 30)]
     pub reconcile_interval_s: u64,
     /// Serve Prometheus metrics on this address (GET /metrics), e.g.

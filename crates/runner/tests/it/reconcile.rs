@@ -233,6 +233,51 @@ async fn a_stage_whose_job_was_deleted_by_hand_runs_again() {
     w.1.await.unwrap();
 }
 
+/// A pipeline opens items faster than one batch an interval settles (the
+/// two-hour soak: 50 items/s, 1,000 items every 30 s per worker, and
+/// `items_open` held a third of all items after 13 minutes, growing): an
+/// interval's reconciling goes on, batch after batch, to the last open item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interval_looks_at_every_open_item_whatever_the_batch() {
+    let db = support::db().await;
+    let mut conn = db.conn().await;
+    let tenant = TenantId::parse("t1").unwrap();
+    let items = 20;
+    for i in 0..items {
+        support::send(&mut conn, &tenant, ItemId::new(), &support::text(i)).await;
+    }
+    // No reconciler while the items run: every item final, every one still open.
+    let w = worker(
+        db.pool(12).await,
+        db.url(),
+        PipelineWorkerConfig::default()
+            .with_concurrency(2)
+            .with_queue(fast_queue())
+            .with_reconcile_interval(None),
+    );
+    let check = support::wait_until(db.url(), "every item final", 60, |c| c.is_quiet()).await;
+    assert_eq!(check.violations(), Vec::<String>::new(), "{check:?}");
+    w.0.cancel();
+    w.1.await.unwrap();
+    assert_eq!(open_items(&mut conn).await, items as i64);
+
+    // Two items a batch, an interval of 2 s: one batch an interval would take
+    // 20 s; the first interval settles them all.
+    let w = worker(
+        db.pool(12).await,
+        db.url(),
+        PipelineWorkerConfig::default()
+            .with_concurrency(2)
+            .with_queue(fast_queue())
+            .with_reconcile_interval(Some(Duration::from_secs(2)))
+            .with_reconcile_batch_limit(2),
+    );
+    wait_count(&mut conn, "SELECT 1 FROM items_open", 0, 8).await;
+    w.0.cancel();
+    w.1.await.unwrap();
+    support::assert_quiet_and_sound(db.url(), 30).await;
+}
+
 /// Final stages are never sent again: a stage that ended `dead` (only the
 /// operator's retry revives it), and the stage after a success that stopped the
 /// item (infeasible: `StageFlow::Stop`). The reconciler settles both
