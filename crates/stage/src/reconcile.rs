@@ -12,7 +12,8 @@
 //! probes (the plan, and the sends), and one to settle the items it found
 //! finished. The `PipelineWorker` runs passes back to back until the last open
 //! item once an interval: the open items are those of the last interval, not
-//! more, however fast a pipeline opens them. A `dead` stage is final and never sent again (an operator's retry
+//! more, however fast a pipeline opens them. A `dead` stage is final and never
+//! sent again (an operator's retry
 //! revives it, and its job reopens the item). A `waiting` stage has no job by
 //! design: the end of its wait sends one (a delivered signal, or the deadline,
 //! which the `PipelineWorker` checks every `wait_interval`).
