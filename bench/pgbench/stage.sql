@@ -111,7 +111,7 @@ SELECT lpad((:r)::text, 26, '0'), :tenant, lpad((:a)::text, 26, '0'), 's' || :st
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u
-          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+          JOIN stage_attempt_ends h ON h.run_id = u.id AND h.attempt = u.success_attempt
          WHERE u.tenant_id = :tenant AND u.item_id = lpad((:a)::text, 26, '0') AND u.stage = :done_stage::text) AS src
 ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
@@ -131,7 +131,7 @@ ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM stage_run_attempts s
+               SELECT 1 FROM stage_attempt_ends s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))

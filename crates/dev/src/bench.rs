@@ -299,7 +299,7 @@ async fn claim(url: &str, args: &Args) -> anyhow::Result<serde_json::Value> {
     let input_hash = idemstage::ids::input_hash_of(INPUT.as_bytes());
     fixtures::insert_succeeded_runs(&mut conn, TENANT, CLAIM_ITEMS, SKIP_STAGE, &input_hash)
         .await?;
-    fixtures::vacuum_analyze(&mut conn, &["items", "stage_runs", "stage_run_attempts"]).await?;
+    fixtures::vacuum_analyze(&mut conn, &["items", "stage_runs", "stage_attempt_ends"]).await?;
     drop(conn);
     if args.setup_only {
         return Ok(json!({ "scenario": "claim", "setup_only": true, "items": CLAIM_ITEMS }));

@@ -33,7 +33,7 @@ pub const OPERATOR_ROLE: &str = "idemstage_operator";
 pub const CORE_TABLES: [&str; 8] = [
     "items",
     "stage_runs",
-    "stage_run_attempts",
+    "stage_attempt_ends",
     "audit_log",
     "jobs",
     "queue_controls",

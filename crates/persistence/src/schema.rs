@@ -148,14 +148,14 @@ diesel::table! {
 }
 
 diesel::table! {
-    stage_run_attempts (run_id, attempt) {
+    stage_attempt_ends (run_id, attempt) {
         run_id -> Text,
         attempt -> Int4,
         tenant_id -> Text,
         worker_id -> Text,
         input_hash -> Text,
         started_at -> Timestamptz,
-        finished_at -> Nullable<Timestamptz>,
+        finished_at -> Timestamptz,
         outcome -> Text,
         error -> Nullable<Text>,
         upstream_attempt -> Nullable<Int4>,
@@ -339,7 +339,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     job_walk_mark,
     audit_log,
     jobs,
-    stage_run_attempts,
+    stage_attempt_ends,
     stage_runs,
     queue_buckets,
     queue_control_changes,

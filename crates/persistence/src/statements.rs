@@ -82,6 +82,8 @@ pub fn all() -> Vec<Statement> {
         s("run_stale_on_lineage", runs::sql::STALE_ON_LINEAGE),
         s("run_fail", runs::sql::FAIL),
         s("run_release", runs::sql::RELEASE),
+        s("run_end_attempt", runs::sql::END_ATTEMPT),
+        s("run_fence_abandoned", runs::sql::FENCE_ABANDONED),
         s("run_interrupt", runs::sql::INTERRUPT),
         s("run_renew", runs::sql::RENEW),
         s("ops_rerun_mark", ops::rerun::MARK_RERUN),

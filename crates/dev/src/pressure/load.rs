@@ -227,7 +227,7 @@ pub(super) async fn peak(
     }
     let rate = (per_tenant * tenants.len() as u64) as f64 / started.elapsed().as_secs_f64();
     fixtures::reset(conn).await?;
-    fixtures::vacuum_analyze(conn, &["items", "jobs", "stage_runs", "stage_run_attempts"]).await?;
+    fixtures::vacuum_analyze(conn, &["items", "jobs", "stage_runs", "stage_attempt_ends"]).await?;
     Ok(rate)
 }
 

@@ -53,7 +53,7 @@ pub async fn pressure(url: &str, args: &Args) -> anyhow::Result<serde_json::Valu
     fixtures::reset(&mut conn).await?;
     fixtures::vacuum_analyze(
         &mut conn,
-        &["items", "jobs", "stage_runs", "stage_run_attempts"],
+        &["items", "jobs", "stage_runs", "stage_attempt_ends"],
     )
     .await?;
     // Units (items, or queue jobs) per second: the offered jobs/s are this times

@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use diesel::dsl::now;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -15,7 +14,6 @@ use idemstage_domain::{
 
 use crate::cached::CachedExt;
 use crate::error::{map_diesel_error, TxError};
-use crate::schema::stage_run_attempts;
 
 use super::{micros, sql, PgRunRepository};
 
@@ -256,25 +254,31 @@ fn lease_outcome(row: Option<LeaseRow>) -> RenewOutcome {
     }
 }
 
-/// Sets the outcome of the token's attempt row, if that attempt has not ended yet.
+/// Records how the token's attempt ended, if it has not ended yet
+/// ([`sql::END_ATTEMPT`]); an attempt recorded `abandoned` that comes back to
+/// find its token gone is named `fenced` ([`sql::FENCE_ABANDONED`]).
 async fn mark_attempt(
     conn: &mut AsyncPgConnection,
     token: &ClaimToken,
     outcome: &str,
 ) -> Result<(), RepoError> {
-    use stage_run_attempts::dsl as pa;
-    diesel::update(
-        pa::stage_run_attempts
-            .filter(pa::run_id.eq(token.run_id.to_string()))
-            .filter(pa::attempt.eq(token.attempt))
-            .filter(pa::outcome.eq_any(["running", "abandoned"])),
-    )
-    .set((
-        pa::outcome.eq(outcome),
-        pa::finished_at.eq(now.into_sql::<Timestamptz>().nullable()),
-    ))
-    .execute(conn)
-    .await
-    .map_err(map_diesel_error)?;
+    if outcome != "abandoned" {
+        diesel::sql_query(sql::FENCE_ABANDONED)
+            .bind::<Text, _>(token.run_id.to_string())
+            .bind::<Integer, _>(token.attempt)
+            .bind::<Text, _>(outcome)
+            .cached()
+            .execute(conn)
+            .await
+            .map_err(map_diesel_error)?;
+    }
+    diesel::sql_query(sql::END_ATTEMPT)
+        .bind::<Text, _>(token.run_id.to_string())
+        .bind::<Integer, _>(token.attempt)
+        .bind::<Text, _>(outcome)
+        .cached()
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)?;
     Ok(())
 }

@@ -6,7 +6,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{AttemptRecord, ItemId, RepoError, RunId, RunRecord, StageName, TenantId};
 
 use crate::error::{map_diesel_error, TxError};
-use crate::schema::{stage_run_attempts, stage_runs};
+use crate::schema::stage_runs;
+use crate::views::stage_run_attempts;
 
 use super::{PgRunRepository, RunRow};
 

@@ -48,7 +48,7 @@ SELECT $1, $2, $3, $4, 'running', 1, $5, src.input_hash, $7,
         UNION ALL
         SELECT h.input_hash, u.stage, u.success_attempt
           FROM stage_runs u
-          JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+          JOIN stage_attempt_ends h ON h.run_id = u.id AND h.attempt = u.success_attempt
          WHERE u.tenant_id = $2 AND u.item_id = $3 AND u.stage = $10::text) AS src
 ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
    SET status = 'running',
@@ -68,7 +68,7 @@ ON CONFLICT (tenant_id, item_id, stage) DO UPDATE
          OR ((r.status = 'failed' OR (r.status = 'running' AND r.lease_expires_at < clock_timestamp()))
              AND r.attempts < r.max_attempts))
         AND (r.success_attempt IS NULL OR NOT EXISTS (
-               SELECT 1 FROM stage_run_attempts s
+               SELECT 1 FROM stage_attempt_ends s
                 WHERE s.run_id = r.id AND s.attempt = r.success_attempt
                   AND s.input_hash = EXCLUDED.input_hash
                   AND s.upstream_attempt IS NOT DISTINCT FROM EXCLUDED.upstream_attempt)))
@@ -88,9 +88,9 @@ SELECT clock_timestamp() AS db_now,
   FROM (SELECT 1) AS one
   LEFT JOIN items a ON a.tenant_id = $1 AND a.id = $2
   LEFT JOIN stage_runs u ON u.tenant_id = $1 AND u.item_id = $2 AND u.stage = $4::text
-  LEFT JOIN stage_run_attempts h ON h.run_id = u.id AND h.attempt = u.success_attempt
+  LEFT JOIN stage_attempt_ends h ON h.run_id = u.id AND h.attempt = u.success_attempt
   LEFT JOIN stage_runs r ON r.tenant_id = $1 AND r.item_id = $2 AND r.stage = $3
-  LEFT JOIN stage_run_attempts s ON s.run_id = r.id AND s.attempt = r.success_attempt";
+  LEFT JOIN stage_attempt_ends s ON s.run_id = r.id AND s.attempt = r.success_attempt";
 
 /// A run whose success is current again ends its detour: it is `success` on that
 /// attempt once more, with the attempt's input and upstream, and the attempt after
@@ -105,7 +105,7 @@ UPDATE stage_runs AS r
        lease_expires_at = least(r.lease_expires_at, clock_timestamp()),
        last_error = 'restored to the success of attempt ' || r.success_attempt
                     || ': its input is current again'
-  FROM stage_run_attempts s
+  FROM stage_attempt_ends s
  WHERE r.id = $1 AND r.attempts = $2
    AND s.run_id = r.id AND s.attempt = r.success_attempt
    AND (r.status IN ('failed', 'dead', 'stale')
@@ -314,6 +314,28 @@ UPDATE stage_runs AS r
   FROM run
  WHERE r.id = run.id
 RETURNING r.status, r.attempts, run.in_row";
+
+/// The end of the token's attempt (`$3`: `abandoned` or `fenced`) while the
+/// attempt is its run's current one and has not ended: the attempt's worker,
+/// input, upstream and start from the run's row. An attempt that ended is left
+/// as it is. `$1` run id, `$2` attempt.
+pub const END_ATTEMPT: &str = "\
+INSERT INTO stage_attempt_ends
+    (run_id, attempt, tenant_id, worker_id, input_hash, started_at, finished_at, outcome,
+     upstream_attempt)
+SELECT r.id, r.attempts, r.tenant_id, r.worker_id, r.input_hash, r.started_at,
+       greatest(r.started_at, now()), $3, r.upstream_attempt
+  FROM stage_runs r
+ WHERE r.id = $1 AND r.attempts = $2
+ON CONFLICT (run_id, attempt) DO NOTHING";
+
+/// An attempt that was given up (`abandoned`: released, or a newer claim took
+/// its run) and whose worker comes back to find its token gone: its end is
+/// named `$3` (`fenced`). The one update of an attempt's end. `$1` run id, `$2`
+/// attempt.
+pub const FENCE_ABANDONED: &str = "\
+UPDATE stage_attempt_ends SET outcome = $3, finished_at = greatest(started_at, now())
+ WHERE run_id = $1 AND attempt = $2 AND outcome = 'abandoned'";
 
 /// Extends the lease from the statement's clock, fenced on the token. `$3` the
 /// lease in microseconds.

@@ -47,7 +47,7 @@ pub const SIGNAL_OF: &str = "\
 SELECT w.signal, w.ended_by, w.payload, w.actor
   FROM stage_runs r
   JOIN stage_waits w ON w.run_id = r.id AND w.attempt < r.attempts
-  JOIN stage_run_attempts a ON a.run_id = w.run_id AND a.attempt = w.attempt
+  JOIN stage_attempt_ends a ON a.run_id = w.run_id AND a.attempt = w.attempt
  WHERE r.id = $1 AND r.attempts = $2
    AND (w.ended_by = 'signal' OR (w.ended_by = 'timeout' AND w.on_timeout = 'resume'))
    AND a.input_hash = r.input_hash AND a.upstream_attempt IS NOT DISTINCT FROM r.upstream_attempt

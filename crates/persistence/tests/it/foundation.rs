@@ -64,14 +64,17 @@ async fn migrations_round_trip_up_down_up() {
             "queue_buckets",
             "queue_control_changes",
             "queue_controls",
+            "stage_attempt_ends",
             "stage_checkpoints",
             "stage_reruns",
-            "stage_run_attempts",
             "stage_runs",
             "stage_waits"
         ]
     );
-    assert_eq!(public_views(&mut conn).await, ["job_states"]);
+    assert_eq!(
+        public_views(&mut conn).await,
+        ["job_states", "stage_run_attempts"]
+    );
 
     let reverted = idemstage_persistence::revert_all_migrations(db.url())
         .await
@@ -83,7 +86,10 @@ async fn migrations_round_trip_up_down_up() {
     let applied = idemstage_persistence::migrate(db.url()).await.unwrap();
     assert_eq!(applied, reverted);
     assert_eq!(public_tables(&mut conn).await, tables);
-    assert_eq!(public_views(&mut conn).await, ["job_states"]);
+    assert_eq!(
+        public_views(&mut conn).await,
+        ["job_states", "stage_run_attempts"]
+    );
     // Applying again is a no-op.
     assert_eq!(idemstage_persistence::migrate(db.url()).await.unwrap(), 0);
 }

@@ -1,10 +1,10 @@
-//! A completion changes no indexed column of `stage_runs` or
-//! `stage_run_attempts`, so it is a HOT update: no new index entry, and the old
-//! version is pruned by a later read of its page, without vacuum
-//! (docs/storage-under-pressure.md). An index on a column the completion writes
-//! (the status, the lease, the outcome) would make every completion leave an
-//! entry behind in every index of the table, one more that a held snapshot keeps
-//! from being removed.
+//! A completion changes no indexed column of `stage_runs`, so it is a HOT
+//! update: no new index entry, and the old version is pruned by a later read of
+//! its page, without vacuum (docs/storage-under-pressure.md). An index on a
+//! column the completion writes (the status, the lease) would make every
+//! completion leave an entry behind in every index of the table, one more that
+//! a held snapshot keeps from being removed. The attempt's end is inserted
+//! once, never updated: no version of it is left at all.
 
 use std::time::{Duration, Instant};
 
@@ -23,10 +23,12 @@ struct Updates {
     all: i64,
     #[diesel(sql_type = BigInt)]
     hot: i64,
+    #[diesel(sql_type = BigInt)]
+    inserts: i64,
 }
 
 #[tokio::test]
-async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
+async fn a_completion_is_a_hot_update_of_the_run_and_one_insert_of_its_attempt() {
     let db = TestDb::new().await;
     let repo = repo(&db, 1).await;
     let mut conn = db.conn().await;
@@ -48,7 +50,8 @@ async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
     let updates = |table: &'static str| {
         diesel::sql_query(format!(
             "SELECT coalesce(sum(n_tup_upd), 0)::bigint AS all, \
-                    coalesce(sum(n_tup_hot_upd), 0)::bigint AS hot \
+                    coalesce(sum(n_tup_hot_upd), 0)::bigint AS hot, \
+                    coalesce(sum(n_tup_ins), 0)::bigint AS inserts \
                FROM pg_stat_user_tables WHERE relname = '{table}'"
         ))
     };
@@ -59,11 +62,11 @@ async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
             .await
             .unwrap();
         let runs: Updates = updates("stage_runs").get_result(&mut conn).await.unwrap();
-        let attempts: Updates = updates("stage_run_attempts")
+        let attempts: Updates = updates("stage_attempt_ends")
             .get_result(&mut conn)
             .await
             .unwrap();
-        if runs.all >= RUNS && attempts.all >= RUNS {
+        if runs.all >= RUNS && attempts.inserts >= RUNS {
             break (runs, attempts);
         }
         assert!(
@@ -73,9 +76,13 @@ async fn a_completion_is_a_hot_update_of_the_run_and_its_attempt() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(
-        runs.hot * 10 >= runs.all * 9 && attempts.hot * 10 >= attempts.all * 9,
-        "completions that were not HOT updates: stage_runs {runs:?}, \
-         stage_run_attempts {attempts:?}"
+        runs.hot * 10 >= runs.all * 9,
+        "completions that were not HOT updates: stage_runs {runs:?}"
+    );
+    assert_eq!(
+        (attempts.inserts, attempts.all),
+        (RUNS, 0),
+        "an attempt's end is one insert and no update: {attempts:?}"
     );
 }
 
@@ -103,7 +110,6 @@ async fn the_hot_tables_are_vacuumed_by_count_not_by_size() {
         "jobs",
         "queue_buckets",
         "stage_checkpoints",
-        "stage_run_attempts",
         "stage_runs",
         "stage_waits",
     ];
@@ -168,4 +174,64 @@ async fn no_update_of_jobs_pays_for_a_before_row_trigger() {
         names.is_empty(),
         "BEFORE ROW UPDATE triggers on jobs: {names:?}"
     );
+}
+
+/// The attempt history reads the same through the migration that moved the
+/// ends into a table of their own (`2026-12-06-010000_attempt_ends`), down and
+/// up again, with attempts in every shape: ended by a failure, a success, a
+/// release, and one still running.
+#[tokio::test]
+async fn the_attempt_history_is_the_same_across_the_attempt_ends_migration() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let repo = repo(&db, 1).await;
+    let mut conn = db.conn().await;
+    let t = tenant("t1");
+    let item = new_item(&mut conn, &t).await;
+    let write = write_fn(noop);
+    // s0: attempt 1 failed, attempt 2 succeeded. s1: released, claimed again,
+    // running. s2: running.
+    let req = request(&t, item, "s0");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    repo.fail(&token, "boom", true).await.unwrap();
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    assert_eq!(
+        repo.complete(&token, &write).await.unwrap(),
+        CompleteOutcome::Committed
+    );
+    let req = request(&t, item, "s1");
+    let token = token_of(&req, &repo.claim(&req).await.unwrap());
+    repo.release(&token, "shutting down").await.unwrap();
+    repo.claim(&req).await.unwrap();
+    let req = request(&t, item, "s2");
+    repo.claim(&req).await.unwrap();
+
+    #[derive(diesel::QueryableByName, Debug, PartialEq)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        outcome: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        row: String,
+    }
+    let history = "SELECT outcome,
+                          concat_ws(' ', run_id, attempt, tenant_id, worker_id, input_hash,
+                                    started_at, finished_at IS NULL, error,
+                                    upstream_attempt) AS row
+                     FROM stage_run_attempts ORDER BY run_id, attempt";
+    let before: Vec<Row> = diesel::sql_query(history).load(&mut conn).await.unwrap();
+    let mut sorted: Vec<&str> = before.iter().map(|r| r.outcome.as_str()).collect();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        ["abandoned", "failed", "running", "running", "success"],
+        "{before:?}"
+    );
+    let down = include_str!("../../../../migrations/2026-12-06-010000_attempt_ends/down.sql");
+    let up = include_str!("../../../../migrations/2026-12-06-010000_attempt_ends/up.sql");
+    conn.batch_execute(down).await.unwrap();
+    let old: Vec<Row> = diesel::sql_query(history).load(&mut conn).await.unwrap();
+    assert_eq!(old, before, "the former table after the down migration");
+    conn.batch_execute(up).await.unwrap();
+    let again: Vec<Row> = diesel::sql_query(history).load(&mut conn).await.unwrap();
+    assert_eq!(again, before, "the view after the up migration");
 }

@@ -110,7 +110,7 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
     refused(&mut w, "SELECT * FROM stage_runs").await;
     refused(&mut w, "SELECT * FROM items WHERE tenant_id = 'tb'").await;
     refused(&mut w, "DELETE FROM stage_runs").await;
-    refused(&mut w, "DELETE FROM stage_run_attempts").await;
+    refused(&mut w, "DELETE FROM stage_attempt_ends").await;
     refused(&mut w, "TRUNCATE stage_runs").await;
     refused(&mut w, "UPDATE stage_runs SET status = 'dead'").await;
     refused(&mut w, "CREATE TABLE mine (i int)").await;
@@ -146,7 +146,11 @@ async fn a_worker_role_runs_the_pipeline_but_cannot_leave_its_scope_delete_runs_
     .await
     .unwrap();
     assert_eq!((mine, theirs), (4, 0));
-    for sql in ["DELETE FROM stage_runs", "DELETE FROM stage_run_attempts"] {
+    for sql in [
+        "DELETE FROM stage_runs",
+        "DELETE FROM stage_attempt_ends",
+        "UPDATE stage_attempt_ends SET error = 'x'",
+    ] {
         let e = idemstage_persistence::tenant::transaction::<(), diesel::result::Error, _>(
             &mut w,
             &t,

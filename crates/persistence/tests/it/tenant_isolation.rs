@@ -14,9 +14,10 @@ use idemstage_testkit::TestDb;
 
 use crate::support::*;
 
-const TENANT_TABLES: [&str; 8] = [
+const TENANT_TABLES: [&str; 9] = [
     "items",
     "stage_runs",
+    "stage_attempt_ends",
     "stage_run_attempts",
     "dateien",
     "anfrage_extraktionen",
@@ -89,19 +90,26 @@ async fn a_transaction_scoped_to_one_tenant_cannot_read_or_write_another_tenants
             .await;
             assert!(mine > 0, "{table}: tenant A sees its own rows");
             assert_eq!(theirs, 0, "{table}: tenant A sees tenant B's rows");
-            // The audit trail is append-only (the baseline migration; roles::…).
-            if table == "audit_log" {
+            // The audit trail is append-only (the baseline migration; roles::…),
+            // the attempt history a view.
+            if matches!(table, "audit_log" | "stage_run_attempts") {
                 continue;
             }
+            // An attempt's end may only be named `fenced` (its outcome).
+            let column = if table == "stage_attempt_ends" {
+                "outcome"
+            } else {
+                "tenant_id"
+            };
             let touched = diesel::sql_query(format!(
-                "UPDATE {table} SET tenant_id = tenant_id WHERE tenant_id = 'tb'"
+                "UPDATE {table} SET {column} = {column} WHERE tenant_id = 'tb'"
             ))
             .execute(conn)
             .await?;
             assert_eq!(touched, 0, "{table}: tenant A updated B's rows");
             // Runs and their history are never deleted, not even one's own
             // (migration the baseline migration took DELETE from idemstage_app; roles::…).
-            if matches!(table, "stage_runs" | "stage_run_attempts") {
+            if matches!(table, "stage_runs" | "stage_attempt_ends") {
                 continue;
             }
             let deleted = diesel::sql_query(format!("DELETE FROM {table} WHERE tenant_id = 'tb'"))

@@ -42,11 +42,12 @@ fn insert(table: &str, item: &ItemId, run_id: &str) -> String {
             "INSERT INTO calculation_results (tenant_id, item_id, total_cents, run_id, attempt)
              VALUES ('t1', '{item}', 150, '{run_id}', 1)"
         ),
-        // Attempt 1 of each run exists already (the trigger's row).
-        "stage_run_attempts" => format!(
-            "INSERT INTO stage_run_attempts
-                 (run_id, attempt, tenant_id, worker_id, input_hash, started_at)
-             VALUES ('{run_id}', 2, 't1', 'w', 'h', now())"
+        // Attempt 1 of each run is running (not ended): the row is attempt 2's.
+        "stage_attempt_ends" => format!(
+            "INSERT INTO stage_attempt_ends
+                 (run_id, attempt, tenant_id, worker_id, input_hash, started_at, finished_at,
+                  outcome)
+             VALUES ('{run_id}', 2, 't1', 'w', 'h', now(), now(), 'abandoned')"
         ),
         other => panic!("no insert for {other}"),
     }
@@ -72,7 +73,7 @@ async fn a_row_of_one_tenant_cannot_name_another_tenants_run() {
         "anfrage_extraktionen",
         "feasibility_results",
         "calculation_results",
-        "stage_run_attempts",
+        "stage_attempt_ends",
     ] {
         let constraint = format!("{table}_run_fk");
         assert_fk_violation(&mut conn, &insert(table, &item, &foreign_run), &constraint).await;
@@ -82,7 +83,7 @@ async fn a_row_of_one_tenant_cannot_name_another_tenants_run() {
             .await
             .unwrap_or_else(|e| panic!("{table}: {e}"));
         // Nor can the row be moved under the other tenant's run afterwards.
-        let attempt = if table == "stage_run_attempts" { 2 } else { 1 };
+        let attempt = if table == "stage_attempt_ends" { 2 } else { 1 };
         assert_fk_violation(
             &mut conn,
             &format!(
@@ -93,7 +94,7 @@ async fn a_row_of_one_tenant_cannot_name_another_tenants_run() {
         )
         .await;
     }
-    // The attempt rows the trigger wrote carry their run's tenant: the key holds them.
+    // The attempts read from their runs carry their run's tenant.
     assert_eq!(
         count(
             &mut conn,
