@@ -4,6 +4,13 @@
 //! settled), settling them, and the mark of a success whose body ended the
 //! item (`StageFlow::Stop`), after which the next stage is not expected.
 //!
+//! `items_open` is a ring of [`OPEN_SLOTS`] slots (migration
+//! `2026-12-06-020000_open_items_ring`): items are opened in the current
+//! slot; a round of the reconciler [`rotate`]s to the next one, then passes
+//! each older slot ([`seal`] first), opens again in the current slot every
+//! item it does not find settled, and [`truncate`]s the slot. Nothing is
+//! deleted or updated.
+//!
 //! A stage is *expected* when it is the first (while the item exists) or its
 //! upstream has a current success that did not stop the item; it is *final*
 //! when its run is `success`, `dead` or `cancelled`. The plan sends again the job
@@ -12,7 +19,7 @@
 //! the claim then decides, as for any job. The stage order is the caller's
 //! (`Pipeline`): the database does not know it.
 
-use diesel::sql_types::{Array, Bool, Integer, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, SmallInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::{ItemId, RepoError, StageName, TenantId};
 
@@ -23,6 +30,9 @@ use crate::FencedTx;
 /// shared by every writer of a stage job (the trigger of `jobs`), exclusive for
 /// the reconciler's last check before it settles the item.
 pub const OPEN_LOCK_CLASS: i32 = 0x6964_6d6f;
+
+/// The slots of the ring of open items.
+pub const OPEN_SLOTS: i16 = 4;
 
 /// An item that may have an expected stage without a live job.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -124,13 +134,31 @@ impl ReconciledStages {
     }
 }
 
-/// `$1`, `$2` the last item of the previous batch (tenant, item; `''` to
-/// start), `$3` the batch's size: the next open items in key order (the primary key).
-const OPEN_SQL: &str = "\
+/// `$1` the slot, `$2`, `$3` the last item of the previous batch (tenant,
+/// item; `''` to start), `$4` the batch's size: the slot's next open items in
+/// key order (the primary key).
+pub(crate) const OPEN_SQL: &str = "\
 SELECT tenant_id, item_id FROM items_open
- WHERE (tenant_id, item_id) > ($1::text, $2::text)
+ WHERE slot = $1 AND (tenant_id, item_id) > ($2::text, $3::text)
  ORDER BY tenant_id, item_id
- LIMIT $3";
+ LIMIT $4";
+
+/// The next epoch of the ring, if the slot it makes current is empty (one
+/// rotation at a time); the epoch current now.
+pub(crate) const ROTATE_SQL: &str = "SELECT idemstage_items_open_rotate() AS epoch";
+
+/// `$1` the slot: waits for the slot's writers, false for the current slot.
+pub(crate) const SEAL_SQL: &str = "SELECT idemstage_items_open_seal($1::smallint) AS done";
+
+/// `$1` the slot: emptied, false if it is the current one again.
+pub(crate) const TRUNCATE_SQL: &str = "SELECT idemstage_items_open_truncate($1::smallint) AS done";
+
+/// How long a truncate waits for a reader of its slot.
+const TRUNCATE_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', '200ms', true)";
+
+/// `$1` the tenant, `$2` its items: each opened (again) in the current slot.
+pub(crate) const CARRY_SQL: &str = "\
+SELECT count(*) AS n FROM (SELECT idemstage_open_item($1, a) FROM unnest($2::text[]) AS a) AS opened";
 
 /// `$1` the stages in pipeline order, `$2` the tenant, `$3` its items, `$4`
 /// whether the first stage re-runs on new input, `$5` each stage's upstream
@@ -203,11 +231,12 @@ SELECT a AS item_id FROM unnest($1::text[]) AS a
 const STOP_SQL: &str = "\
 UPDATE stage_runs SET stopped_attempt = $2 WHERE id = $1 AND success_attempt = $2";
 
-/// The next `limit` open items after `after` (from the start if `None`), in key
-/// order, across tenants (as the connecting user: the worker may read this
-/// table). Fewer than `limit` means the end was reached.
+/// The next `limit` open items of `slot` after `after` (from the start if
+/// `None`), in key order, across tenants (as the connecting user: the worker
+/// may read this table). Fewer than `limit` means the end was reached.
 pub async fn open_items(
     conn: &mut AsyncPgConnection,
+    slot: i16,
     after: Option<&OpenItem>,
     limit: u32,
 ) -> Result<Vec<OpenItem>, RepoError> {
@@ -215,6 +244,7 @@ pub async fn open_items(
         (a.tenant.to_string(), a.item.to_string())
     });
     let query = diesel::sql_query(OPEN_SQL)
+        .bind::<SmallInt, _>(slot)
         .bind::<Text, _>(tenant)
         .bind::<Text, _>(item)
         .bind::<Integer, _>(i32::try_from(limit.max(1)).unwrap_or(i32::MAX));
@@ -229,6 +259,93 @@ pub async fn open_items(
             })
         })
         .collect()
+}
+
+/// A round's start: the ring moves to its next slot unless that one still
+/// holds items (a slot not yet passed and truncated) or another round is
+/// rotating now. Returns the slots to pass, oldest first: every slot but the
+/// current one. Autocommit (a transaction of its own).
+pub async fn rotate(conn: &mut AsyncPgConnection) -> Result<Vec<i16>, RepoError> {
+    #[derive(diesel::QueryableByName)]
+    struct Epoch {
+        #[diesel(sql_type = BigInt)]
+        epoch: i64,
+    }
+    let Epoch { epoch } = diesel::sql_query(ROTATE_SQL)
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    let slots = i64::from(OPEN_SLOTS);
+    Ok((1..slots)
+        .map(|k| i16::try_from((epoch + k) % slots).unwrap_or_default())
+        .collect())
+}
+
+#[derive(diesel::QueryableByName)]
+struct Done {
+    #[diesel(sql_type = Bool)]
+    done: bool,
+}
+
+/// Before `slot`'s pass, in a transaction of its own (autocommit): waits
+/// until every writer that may insert into it has committed. False: the slot
+/// is the current one (a rotation since the round began), not to be passed.
+pub async fn seal(conn: &mut AsyncPgConnection, slot: i16) -> Result<bool, RepoError> {
+    let Done { done } = diesel::sql_query(SEAL_SQL)
+        .bind::<SmallInt, _>(slot)
+        .get_result(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    Ok(done)
+}
+
+/// After `slot`'s pass (every item in it settled or opened again in the
+/// current slot): empties it. False: it is the current slot again, or a
+/// reader held it past the lock timeout (its next pass truncates it).
+pub async fn truncate(conn: &mut AsyncPgConnection, slot: i16) -> Result<bool, RepoError> {
+    use diesel_async::AsyncConnection;
+    let result = conn
+        .transaction::<bool, diesel::result::Error, _>(async |conn| {
+            diesel::sql_query(TRUNCATE_LOCK_TIMEOUT_SQL)
+                .execute(conn)
+                .await?;
+            let Done { done } = diesel::sql_query(TRUNCATE_SQL)
+                .bind::<SmallInt, _>(slot)
+                .get_result(conn)
+                .await?;
+            Ok(done)
+        })
+        .await;
+    match result {
+        Ok(done) => Ok(done),
+        Err(e) => match map_diesel_error(e) {
+            RepoError::Timeout(msg) => {
+                tracing::debug!(slot, %msg, "reconciler: the slot's truncate waits for a reader");
+                Ok(false)
+            }
+            other => Err(other),
+        },
+    }
+}
+
+/// Opens `items` of `tenant` again in the current slot: a pass found them
+/// not settled. Run it inside a transaction scoped to `tenant`.
+pub async fn carry(
+    conn: &mut AsyncPgConnection,
+    tenant: &TenantId,
+    items: &[ItemId],
+) -> Result<(), RepoError> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<String> = items.iter().map(ToString::to_string).collect();
+    diesel::sql_query(CARRY_SQL)
+        .bind::<Text, _>(tenant.as_str())
+        .bind::<Array<Text>, _>(&ids)
+        .execute(conn)
+        .await
+        .map(|_| ())
+        .map_err(map_diesel_error)
 }
 
 /// The plan for `items` of `tenant`, whose stages are `stages` in pipeline
@@ -286,10 +403,11 @@ pub async fn plan(
 
 /// Settles those of `items` (found settled by a [`plan`] a moment ago) that
 /// still are: takes their locks (skipping any a writer holds), plans them again
-/// in a snapshot taken after the locks, and deletes their `items_open` rows.
-/// Run it in a transaction of its own scoped to `tenant`, with nothing else in
-/// it, so that it never waits for a lock while holding one. Returns how many it
-/// settled.
+/// in a snapshot taken after the locks, and opens the others again in the
+/// current slot ([`carry`]); a settled item is simply not carried, and goes
+/// with its slot's truncate. Run it in a transaction of its own scoped to
+/// `tenant`, with nothing else in it, so that it never waits for a lock while
+/// holding one. Returns how many it settled.
 pub async fn settle(
     conn: &mut AsyncPgConnection,
     stages: &ReconciledStages,
@@ -307,21 +425,18 @@ pub async fn settle(
         .iter()
         .map(|l| ItemId::parse(&l.item_id))
         .collect::<Result<_, _>>()?;
-    if locked.is_empty() {
-        return Ok(0);
-    }
-    let settled: Vec<String> = plan(conn, stages, tenant, &locked)
-        .await?
-        .settled
+    let settled = if locked.is_empty() {
+        Vec::new()
+    } else {
+        plan(conn, stages, tenant, &locked).await?.settled
+    };
+    let open: Vec<ItemId> = items
         .iter()
-        .map(ToString::to_string)
+        .filter(|a| !settled.contains(a))
+        .copied()
         .collect();
-    diesel::sql_query("DELETE FROM items_open WHERE tenant_id = $1 AND item_id = ANY($2)")
-        .bind::<Text, _>(tenant.as_str())
-        .bind::<Array<Text>, _>(&settled)
-        .execute(conn)
-        .await
-        .map_err(map_diesel_error)
+    carry(conn, tenant, &open).await?;
+    Ok(settled.len())
 }
 
 /// Marks the success this fenced transaction commits as the item's end

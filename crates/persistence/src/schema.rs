@@ -23,7 +23,44 @@ diesel::table! {
 }
 
 diesel::table! {
-    items_open (tenant_id, item_id) {
+    items_open (slot, tenant_id, item_id) {
+        slot -> Int2,
+        tenant_id -> Text,
+        item_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    items_open_0 (slot, tenant_id, item_id) {
+        slot -> Int2,
+        tenant_id -> Text,
+        item_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    items_open_1 (slot, tenant_id, item_id) {
+        slot -> Int2,
+        tenant_id -> Text,
+        item_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    items_open_2 (slot, tenant_id, item_id) {
+        slot -> Int2,
+        tenant_id -> Text,
+        item_id -> Text,
+        opened_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    items_open_3 (slot, tenant_id, item_id) {
+        slot -> Int2,
         tenant_id -> Text,
         item_id -> Text,
         opened_at -> Timestamptz,
@@ -330,6 +367,10 @@ diesel::allow_tables_to_appear_in_same_query!(
     item_inputs,
     items,
     items_open,
+    items_open_0,
+    items_open_1,
+    items_open_2,
+    items_open_3,
     job_claims,
     job_closures,
     job_expiry_mark,

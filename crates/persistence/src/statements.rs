@@ -18,7 +18,7 @@
 use diesel::pg::{Pg, PgQueryBuilder};
 use diesel::query_builder::{QueryBuilder, QueryFragment};
 
-use crate::{fanout, ops, queue, runs, tenant, waits};
+use crate::{fanout, ops, queue, reconcile, runs, tenant, waits};
 
 /// One statement of the library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,6 +107,11 @@ pub fn all() -> Vec<Statement> {
         s("ops_signal_deliver", ops::signal::DELIVER),
         s("waits_due", waits::DUE),
         s("waits_expire", waits::EXPIRE),
+        s("reconcile_open_items", reconcile::OPEN_SQL),
+        s("reconcile_rotate", reconcile::ROTATE_SQL),
+        s("reconcile_seal", reconcile::SEAL_SQL),
+        s("reconcile_truncate", reconcile::TRUNCATE_SQL),
+        s("reconcile_carry", reconcile::CARRY_SQL),
     ]
 }
 
@@ -145,8 +150,15 @@ mod tests {
         let all = all();
         let names: HashSet<_> = all.iter().map(|s| s.name).collect();
         assert_eq!(names.len(), all.len(), "duplicate statement name");
+        // Statements that take no value at all.
+        let without_values = ["reconcile_rotate"];
         for s in &all {
-            assert!(s.sql.contains("$1"), "{} has no $1: {}", s.name, s.sql);
+            assert!(
+                s.sql.contains("$1") || without_values.contains(&s.name),
+                "{} has no $1: {}",
+                s.name,
+                s.sql
+            );
             assert!(
                 !has_template_slot(&s.sql),
                 "{} has an unfilled slot",

@@ -9,10 +9,12 @@
 //! registered, or written a stage job for, since they were last found settled),
 //! at most `batch_limit` per pass, in key order, continuing where the previous
 //! pass stopped; per tenant of the batch it runs one scoped transaction of index
-//! probes (the plan, and the sends), and one to settle the items it found
-//! finished. The `PipelineWorker` runs passes back to back until the last open
-//! item once an interval: the open items are those of the last interval, not
-//! more, however fast a pipeline opens them. A `dead` stage is final and never
+//! probes (the plan, the sends, and the items not settled opened again), and one
+//! to settle the items it found finished. `items_open` is a ring of slots: a
+//! round starts by moving the ring on, then passes each older slot and
+//! truncates it, so nothing is deleted. The `PipelineWorker` runs passes back
+//! to back until the round's end once an interval: the open items are those of
+//! the last interval, not more, however fast a pipeline opens them. A `dead` stage is final and never
 //! sent again (an operator's retry
 //! revives it, and its job reopens the item). A `waiting` stage has no job by
 //! design: the end of its wait sends one (a delivered signal, or the deadline,
@@ -38,8 +40,11 @@ pub struct ReconcileReport {
     /// Items found finished (every expected stage final, no live job): not
     /// looked at again until a job is written for them.
     pub settled: usize,
-    /// The batch held the last open items: the next pass starts from the first.
+    /// The batch held the round's last open items: the next pass starts a
+    /// new round (the ring moves on).
     pub last_batch: bool,
+    /// Slots passed and emptied by this pass.
+    pub truncated: usize,
 }
 
 /// Sends again the jobs of a pipeline's lost stages, one batch of open items
@@ -49,8 +54,23 @@ pub struct Reconciler {
     pipeline: Pipeline,
     stages: ReconciledStages,
     batch_limit: u32,
-    /// The last item of the previous batch; `None`: start from the first.
-    cursor: Option<OpenItem>,
+    /// Where the round is; `None`: the next pass starts one.
+    round: Option<Round>,
+}
+
+/// A round over the ring's slots but the current one, oldest first.
+struct Round {
+    /// The slots still to pass, the next first.
+    slots: std::collections::VecDeque<i16>,
+    /// The next slot's writers were waited for.
+    sealed: bool,
+    /// The last item of the previous batch of the next slot.
+    after: Option<OpenItem>,
+    /// Items read from the next slot so far (none: nothing to truncate).
+    read: usize,
+    /// A batch of the next slot failed: its items may not be open elsewhere,
+    /// so the slot is not truncated this round (the next passes it again).
+    failed: bool,
 }
 
 impl Reconciler {
@@ -73,7 +93,7 @@ impl Reconciler {
             pipeline,
             stages,
             batch_limit: Self::DEFAULT_BATCH_LIMIT,
-            cursor: None,
+            round: None,
         }
     }
 
@@ -83,29 +103,90 @@ impl Reconciler {
         self
     }
 
-    /// One pass on a connection of `pool`: the next batch of open items (from
-    /// the first again once the last was reached), their lost stages' jobs sent,
-    /// the finished ones settled. An error ends the pass; the next one goes on
-    /// from the batch after it.
+    /// One pass on a connection of `pool`: the next batch of open items (a new
+    /// round once the last was reached: the ring moves on first), their lost
+    /// stages' jobs sent, the finished ones settled, the others opened again
+    /// in the current slot; a slot passed to its end is truncated. An error
+    /// ends the pass; the next one goes on from the batch after it.
     pub async fn pass(&mut self, pool: &PgPool) -> Result<ReconcileReport, RepoError> {
         let mut conn = idemstage_persistence::get(pool).await?;
-        let batch =
-            reconcile::open_items(&mut conn, self.cursor.as_ref(), self.batch_limit).await?;
-        self.cursor = if batch.len() < self.batch_limit as usize {
-            None
-        } else {
-            batch.last().cloned()
+        let mut report = ReconcileReport::default();
+        let round = match &mut self.round {
+            Some(round) => round,
+            None => self.round.insert(Round {
+                slots: reconcile::rotate(&mut conn).await?.into(),
+                sealed: false,
+                after: None,
+                read: 0,
+                failed: false,
+            }),
         };
-        let mut report = ReconcileReport {
-            examined: batch.len(),
-            last_batch: self.cursor.is_none(),
-            ..ReconcileReport::default()
+        let (slot, batch) = loop {
+            let Some(&slot) = round.slots.front() else {
+                self.round = None;
+                report.last_batch = true;
+                return Ok(report);
+            };
+            if !round.sealed {
+                if !reconcile::seal(&mut conn, slot).await? {
+                    // A rotation since the round began made it current.
+                    round.slots.pop_front();
+                    continue;
+                }
+                round.sealed = true;
+            }
+            let batch =
+                reconcile::open_items(&mut conn, slot, round.after.as_ref(), self.batch_limit)
+                    .await?;
+            round.read += batch.len();
+            round.after = batch.last().cloned();
+            if !batch.is_empty() || round.read > 0 {
+                break (slot, batch);
+            }
+            // Nothing in it this round: nothing to truncate either.
+            round.slots.pop_front();
+            round.sealed = false;
         };
+        let slot_done = batch.len() < self.batch_limit as usize;
+        report.examined = batch.len();
+        if let Err(e) = self.settle_batch(&mut conn, &batch, &mut report).await {
+            if let Some(round) = &mut self.round {
+                round.failed = true;
+            }
+            return Err(e);
+        }
+        if slot_done {
+            let round = self.round.as_mut().expect("the round of this pass");
+            // Every item of the slot is settled or open in the current one.
+            if !round.failed && reconcile::truncate(&mut conn, slot).await? {
+                report.truncated += 1;
+            }
+            round.slots.pop_front();
+            round.sealed = false;
+            round.after = None;
+            round.read = 0;
+            round.failed = false;
+            if round.slots.is_empty() {
+                self.round = None;
+                report.last_batch = true;
+            }
+        }
+        Ok(report)
+    }
+
+    /// The batch's lost stages sent, its finished items settled, the others
+    /// opened again in the current slot.
+    async fn settle_batch(
+        &self,
+        conn: &mut AsyncPgConnection,
+        batch: &[OpenItem],
+        report: &mut ReconcileReport,
+    ) -> Result<(), RepoError> {
         // The batch is in key order: each tenant's items are together.
         for group in batch.chunk_by(|a, b| a.tenant == b.tenant) {
             let tenant = &group[0].tenant;
             let items: Vec<ItemId> = group.iter().map(|a| a.item).collect();
-            let (settled, sent) = self.resend(&mut conn, tenant, &items).await?;
+            let (settled, sent) = self.resend(conn, tenant, &items).await?;
             for result in sent {
                 match result {
                     SendResult::Sent(_) => report.resent += 1,
@@ -117,14 +198,14 @@ impl Reconciler {
                 // hold them while waiting for anything (a send waits on a
                 // concurrent insert of the same key).
                 let stages = &self.stages;
-                report.settled += tenant::transaction(&mut conn, tenant, async |conn| {
+                report.settled += tenant::transaction(conn, tenant, async |conn| {
                     Ok::<_, TxError>(reconcile::settle(conn, stages, tenant, &settled).await?)
                 })
                 .await
                 .map_err(TxError::into_repo)?;
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     /// In one transaction scoped to `tenant`: the plan for `items`, and the
@@ -157,6 +238,14 @@ impl Reconciler {
                 })
                 .collect();
             let sent = queue::send_batch(conn, &jobs).await?;
+            // Not settled: open again in the current slot, before this slot's
+            // truncate (the found-settled ones are decided by `settle`).
+            let open: Vec<ItemId> = items
+                .iter()
+                .filter(|a| !settled.contains(a))
+                .copied()
+                .collect();
+            reconcile::carry(conn, tenant, &open).await?;
             Ok::<_, TxError>((settled, sent))
         })
         .await

@@ -104,7 +104,6 @@ async fn the_hot_tables_are_vacuumed_by_count_not_by_size() {
     let hot = [
         "fanout_children",
         "fanouts",
-        "items_open",
         "job_claims",
         "job_lanes",
         "jobs",

@@ -16,6 +16,7 @@ mod isolation;
 mod job_labels;
 mod lane_starts;
 mod no_jit;
+mod open_ring;
 mod ops;
 mod pgbench_scripts;
 mod pooler;

@@ -402,18 +402,30 @@ async fn a_transaction_scoped_to_one_tenant_reaches_only_its_tenants_open_items(
     let mut w = idemstage_persistence::connect(&db.worker_url())
         .await
         .unwrap();
-    let (seen, theirs, deleted) = tenant::transaction::<_, TxError, _>(&mut w, &a, async |c| {
+    let (seen, theirs) = tenant::transaction::<_, TxError, _>(&mut w, &a, async |c| {
         let seen = n(c, "SELECT 1 FROM items_open").await;
         let theirs = n(c, "SELECT 1 FROM items_open WHERE tenant_id = 'tb'").await;
-        let deleted = diesel::sql_query("DELETE FROM items_open WHERE tenant_id = 'tb'")
-            .execute(c)
-            .await
-            .map_err(idemstage_persistence::map_diesel_error)?;
-        Ok((seen, theirs, deleted))
+        Ok((seen, theirs))
     })
     .await
     .unwrap();
-    assert_eq!((seen, theirs, deleted), (1, 0, 0));
+    assert_eq!((seen, theirs), (1, 0));
+    // Nothing removes an open item but the reconciler's truncate of a slot it
+    // passed (the ring, migration 2026-12-06-020000_open_items_ring): not a
+    // delete, not a slot read or truncated past the parent's policies.
+    for sql in [
+        "DELETE FROM items_open WHERE tenant_id = 'tb'",
+        "SELECT 1 FROM items_open_0",
+        "TRUNCATE items_open_0",
+        "SELECT idemstage_items_open_truncate(0::smallint)",
+    ] {
+        let e = tenant::transaction::<(), diesel::result::Error, _>(&mut w, &a, async |c| {
+            c.batch_execute(sql).await
+        })
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("permission denied"), "{sql}: {e}");
+    }
     // Outside the scope the worker (the reconciler's batch) reads every tenant's.
     assert_eq!(n(&mut w, "SELECT 1 FROM items_open").await, 2);
 }
