@@ -143,9 +143,12 @@ SELECT tenant_id, item_id FROM items_open
  ORDER BY tenant_id, item_id
  LIMIT $4";
 
-/// The next epoch of the ring, if the slot it makes current is empty (one
-/// rotation at a time); the epoch current now.
-pub(crate) const ROTATE_SQL: &str = "SELECT idemstage_items_open_rotate() AS epoch";
+/// `$1` the current slot's age in microseconds: the next epoch of the ring
+/// once the current slot's oldest item is that old, if the slot it makes
+/// current is empty (one rotation at a time); the epoch current now and what
+/// the rotation did.
+pub(crate) const ROTATE_SQL: &str = "\
+SELECT epoch, outcome FROM idemstage_items_open_rotate($1 * interval '1 microsecond')";
 
 /// `$1` the slot: waits for the slot's writers, false for the current slot.
 pub(crate) const SEAL_SQL: &str = "SELECT idemstage_items_open_seal($1::smallint) AS done";
@@ -261,24 +264,64 @@ pub async fn open_items(
         .collect()
 }
 
-/// A round's start: the ring moves to its next slot unless that one still
-/// holds items (a slot not yet passed and truncated) or another round is
-/// rotating now. Returns the slots to pass, oldest first: every slot but the
-/// current one. Autocommit (a transaction of its own).
-pub async fn rotate(conn: &mut AsyncPgConnection) -> Result<Vec<i16>, RepoError> {
+/// What a round's [`rotate`] did, and so which slots the round passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rotation {
+    /// The ring moved on: the round passes every older slot, oldest first.
+    Rotated(Vec<i16>),
+    /// The slot the ring would move onto still holds items (its truncate
+    /// failed): the round passes every older slot again, oldest first.
+    Full(Vec<i16>),
+    /// The current slot's oldest item is younger than the age asked for (or
+    /// it is empty): another round moved the ring on a moment ago, or
+    /// nothing was opened since; nothing to pass.
+    Recent,
+    /// Another round is rotating right now: nothing to pass.
+    Busy,
+}
+
+impl Rotation {
+    /// The slots this round passes, oldest first.
+    pub fn slots(&self) -> &[i16] {
+        match self {
+            Rotation::Rotated(slots) | Rotation::Full(slots) => slots,
+            Rotation::Recent | Rotation::Busy => &[],
+        }
+    }
+}
+
+/// A round's start: the ring moves to its next slot once the current slot's
+/// oldest item is `min_age` old, unless the next slot still holds items (a
+/// slot not yet passed and truncated) or another round is rotating now.
+/// Autocommit (a transaction of its own).
+pub async fn rotate(
+    conn: &mut AsyncPgConnection,
+    min_age: std::time::Duration,
+) -> Result<Rotation, RepoError> {
     #[derive(diesel::QueryableByName)]
-    struct Epoch {
+    struct Rotated {
         #[diesel(sql_type = BigInt)]
         epoch: i64,
+        #[diesel(sql_type = Text)]
+        outcome: String,
     }
-    let Epoch { epoch } = diesel::sql_query(ROTATE_SQL)
+    let Rotated { epoch, outcome } = diesel::sql_query(ROTATE_SQL)
+        .bind::<BigInt, _>(i64::try_from(min_age.as_micros()).unwrap_or(i64::MAX))
         .get_result(conn)
         .await
         .map_err(map_diesel_error)?;
-    let slots = i64::from(OPEN_SLOTS);
-    Ok((1..slots)
-        .map(|k| i16::try_from((epoch + k) % slots).unwrap_or_default())
-        .collect())
+    let n = i64::from(OPEN_SLOTS);
+    let older = || {
+        (1..n)
+            .map(|k| i16::try_from((epoch + k) % n).unwrap_or_default())
+            .collect()
+    };
+    Ok(match outcome.as_str() {
+        "rotated" => Rotation::Rotated(older()),
+        "full" => Rotation::Full(older()),
+        "recent" => Rotation::Recent,
+        _ => Rotation::Busy,
+    })
 }
 
 #[derive(diesel::QueryableByName)]
@@ -430,9 +473,10 @@ pub async fn settle(
     } else {
         plan(conn, stages, tenant, &locked).await?.settled
     };
+    let found: std::collections::HashSet<&ItemId> = settled.iter().collect();
     let open: Vec<ItemId> = items
         .iter()
-        .filter(|a| !settled.contains(a))
+        .filter(|a| !found.contains(a))
         .copied()
         .collect();
     carry(conn, tenant, &open).await?;

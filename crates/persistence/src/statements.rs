@@ -150,15 +150,8 @@ mod tests {
         let all = all();
         let names: HashSet<_> = all.iter().map(|s| s.name).collect();
         assert_eq!(names.len(), all.len(), "duplicate statement name");
-        // Statements that take no value at all.
-        let without_values = ["reconcile_rotate"];
         for s in &all {
-            assert!(
-                s.sql.contains("$1") || without_values.contains(&s.name),
-                "{} has no $1: {}",
-                s.name,
-                s.sql
-            );
+            assert!(s.sql.contains("$1"), "{} has no $1: {}", s.name, s.sql);
             assert!(
                 !has_template_slot(&s.sql),
                 "{} has an unfilled slot",

@@ -204,8 +204,11 @@ impl PipelineWorker {
             worker_id.clone(),
         );
         let reconciler = config.reconcile_interval.map(|every| {
-            let reconciler =
-                Reconciler::new(pipeline.clone()).with_batch_limit(config.reconcile_batch_limit);
+            // Half an interval: workers whose intervals start together take
+            // turns at the ring instead of passing the same slots at once.
+            let reconciler = Reconciler::new(pipeline.clone())
+                .with_batch_limit(config.reconcile_batch_limit)
+                .with_rotation_age(every / 2);
             (reconciler, every, pool.clone())
         });
         let waits = config
@@ -335,13 +338,15 @@ async fn waits_loop(pipeline: Pipeline, every: Duration, pool: PgPool, stop: Can
     }
 }
 
-/// Every `every`, reconciler passes back to back up to the last open item
-/// (the first interval ends one interval after the start: at the start every
-/// job is where the last worker left it, and maintenance brings back the
-/// expired ones first), until `stop`. One pass an interval settled at most a
-/// batch: a pipeline opening items faster than that grew `items_open` without
-/// bound. A failed pass is logged and ends the interval's passes; the next
-/// interval goes on from the batch after it.
+/// Every `every`, reconciler passes back to back to the end of a round (the
+/// ring of open items moved on, every older slot passed and truncated; the
+/// first interval ends one interval after the start: at the start every job
+/// is where the last worker left it, and maintenance brings back the expired
+/// ones first), until `stop`. One pass an interval settled at most a batch: a
+/// pipeline opening items faster than that grew `items_open` without bound.
+/// A failed pass is logged and ends the interval's passes; the next interval
+/// goes on from the batch after it (the slot of the failed batch is passed
+/// again next round before it is truncated).
 async fn reconcile_loop(
     mut reconciler: Reconciler,
     every: Duration,

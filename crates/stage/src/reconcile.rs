@@ -14,9 +14,9 @@
 //! round starts by moving the ring on, then passes each older slot and
 //! truncates it, so nothing is deleted. The `PipelineWorker` runs passes back
 //! to back until the round's end once an interval: the open items are those of
-//! the last interval, not more, however fast a pipeline opens them. A `dead` stage is final and never
-//! sent again (an operator's retry
-//! revives it, and its job reopens the item). A `waiting` stage has no job by
+//! the last interval, not more, however fast a pipeline opens them. A `dead`
+//! stage is final and never sent again (an operator's retry revives it, and
+//! its job reopens the item). A `waiting` stage has no job by
 //! design: the end of its wait sends one (a delivered signal, or the deadline,
 //! which the `PipelineWorker` checks every `wait_interval`).
 
@@ -54,6 +54,8 @@ pub struct Reconciler {
     pipeline: Pipeline,
     stages: ReconciledStages,
     batch_limit: u32,
+    /// How old the ring's current slot must be before a round moves it on.
+    rotation_age: std::time::Duration,
     /// Where the round is; `None`: the next pass starts one.
     round: Option<Round>,
 }
@@ -93,6 +95,7 @@ impl Reconciler {
             pipeline,
             stages,
             batch_limit: Self::DEFAULT_BATCH_LIMIT,
+            rotation_age: std::time::Duration::ZERO,
             round: None,
         }
     }
@@ -100,6 +103,17 @@ impl Reconciler {
     /// The same, looking at `limit` open items per pass (0 counts as 1).
     pub fn with_batch_limit(mut self, limit: u32) -> Self {
         self.batch_limit = limit.max(1);
+        self
+    }
+
+    /// The same, moving the ring of open items on only once its current
+    /// slot's oldest item is `age` old (default: at once). Reconcilers whose
+    /// intervals start together then take turns: the second finds the ring
+    /// just moved and passes nothing, where both would pass the same slots
+    /// and find each other's locks on the items (the `PipelineWorker` sets
+    /// half its interval).
+    pub fn with_rotation_age(mut self, age: std::time::Duration) -> Self {
+        self.rotation_age = age;
         self
     }
 
@@ -114,7 +128,12 @@ impl Reconciler {
         let round = match &mut self.round {
             Some(round) => round,
             None => self.round.insert(Round {
-                slots: reconcile::rotate(&mut conn).await?.into(),
+                slots: reconcile::rotate(&mut conn, self.rotation_age)
+                    .await?
+                    .slots()
+                    .iter()
+                    .copied()
+                    .collect(),
                 sealed: false,
                 after: None,
                 read: 0,
@@ -240,9 +259,10 @@ impl Reconciler {
             let sent = queue::send_batch(conn, &jobs).await?;
             // Not settled: open again in the current slot, before this slot's
             // truncate (the found-settled ones are decided by `settle`).
+            let found: std::collections::HashSet<&ItemId> = settled.iter().collect();
             let open: Vec<ItemId> = items
                 .iter()
-                .filter(|a| !settled.contains(a))
+                .filter(|a| !found.contains(a))
                 .copied()
                 .collect();
             reconcile::carry(conn, tenant, &open).await?;

@@ -7,7 +7,10 @@
 use diesel::sql_types::{BigInt, SmallInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemstage_domain::ItemId;
-use idemstage_persistence::{reconcile, tenant, TxError};
+use std::time::Duration;
+
+use idemstage_persistence::reconcile::{self, Rotation};
+use idemstage_persistence::{tenant, TxError};
 use idemstage_testkit::TestDb;
 
 use crate::support::*;
@@ -55,7 +58,11 @@ async fn a_round_carries_what_is_open_and_truncates_what_it_passed() {
     assert_eq!(open_rows(&mut conn).await, want);
 
     // The round: the ring moves to slot 1; the older slots, oldest first.
-    assert_eq!(reconcile::rotate(&mut conn).await.unwrap(), [2, 3, 0]);
+    let now = Duration::ZERO;
+    assert_eq!(
+        reconcile::rotate(&mut conn, now).await.unwrap(),
+        Rotation::Rotated(vec![2, 3, 0])
+    );
     assert!(
         !reconcile::seal(&mut conn, 1).await.unwrap(),
         "the current slot"
@@ -75,13 +82,50 @@ async fn a_round_carries_what_is_open_and_truncates_what_it_passed() {
     assert!(!reconcile::truncate(&mut conn, 1).await.unwrap());
     assert_eq!(open_rows(&mut conn).await, [(1, id(x))]);
 
-    // Rounds that pass nothing: the ring goes on to slot 0 (epoch 4), and not
-    // onto slot 1, which holds x, until x's slot was passed.
-    for _ in 0..3 {
-        reconcile::rotate(&mut conn).await.unwrap();
+    // A current slot younger than the age asked for stays (another round
+    // moved the ring on a moment ago): nothing to pass.
+    assert_eq!(
+        reconcile::rotate(&mut conn, Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        Rotation::Recent
+    );
+    assert_eq!(epoch(&mut conn).await, 1);
+
+    // Rounds over empty slots: nothing opened in them, nothing to pass.
+    assert_eq!(
+        reconcile::rotate(&mut conn, now).await.unwrap(),
+        Rotation::Rotated(vec![3, 0, 1])
+    );
+    assert_eq!(
+        reconcile::rotate(&mut conn, now).await.unwrap(),
+        Rotation::Recent
+    );
+    // Two more epochs (an item opened in each and passed): the ring would move
+    // onto slot 1, which still holds x, and does not: the round passes the
+    // older slots again.
+    for epoch_now in [2, 3] {
+        let z = new_item(&mut conn, &t).await;
+        assert_eq!(
+            open_rows(&mut conn)
+                .await
+                .iter()
+                .filter(|r| r.1 == id(z))
+                .count(),
+            1
+        );
+        let rotation = reconcile::rotate(&mut conn, now).await.unwrap();
+        assert!(matches!(rotation, Rotation::Rotated(_)), "{rotation:?}");
+        let slot = i16::try_from(epoch_now % 4).unwrap();
+        assert!(reconcile::seal(&mut conn, slot).await.unwrap());
+        assert!(reconcile::truncate(&mut conn, slot).await.unwrap());
     }
     assert_eq!(epoch(&mut conn).await, 4);
-    assert_eq!(reconcile::rotate(&mut conn).await.unwrap(), [1, 2, 3]);
+    let w = new_item(&mut conn, &t).await;
+    assert_eq!(
+        reconcile::rotate(&mut conn, now).await.unwrap(),
+        Rotation::Full(vec![1, 2, 3])
+    );
     assert_eq!(
         epoch(&mut conn).await,
         4,
@@ -89,6 +133,10 @@ async fn a_round_carries_what_is_open_and_truncates_what_it_passed() {
     );
     assert!(reconcile::seal(&mut conn, 1).await.unwrap());
     assert!(reconcile::truncate(&mut conn, 1).await.unwrap());
-    assert_eq!(reconcile::rotate(&mut conn).await.unwrap(), [2, 3, 0]);
+    assert_eq!(
+        reconcile::rotate(&mut conn, now).await.unwrap(),
+        Rotation::Rotated(vec![2, 3, 0])
+    );
     assert_eq!(epoch(&mut conn).await, 5);
+    assert_eq!(open_rows(&mut conn).await, [(0, id(w))]);
 }
