@@ -259,13 +259,7 @@ impl Reconciler {
             let sent = queue::send_batch(conn, &jobs).await?;
             // Not settled: open again in the current slot, before this slot's
             // truncate (the found-settled ones are decided by `settle`).
-            let found: std::collections::HashSet<&ItemId> = settled.iter().collect();
-            let open: Vec<ItemId> = items
-                .iter()
-                .filter(|a| !found.contains(a))
-                .copied()
-                .collect();
-            reconcile::carry(conn, tenant, &open).await?;
+            reconcile::carry(conn, tenant, items, &settled).await?;
             Ok::<_, TxError>((settled, sent))
         })
         .await

@@ -262,8 +262,13 @@ async fn mark_attempt(
     token: &ClaimToken,
     outcome: &str,
 ) -> Result<(), RepoError> {
-    if outcome != "abandoned" {
-        diesel::sql_query(sql::FENCE_ABANDONED)
+    let statements: &[&str] = if outcome == "abandoned" {
+        &[sql::END_ATTEMPT]
+    } else {
+        &[sql::FENCE_ABANDONED, sql::END_ATTEMPT]
+    };
+    for statement in statements {
+        diesel::sql_query(*statement)
             .bind::<Text, _>(token.run_id.to_string())
             .bind::<Integer, _>(token.attempt)
             .bind::<Text, _>(outcome)
@@ -272,13 +277,5 @@ async fn mark_attempt(
             .await
             .map_err(map_diesel_error)?;
     }
-    diesel::sql_query(sql::END_ATTEMPT)
-        .bind::<Text, _>(token.run_id.to_string())
-        .bind::<Integer, _>(token.attempt)
-        .bind::<Text, _>(outcome)
-        .cached()
-        .execute(conn)
-        .await
-        .map_err(map_diesel_error)?;
     Ok(())
 }

@@ -70,9 +70,9 @@ async fn a_round_carries_what_is_open_and_truncates_what_it_passed() {
     assert!(reconcile::seal(&mut conn, 0).await.unwrap());
     let batch = reconcile::open_items(&mut conn, 0, None, 10).await.unwrap();
     assert_eq!(batch.len(), 2);
-    // x is still open (not settled): opened again in the current slot.
+    // x is still open, y settled: x is opened again in the current slot.
     tenant::transaction::<_, TxError, _>(&mut conn, &t, async |c| {
-        Ok(reconcile::carry(c, &t, &[x]).await?)
+        Ok(reconcile::carry(c, &t, &[x, y], &[y]).await?)
     })
     .await
     .unwrap();
