@@ -22,6 +22,7 @@ mod pgbench_scripts;
 mod pooler;
 mod queue;
 mod roles;
+mod run_fk_plans;
 mod singletons;
 mod start;
 mod support;
