@@ -146,6 +146,17 @@ pub async fn vacuum_analyze(
     Ok(())
 }
 
+/// ANALYZE of `tables` (statistics only: no vacuum, which would wait for
+/// nothing here but takes longer on a table being written).
+pub async fn analyze(conn: &mut AsyncPgConnection, tables: &[&str]) -> Result<(), RepoError> {
+    // Table names come from our own code, never from input.
+    diesel::sql_query(format!("ANALYZE {}", tables.join(", ")))
+        .execute(conn)
+        .await
+        .map_err(map_diesel_error)?;
+    Ok(())
+}
+
 /// Jobs of `queue`, optionally only those in `state`.
 pub async fn count_jobs(
     conn: &mut AsyncPgConnection,
