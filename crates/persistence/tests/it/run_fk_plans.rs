@@ -1,6 +1,6 @@
 //! A row that names a run is checked against `stage_runs` by its foreign key
 //! on `(tenant_id, run_id)`. PostgreSQL keeps that check's plan for the
-//! connection's life, made at its first check: made while `stage_runs` is
+//! connection's life, made at its first checks: made while `stage_runs` is
 //! small (a new install, a bench, a test), it must still read one run by its
 //! key, not every run of the tenant (migration
 //! `2026-12-06-040000_run_key_leads_with_item`: an index of `stage_runs` that
@@ -20,7 +20,8 @@ const READ_RUNS: &str = "pg_stat_get_xact_tuples_returned('stage_runs'::regclass
 
 /// Runs added between two checks.
 const STEP: i64 = 50;
-/// Runs at the end: past the few hundred where the indexes tied.
+/// Runs at the last plan, past the few hundred where the indexes tied; the
+/// table then grows to five times that before the checks that count.
 const GROWN: i64 = 1_000;
 
 async fn run(conn: &mut AsyncPgConnection, sql: &str) {
